@@ -1,0 +1,27 @@
+"""Owner-checked task locks for Django and Celery, on Django's cache framework."""
+
+from __future__ import annotations
+
+from .exceptions import (
+    InvalidLockExpire,
+    LockBackendError,
+    LockConfigurationError,
+    LockNotAcquired,
+    LockUsageError,
+    TaskLockError,
+)
+from .locks import Lock, memcache_lock
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InvalidLockExpire",
+    "Lock",
+    "LockBackendError",
+    "LockConfigurationError",
+    "LockNotAcquired",
+    "LockUsageError",
+    "TaskLockError",
+    "__version__",
+    "memcache_lock",
+]

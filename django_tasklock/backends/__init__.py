@@ -1,0 +1,97 @@
+"""Which Django cache backends can hold a lock, and the lock backend for an alias."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.cache import InvalidCacheBackendError, caches
+from django.core.cache.backends.db import DatabaseCache
+from django.core.cache.backends.dummy import DummyCache
+from django.core.cache.backends.filebased import FileBasedCache
+from django.core.cache.backends.locmem import LocMemCache
+from django.core.cache.backends.memcached import BaseMemcachedCache, PyMemcacheCache
+from django.core.cache.backends.redis import RedisCache
+
+from ..exceptions import LockConfigurationError
+from .base import Hold, LockBackend
+from .locmem import LocMemBackend
+from .memcached import MemcachedBackend
+from .redis import RedisBackend
+
+__all__ = [
+    "Hold",
+    "LockBackend",
+    "backend_for",
+    "unsafe_options",
+    "unsupported_reason",
+]
+
+_SUPPORTED = "PyMemcacheCache, RedisCache or (one process only) LocMemCache"
+
+_REASONS: tuple[tuple[type[Any], str], ...] = (
+    (
+        DummyCache,
+        "DummyCache stores nothing and its add() always succeeds, so every "
+        "caller would hold the lock at once",
+    ),
+    (
+        FileBasedCache,
+        "FileBasedCache.add() checks for the file and then writes it, "
+        "so two processes can both take the lock",
+    ),
+    (
+        DatabaseCache,
+        "DatabaseCache.add() takes over an expired row with a SELECT "
+        "and then an UPDATE, so two processes can both take the lock",
+    ),
+    (BaseMemcachedCache, "django_tasklock talks to memcached through pymemcache only"),
+)
+
+
+def unsupported_reason(backend_class: type[Any]) -> str | None:
+    """Why a cache backend class cannot hold locks, or None if it can."""
+    if issubclass(backend_class, (PyMemcacheCache, RedisCache, LocMemCache)):
+        return None
+    for base, reason in _REASONS:
+        if issubclass(backend_class, base):
+            return f"{reason}. Use {_SUPPORTED}."
+    return (
+        f"{backend_class.__module__}.{backend_class.__qualname__} has no atomic "
+        f"owner-checked operations django_tasklock knows. Use {_SUPPORTED}."
+    )
+
+
+_UNSAFE_OPTIONS = {
+    "default_noreply": "memcached sends no reply, so cache.add() cannot report that "
+    "a lock is already held",
+    "ignore_exc": "cache.add() returns False when memcached is down, so every task "
+    "looks locked and is silently skipped",
+}
+
+
+def unsafe_options(backend_class: type[Any], options: dict[str, Any]) -> dict[str, str]:
+    """Options of a memcached alias that break ``cache.add()`` locking, with why."""
+    if not issubclass(backend_class, PyMemcacheCache):
+        return {}
+    return {name: why for name, why in _UNSAFE_OPTIONS.items() if options.get(name)}
+
+
+def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
+    """The lock backend of the CACHES entry ``alias``, for the calling thread."""
+    try:
+        cache = caches[alias]
+    except InvalidCacheBackendError as exc:
+        raise LockConfigurationError(
+            f"TASKLOCK['CACHE'] (or cache=) names {alias!r}, which is not in CACHES "
+            f"({exc}). Add that alias to CACHES or name an existing one."
+        ) from exc
+    if isinstance(cache, PyMemcacheCache):
+        return MemcachedBackend(cache, alias, protocol)
+    if isinstance(cache, RedisCache):
+        return RedisBackend(cache, alias)
+    if isinstance(cache, LocMemCache):
+        return LocMemBackend(cache, alias)
+    reason = unsupported_reason(type(cache))
+    raise LockConfigurationError(
+        f"CACHES[{alias!r}] cannot hold locks: {reason} (Run 'manage.py check'.)"
+    )

@@ -1,0 +1,63 @@
+"""What every lock store implements, and which Django cache backends can be one."""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from django.core.cache.backends.base import BaseCache
+
+__all__ = ["Hold", "LockBackend"]
+
+#: What a backend needs to prove ownership later: a CAS id on memcached, the
+#: stored token on Redis and LocMem. Opaque to everything but its backend.
+Hold = object
+
+
+class LockBackend(abc.ABC):
+    """Atomic, owner-checked lock primitives on one Django cache alias.
+
+    A backend object belongs to the thread that made it, like the Django cache
+    object it wraps. ``errors`` lists the exceptions that mean "the store could not
+    be reached or failed"; ``Lock`` turns them into ``LockBackendError``.
+    """
+
+    kind: ClassVar[str]
+    errors: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, cache: BaseCache, alias: str) -> None:
+        self.cache = cache
+        self.alias = alias
+
+    def describe(self, key: str) -> str:
+        """Name the store, for error messages: kind, alias and server."""
+        return f"{self.kind} cache {self.alias!r}"
+
+    def key_for(self, lock_id: str) -> str:
+        """The store key of ``lock_id``, the same one ``cache.add(lock_id)`` uses."""
+        return self.cache.make_key(lock_id)
+
+    @abc.abstractmethod
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        """Take the lock if nobody holds it; return the hold, or None if held."""
+
+    @abc.abstractmethod
+    def release(self, key: str, hold: Hold, token: str) -> bool:
+        """Remove the lock only if ``hold`` still owns it; True if it was removed."""
+
+    @abc.abstractmethod
+    def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
+        """Reset the expiry only if ``hold`` still owns it; return the new hold."""
+
+    @abc.abstractmethod
+    def owned(self, key: str, hold: Hold) -> bool:
+        """True if ``hold`` still owns the lock."""
+
+    @abc.abstractmethod
+    def locked(self, key: str) -> bool:
+        """True if anybody holds the lock."""
+
+    @abc.abstractmethod
+    def ttl(self, key: str) -> float | None:
+        """Seconds left on the current hold, whoever owns it; None if not held."""

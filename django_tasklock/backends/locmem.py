@@ -1,0 +1,70 @@
+"""Locks in Django's LocMemCache: one process only, for tests and development."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+from ..keys import portable_id
+from .base import Hold, LockBackend
+
+if TYPE_CHECKING:
+    from django.core.cache.backends.locmem import LocMemCache
+
+__all__ = ["LocMemBackend"]
+
+# LocMemCache's own lock is not reentrant and private; one of ours per alias makes
+# the get-compare-delete below atomic against every other Lock in this process,
+# while cache.add stays atomic against the recipe's cache.add.
+_guards: dict[str, threading.Lock] = {}
+_guards_lock = threading.Lock()
+
+
+def _guard(alias: str) -> threading.Lock:
+    with _guards_lock:
+        return _guards.setdefault(alias, threading.Lock())
+
+
+class LocMemBackend(LockBackend):
+    """Owner-checked locks on LocMemCache, valid within one process only."""
+
+    kind = "LocMem"
+    cache: LocMemCache
+
+    def key_for(self, lock_id: str) -> str:
+        # The cache API applies make_key itself; hash the ids memcached would
+        # refuse so that tests on LocMem see the keys production sees.
+        return portable_id(self.cache, lock_id)
+
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        with _guard(self.alias):
+            if self.cache.add(key, token, expire):
+                return token
+        return None
+
+    def release(self, key: str, hold: Hold, token: str) -> bool:
+        with _guard(self.alias):
+            if self.cache.get(key) != hold:
+                return False
+            return bool(self.cache.delete(key))
+
+    def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
+        with _guard(self.alias):
+            if self.cache.get(key) != hold:
+                return None
+            self.cache.set(key, token, expire)
+            return hold
+
+    def owned(self, key: str, hold: Hold) -> bool:
+        return bool(self.cache.get(key) == hold)
+
+    def locked(self, key: str) -> bool:
+        return self.cache.has_key(key)
+
+    def ttl(self, key: str) -> float | None:
+        if not self.cache.has_key(key):
+            return None
+        # LocMemCache keeps wall-clock deadlines (None: never) beside the values.
+        deadline = cast(Any, self.cache)._expire_info.get(self.cache.make_key(key))
+        return float("inf") if deadline is None else max(0.0, deadline - time.time())

@@ -1,0 +1,110 @@
+"""System checks: a TASKLOCK or CACHES entry that cannot give a working lock.
+
+Ids are stable and documented in README.rst:
+
+- E001 TASKLOCK is not a dict, or has an unknown key.
+- E002 TASKLOCK['LOCK_EXPIRE'] is not a valid expiry.
+- E003 TASKLOCK['CACHE'] is not a str, or names no CACHES entry.
+- E004 the lock cache's backend cannot lock atomically (Dummy, FileBased,
+  Database, other memcached clients, unknown backends).
+- E005 memcached OPTIONS['default_noreply'] is true.
+- E006 memcached OPTIONS['ignore_exc'] is true.
+- E007 TASKLOCK['MEMCACHED_PROTOCOL'] is not auto, meta or classic.
+- W001 the lock cache is LocMemCache: locks hold within one process only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.cache.backends.locmem import LocMemCache
+from django.core.checks import CheckMessage, Error, Warning
+from django.utils.module_loading import import_string
+
+from .backends import unsafe_options, unsupported_reason
+from .conf import DEFAULTS, setting_problems
+
+__all__ = ["check_settings"]
+
+_SETTING_IDS = {
+    "": "django_tasklock.E001",
+    "LOCK_EXPIRE": "django_tasklock.E002",
+    "CACHE": "django_tasklock.E003",
+    "MEMCACHED_PROTOCOL": "django_tasklock.E007",
+}
+_OPTION_IDS = {
+    "default_noreply": "django_tasklock.E005",
+    "ignore_exc": "django_tasklock.E006",
+}
+_HINT_ALIAS = (
+    "Point TASKLOCK['CACHE'] at a CACHES entry using "
+    "django.core.cache.backends.memcached.PyMemcacheCache or "
+    "django.core.cache.backends.redis.RedisCache."
+)
+
+
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Report TASKLOCK and lock-cache problems before anything runs."""
+    raw = getattr(django_settings, "TASKLOCK", {})
+    messages: list[CheckMessage] = [
+        Error(message, id=_SETTING_IDS.get(key, "django_tasklock.E001"))
+        for key, message in setting_problems(raw)
+    ]
+    alias = raw.get("CACHE", DEFAULTS["CACHE"]) if isinstance(raw, dict) else "default"
+    if isinstance(alias, str) and alias:
+        messages.extend(_check_cache(alias))
+    return messages
+
+
+def _check_cache(alias: str) -> list[CheckMessage]:
+    caches_setting: dict[str, Any] = django_settings.CACHES
+    config = caches_setting.get(alias)
+    if config is None:
+        return [
+            Error(
+                f"TASKLOCK['CACHE'] is {alias!r}, which is not in CACHES.",
+                hint=(
+                    f"Add CACHES[{alias!r}], or set TASKLOCK['CACHE'] to an "
+                    "existing alias."
+                ),
+                id="django_tasklock.E003",
+            )
+        ]
+    try:
+        backend_class = import_string(config.get("BACKEND", ""))
+    except ImportError:
+        return []  # Django's own caches check reports a backend that cannot import.
+    reason = unsupported_reason(backend_class)
+    if reason is not None:
+        return [
+            Error(
+                f"CACHES[{alias!r}] cannot hold task locks: {reason}",
+                hint=_HINT_ALIAS,
+                id="django_tasklock.E004",
+            )
+        ]
+    messages: list[CheckMessage] = []
+    for option, why in unsafe_options(
+        backend_class, config.get("OPTIONS") or {}
+    ).items():
+        messages.append(
+            Error(
+                f"CACHES[{alias!r}] has OPTIONS[{option!r}] set: {why}.",
+                hint=(
+                    f"Remove {option} from this alias, or give locks an alias of their "
+                    "own without it and set TASKLOCK['CACHE'] to it."
+                ),
+                id=_OPTION_IDS[option],
+            )
+        )
+    if issubclass(backend_class, LocMemCache):
+        messages.append(
+            Warning(
+                f"CACHES[{alias!r}] is LocMemCache: each process has its own, so a "
+                "lock taken in one worker process is invisible to the others.",
+                hint="Use it for single-process tests only. " + _HINT_ALIAS,
+                id="django_tasklock.W001",
+            )
+        )
+    return messages

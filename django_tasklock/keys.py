@@ -1,0 +1,78 @@
+"""Turning a caller's lock id into the key the store sees.
+
+The key is exactly what ``cache.add(lock_id, ...)`` would use (Django's
+``make_key``: KEY_PREFIX, VERSION, KEY_FUNCTION), so the cookbook recipe and this
+app contend for one lock. Only ids that memcached cannot take as they are (too
+long, whitespace or control characters) are hashed; the recipe could not have
+used those ids at all (Django raises ``InvalidCacheKey`` for them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import TYPE_CHECKING, Final
+
+from .exceptions import LockConfigurationError
+
+if TYPE_CHECKING:
+    from django.core.cache.backends.base import BaseCache
+
+__all__ = ["MEMCACHED_MAX_KEY_BYTES", "check_lock_id", "memcached_key", "portable_id"]
+
+MEMCACHED_MAX_KEY_BYTES: Final = 250
+HASHED_PREFIX: Final = "tasklock-sha256-"
+# memcached's text protocol splits a command line on spaces and ends it at CR LF;
+# these bytes must never reach it inside a key (protocol.txt, "Keys").
+_UNSAFE_KEY_CHARS: Final = re.compile(r"[\x00-\x20\x7f]")
+
+
+def check_lock_id(lock_id: object) -> str:
+    """Return ``lock_id`` if it is a non-empty str, else raise TypeError/ValueError."""
+    if not isinstance(lock_id, str):
+        raise TypeError(
+            f"lock_id must be a str, not {type(lock_id).__name__}; build it from the "
+            "task name and a digest of its arguments, e.g. "
+            "f'{self.name}-lock-{digest}'."
+        )
+    if not lock_id:
+        raise ValueError("lock_id must be a non-empty str.")
+    return lock_id
+
+
+def _fits_memcached(key: str, max_bytes: int) -> bool:
+    if _UNSAFE_KEY_CHARS.search(key):
+        return False
+    try:
+        return len(key.encode("utf-8")) <= max_bytes
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+
+
+def portable_id(cache: BaseCache, lock_id: str, *, reserved: int = 0) -> str:
+    """``lock_id`` itself, or a hash of it when memcached could not store its key.
+
+    The result is what to hand to ``cache.make_key`` (or to the cache API, which
+    calls it). ``reserved`` is the length of a key prefix the memcached client adds
+    itself (pymemcache's ``key_prefix`` option).
+    """
+    max_bytes = MEMCACHED_MAX_KEY_BYTES - reserved
+    if _fits_memcached(cache.make_key(lock_id), max_bytes):
+        return lock_id
+    hashed = (
+        HASHED_PREFIX
+        + hashlib.sha256(lock_id.encode("utf-8", "surrogatepass")).hexdigest()
+    )
+    key = cache.make_key(hashed)
+    if _fits_memcached(key, max_bytes):
+        return hashed
+    raise LockConfigurationError(
+        f"The cache's KEY_PREFIX/KEY_FUNCTION turn even a hashed lock id into "
+        f"{key!r}, which memcached cannot store (over {max_bytes} bytes, or "
+        "whitespace/control characters). Shorten KEY_PREFIX or fix KEY_FUNCTION."
+    )
+
+
+def memcached_key(cache: BaseCache, lock_id: str, *, reserved: int = 0) -> str:
+    """The memcached key of ``lock_id``: Django's key, hashed only if unusable."""
+    return cache.make_key(portable_id(cache, lock_id, reserved=reserved))

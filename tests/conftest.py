@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from django.core.cache import caches, close_caches
+from django.test import override_settings
+
+from tests.services import Memcached, Redis
+
+
+def close_connections() -> None:
+    """Close this thread's cache connections, Redis pools included.
+
+    Django's RedisCache.close() leaves its connection pools open, so a thread that
+    ends would drop them unclosed (a ResourceWarning, an error in this suite).
+    """
+    close_caches()
+    for pool in getattr(caches["redis"]._cache, "_pools", {}).values():
+        pool.disconnect()
+
+
+@pytest.fixture(scope="session")
+def memcached() -> Iterator[Memcached]:
+    server = Memcached().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def memcached_pair() -> Iterator[tuple[Memcached, Memcached]]:
+    first, second = Memcached().start(), Memcached().start()
+    yield first, second
+    first.stop()
+    second.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[Redis]:
+    server = Redis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _services(
+    django_test_environment: None,
+    memcached: Memcached,
+    memcached_pair: tuple[Memcached, Memcached],
+    redis_server: Redis,
+) -> Iterator[None]:
+    """Point every CACHES alias at this session's servers, here and in children."""
+    from django.conf import settings
+
+    env = {
+        "TASKLOCK_TEST_MEMCACHED": memcached.address,
+        "TASKLOCK_TEST_MEMCACHED_PAIR": ",".join(s.address for s in memcached_pair),
+        "TASKLOCK_TEST_REDIS": redis_server.url,
+    }
+    os.environ.update(env)
+    cache_settings = {alias: dict(config) for alias, config in settings.CACHES.items()}
+    for alias in ("default", "prefixed"):
+        cache_settings[alias]["LOCATION"] = memcached.address
+    cache_settings["pair"]["LOCATION"] = [s.address for s in memcached_pair]
+    cache_settings["redis"]["LOCATION"] = redis_server.url
+    with override_settings(CACHES=cache_settings):
+        yield
+        close_connections()
+
+
+@pytest.fixture(autouse=True)
+def _clean_stores(
+    memcached: Memcached, memcached_pair: tuple[Memcached, Memcached], redis_server: Redis
+) -> None:
+    for server in (memcached, *memcached_pair):
+        if server.process is None:  # a test stopped it and failed before restarting
+            server.start()
+        server.flush_all()
+    caches["redis"]._cache.get_client(write=True).flushall()
+    caches["locmem"].clear()
+
+
+@dataclass
+class Store:
+    """One way of storing locks, as the tests see it."""
+
+    name: str
+    alias: str
+    protocol: str = "auto"
+
+    @property
+    def tasklock(self) -> dict[str, object]:
+        return {"LOCK_EXPIRE": 60, "CACHE": self.alias, "MEMCACHED_PROTOCOL": self.protocol}
+
+
+SHARED_STORES = [
+    Store("memcached-meta", "default", "meta"),
+    Store("memcached-classic", "default", "classic"),
+    Store("redis", "redis"),
+]
+
+
+@pytest.fixture(params=SHARED_STORES, ids=lambda store: store.name)
+def store(request: pytest.FixtureRequest, settings: object) -> Store:
+    """Each store that shares locks between processes, configured as TASKLOCK."""
+    chosen: Store = request.param
+    settings.TASKLOCK = chosen.tasklock  # type: ignore[attr-defined]
+    return chosen
+
+
+@pytest.fixture(
+    params=[*SHARED_STORES, Store("locmem", "locmem")], ids=lambda store: store.name
+)
+def any_store(request: pytest.FixtureRequest, settings: object) -> Store:
+    """Every supported store, LocMem included (single-process tests)."""
+    chosen: Store = request.param
+    settings.TASKLOCK = chosen.tasklock  # type: ignore[attr-defined]
+    return chosen
+
+
+def in_thread(function, *args):
+    """Run ``function`` in a new thread and return its result (or raise its error).
+
+    Django's caches are per thread; the thread closes its own connections before
+    it ends, as a Celery thread pool or a request handler would.
+    """
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = function(*args)
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            close_connections()
+
+    import threading
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["result"]

@@ -1,0 +1,145 @@
+"""Private memcached and Redis servers for the tests, on free loopback ports.
+
+A missing binary is a failure, never a skip: ``make test`` installs both.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+INSTALL_HINT = (
+    "is not installed. Run the README's test command (make test), which installs it "
+    "with apt-get, or install it yourself: apt-get install -y memcached redis-server"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on 127.0.0.1:{port}") from None
+            time.sleep(0.02)
+
+
+def wait_for_closed(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                time.sleep(0.02)
+        except OSError:
+            return
+    raise RuntimeError(f"127.0.0.1:{port} still accepts connections")
+
+
+@dataclass
+class Server:
+    """One server process; ``stop()``/``start()`` keep the same port."""
+
+    binary: str
+    args: list[str]
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self) -> Server:
+        path = shutil.which(self.binary)
+        if path is None:
+            raise RuntimeError(f"{self.binary} {INSTALL_HINT}")
+        self.process = subprocess.Popen(
+            [path, *self.command()],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=10)
+        self.process = None
+        wait_for_closed(self.port)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@dataclass
+class Memcached(Server):
+    binary: str = "memcached"
+    args: list[str] = field(default_factory=list)
+
+    def command(self) -> list[str]:
+        user = ["-u", "root"] if os.geteuid() == 0 else []
+        return [
+            "-l", "127.0.0.1", "-p", str(self.port), "-U", "0", "-t", "2",
+            *user, *self.args,
+        ]  # fmt: skip
+
+    def raw(self, line: bytes) -> bytes:
+        """Send one text-protocol line, return the first reply line."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+            sock.sendall(line + b"\r\n")
+            reply = b""
+            while not reply.endswith(b"\r\n"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+            return reply.strip()
+
+    def flush_all(self) -> None:
+        assert self.raw(b"flush_all") == b"OK"
+
+    def stat(self, name: str) -> int:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+            sock.sendall(b"stats\r\n")
+            data = b""
+            while not data.endswith(b"END\r\n"):
+                data += sock.recv(65536)
+        for line in data.decode().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1] == name:
+                return int(parts[2])
+        raise KeyError(name)
+
+
+@dataclass
+class Redis(Server):
+    binary: str = "redis-server"
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        return [
+            "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--daemonize", "no", *self.args,
+        ]  # fmt: skip

@@ -1,0 +1,48 @@
+"""Settings for the test suite.
+
+The memcached and Redis servers are private instances the test session starts on
+free loopback ports (see ``tests/services.py``); their addresses arrive in the
+environment, so that worker processes spawned by the tests see the same CACHES.
+"""
+
+from __future__ import annotations
+
+import os
+
+SECRET_KEY = "django_tasklock-tests-not-secret"
+USE_TZ = True
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django_tasklock",
+]
+DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+
+MEMCACHED = os.environ.get("TASKLOCK_TEST_MEMCACHED", "127.0.0.1:11211")
+MEMCACHED_PAIR = os.environ.get("TASKLOCK_TEST_MEMCACHED_PAIR", MEMCACHED).split(",")
+REDIS = os.environ.get("TASKLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+        "LOCATION": MEMCACHED,
+    },
+    "prefixed": {
+        "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+        "LOCATION": MEMCACHED,
+        "KEY_PREFIX": "site-a",
+        "VERSION": 3,
+        "KEY_FUNCTION": "tests.keyfuncs.reversed_key",
+    },
+    "pair": {
+        "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+        "LOCATION": MEMCACHED_PAIR,
+    },
+    "redis": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS,
+    },
+    "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+}
+
+TASKLOCK = {"LOCK_EXPIRE": 60}

@@ -1,0 +1,244 @@
+"""The Lock and memcache_lock API against every supported store."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+from django.core.cache import caches
+
+from tests.conftest import in_thread
+
+from django_tasklock import (
+    Lock,
+    LockNotAcquired,
+    LockUsageError,
+    memcache_lock,
+)
+
+
+def test_acquire_second_owner_refused(any_store):
+    first, second = Lock("job-1"), Lock("job-1")
+    assert first.acquire() is True
+    assert second.acquire() is False
+    assert first.release() is True
+    assert second.acquire() is True
+    assert second.release() is True
+
+
+def test_acquire_different_ids_independent(any_store):
+    first, second = Lock("job-a"), Lock("job-b")
+    assert first.acquire()
+    assert second.acquire()
+    first.release()
+    second.release()
+
+
+def test_memcache_lock_yields_and_releases(any_store):
+    with memcache_lock("feed-lock-x", "worker-oid") as acquired:
+        assert acquired is True
+        with memcache_lock("feed-lock-x", "worker-oid") as again:
+            assert again is False
+        assert Lock("feed-lock-x").locked()
+    assert not Lock("feed-lock-x").locked()
+
+
+def test_memcache_lock_releases_when_body_raises(any_store):
+    with pytest.raises(ZeroDivisionError), memcache_lock("boom") as acquired:
+        assert acquired
+        1 / 0  # noqa: B018
+    assert not Lock("boom").locked()
+
+
+def test_memcache_lock_not_acquired_leaves_holder_alone(any_store):
+    holder = Lock("held")
+    assert holder.acquire()
+    with memcache_lock("held") as acquired:
+        assert acquired is False
+    assert holder.owned()
+    assert holder.release()
+
+
+def test_lock_context_manager_raises_when_held(any_store):
+    holder = Lock("ctx")
+    holder.acquire()
+    with pytest.raises(LockNotAcquired, match="'ctx' is held by another owner"), Lock("ctx"):
+        pytest.fail("body ran without the lock")
+    assert holder.owned()
+
+
+def test_lock_context_manager_releases(any_store):
+    with Lock("ctx2") as lock:
+        assert lock.owned()
+    assert not lock.owned()
+    assert not Lock("ctx2").locked()
+
+
+def test_owned_locked_and_ttl(any_store):
+    lock = Lock("inspect", expire=30)
+    assert lock.ttl() is None
+    assert not lock.locked()
+    assert not lock.owned()
+    lock.acquire()
+    assert lock.locked() and lock.owned()
+    ttl = lock.ttl()
+    assert ttl is not None and 28 <= ttl <= 30
+    other = Lock("inspect")
+    assert other.locked() and not other.owned()
+    lock.release()
+    assert lock.ttl() is None
+
+
+def test_extend_resets_expiry(any_store):
+    lock = Lock("long", expire=10)
+    lock.acquire()
+    assert lock.extend(300) is True
+    ttl = lock.ttl()
+    assert ttl is not None and 298 <= ttl <= 300
+    assert lock.extend() is True
+    ttl = lock.ttl()
+    assert ttl is not None and ttl <= 10
+    assert lock.owned()
+    assert lock.release()
+
+
+def test_release_without_acquire_is_a_usage_error(any_store):
+    with pytest.raises(LockUsageError, match="call acquire\\(\\) first"):
+        Lock("never").release()
+    with pytest.raises(LockUsageError):
+        Lock("never").extend()
+
+
+def test_double_acquire_is_a_usage_error(any_store):
+    lock = Lock("twice")
+    lock.acquire()
+    with pytest.raises(LockUsageError, match="already held by this object"):
+        lock.acquire()
+    lock.release()
+
+
+def test_threads_are_different_owners(any_store):
+    holder = Lock("threaded")
+    holder.acquire()
+    assert in_thread(lambda: Lock("threaded").acquire()) is False
+    assert holder.release()
+    assert in_thread(lambda: Lock("threaded").acquire()) is True
+
+
+def test_tokens_differ_per_acquisition(any_store):
+    lock = Lock("tokens", oid="celery-oid")
+    lock.acquire()
+    first = lock.token
+    lock.release()
+    lock.acquire()
+    assert lock.token != first
+    assert lock.token is not None and lock.token.startswith("celery-oid:")
+    lock.release()
+
+
+def test_cookbook_add_and_lock_contend(any_store):
+    """cache.add(lock_id) from old code and this app take one and the same lock."""
+    cache = caches[any_store.alias]
+    lock = Lock("feeds.import_feed-lock-abc")
+    assert lock.acquire()
+    assert cache.add("feeds.import_feed-lock-abc", "true", 60) is False
+    # The stored owner token is readable through the ordinary cache API.
+    assert cache.get("feeds.import_feed-lock-abc") == lock.token
+    lock.release()
+    assert cache.add("feeds.import_feed-lock-abc", "true", 60) is True
+    assert Lock("feeds.import_feed-lock-abc").acquire() is False
+    cache.delete("feeds.import_feed-lock-abc")
+    assert Lock("feeds.import_feed-lock-abc").acquire() is True
+
+
+def test_release_after_store_loses_key_spares_new_holder(store, memcached, redis_server):
+    """flush_all (or a restart) drops the key; the old holder must not free the new."""
+    old = Lock("flushed")
+    assert old.acquire()
+    if store.alias == "redis":
+        caches["redis"]._cache.get_client(write=True).flushall()
+    else:
+        memcached.flush_all()
+    new = Lock("flushed")
+    assert new.acquire()
+    assert old.release() is False
+    assert old.lost
+    assert new.owned()
+    assert Lock("flushed").acquire() is False
+    assert new.release() is True
+
+
+def test_release_after_expiry_and_retake_spares_new_holder(any_store, caplog):
+    old = Lock("expiring", expire=1)
+    assert old.acquire()
+    # memcached counts whole seconds: a 1 s item is gone within 2 s.
+    threading.Event().wait(2.1)
+    new = Lock("expiring", expire=60)
+    assert new.acquire()
+    with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
+        assert old.release() is False
+    assert "no longer held by this owner at release" in caplog.text
+    assert "may have overlapped" in caplog.text
+    assert new.owned()
+    assert old.extend() is False
+    assert new.release() is True
+
+
+def test_extend_after_loss_does_not_revive(store, memcached):
+    old = Lock("revive", expire=60)
+    old.acquire()
+    caches[store.alias].delete("revive")
+    new = Lock("revive")
+    assert new.acquire()
+    assert old.extend(600) is False
+    ttl = new.ttl()
+    assert ttl is not None and ttl <= 60
+    assert new.release()
+
+
+def test_release_from_second_thread_lock_object(any_store):
+    """A Lock object in another thread cannot release a lock it did not take."""
+    holder = Lock("guarded")
+    holder.acquire()
+    with pytest.raises(LockUsageError):
+        in_thread(lambda: Lock("guarded").release())
+    assert holder.owned()
+    holder.release()
+
+
+def test_blocking_acquire_waits_for_release(any_store):
+    holder = Lock("wait-for-me")
+    holder.acquire()
+    waiter = Lock("wait-for-me")
+    released = threading.Event()
+
+    def wait() -> bool:
+        started = time.monotonic()
+        got = waiter.acquire(blocking=True, timeout=5)
+        assert released.is_set(), "took the lock before its holder released it"
+        assert time.monotonic() - started >= 0.2
+        waiter.release()
+        return got
+
+    thread_result: list[bool] = []
+    thread = threading.Thread(target=lambda: thread_result.append(in_thread(wait)))
+    thread.start()
+    time.sleep(0.3)
+    released.set()
+    holder.release()
+    thread.join()
+    assert thread_result == [True]
+
+
+def test_blocking_acquire_times_out(any_store):
+    holder = Lock("busy")
+    holder.acquire()
+    assert Lock("busy").acquire(blocking=True, timeout=0.2) is False
+    holder.release()
+
+
+def test_timeout_without_blocking_is_a_usage_error(any_store):
+    with pytest.raises(LockUsageError, match="blocking=True"):
+        Lock("x").acquire(timeout=1)
