@@ -18,7 +18,14 @@ from .exceptions import LockConfigurationError
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
 
-__all__ = ["MEMCACHED_MAX_KEY_BYTES", "check_lock_id", "memcached_key", "portable_id"]
+__all__ = [
+    "MEMCACHED_MAX_KEY_BYTES",
+    "check_lock_id",
+    "encodable_key",
+    "hashed_id",
+    "memcached_key",
+    "portable_id",
+]
 
 MEMCACHED_MAX_KEY_BYTES: Final = 250
 HASHED_PREFIX: Final = "tasklock-sha256-"
@@ -47,6 +54,26 @@ def _fits_memcached(key: str, max_bytes: int) -> bool:
         return len(key.encode("utf-8")) <= max_bytes
     except UnicodeEncodeError:  # lone surrogates
         return False
+
+
+def hashed_id(lock_id: str) -> str:
+    """A fixed-length stand-in for ``lock_id``, made of safe characters only."""
+    digest = hashlib.sha256(lock_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return HASHED_PREFIX + digest
+
+
+def encodable_key(cache: BaseCache, lock_id: str) -> str:
+    """Django's key for ``lock_id``; hashed only if it is not valid UTF-8 text.
+
+    For stores with no key limits but UTF-8 (Redis): only ids with lone
+    surrogates, which ``cache.add()`` could not send either, are hashed.
+    """
+    key = cache.make_key(lock_id)
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return cache.make_key(hashed_id(lock_id))
+    return key
 
 
 def portable_id(cache: BaseCache, lock_id: str, *, reserved: int = 0) -> str:

@@ -243,8 +243,9 @@ class Lock:
         if self._hold is None:
             return False
         backend, key = self._backend()
+        assert self.token is not None
         try:
-            return backend.owned(key, self._hold)
+            return backend.owned(key, self._hold, self.token)
         except backend.errors as exc:
             raise self._store_error(backend, key, "read the lock", exc) from exc
 

@@ -143,3 +143,82 @@ class Redis(Server):
             "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--daemonize", "no", *self.args,
         ]  # fmt: skip
+
+
+class PreMetaMemcached:
+    """A real memcached behind a proxy that answers like memcached 1.5.
+
+    Classic commands go through to the server; meta commands (and, as an old
+    server would read it, the data line after ``ms``) get ``ERROR``. It proves
+    that the library falls back to ``gets``/``cas`` against a server without the
+    meta protocol, with real storage semantics behind it.
+    """
+
+    STORAGE = {b"set", b"add", b"replace", b"append", b"prepend", b"cas"}
+    MULTILINE = {b"get", b"gets", b"stats"}
+    SINGLE = {b"delete", b"touch", b"incr", b"decr", b"flush_all", b"version"}
+
+    def __init__(self, upstream: Memcached) -> None:
+        import threading
+
+        self.upstream = upstream
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port: int = self.listener.getsockname()[1]
+        self.meta_refused = 0
+        self._stopped = False
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._stopped:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.upstream.port))
+        reader, up_reader = conn.makefile("rb"), upstream.makefile("rb")
+        try:
+            while True:
+                line = reader.readline()
+                if not line:
+                    return
+                name = line.split(b" ", 1)[0].strip()
+                if name in self.STORAGE:
+                    size = int(line.split()[4])
+                    upstream.sendall(line + reader.read(size + 2))
+                    conn.sendall(up_reader.readline())
+                elif name in self.MULTILINE:
+                    upstream.sendall(line)
+                    while True:
+                        reply = up_reader.readline()
+                        conn.sendall(reply)
+                        if reply in (b"END\r\n", b"") or reply.startswith(b"ERROR"):
+                            break
+                elif name in self.SINGLE:
+                    upstream.sendall(line)
+                    conn.sendall(up_reader.readline())
+                else:
+                    if name.startswith(b"m"):
+                        self.meta_refused += 1
+                    conn.sendall(b"ERROR\r\n")
+        except OSError:
+            return
+        finally:
+            for closable in (reader, up_reader, conn, upstream):
+                closable.close()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.listener.close()

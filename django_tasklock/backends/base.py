@@ -51,7 +51,7 @@ class LockBackend(abc.ABC):
         """Reset the expiry only if ``hold`` still owns it; return the new hold."""
 
     @abc.abstractmethod
-    def owned(self, key: str, hold: Hold) -> bool:
+    def owned(self, key: str, hold: Hold, token: str) -> bool:
         """True if ``hold`` still owns the lock."""
 
     @abc.abstractmethod

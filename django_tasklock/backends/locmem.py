@@ -56,7 +56,7 @@ class LocMemBackend(LockBackend):
             self.cache.set(key, token, expire)
             return hold
 
-    def owned(self, key: str, hold: Hold) -> bool:
+    def owned(self, key: str, hold: Hold, token: str) -> bool:
         return bool(self.cache.get(key) == hold)
 
     def locked(self, key: str) -> bool:

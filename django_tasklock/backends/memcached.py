@@ -1,41 +1,65 @@
 """Owner-checked locks on memcached, through the client of Django's PyMemcacheCache.
 
-Each operation is one round trip with memcached's meta commands (protocol.txt,
-"Meta Set", "Meta Delete", "Meta Get"):
+With memcached's meta commands (protocol.txt, "Meta Set", "Meta Delete") a lock
+cycle is the same two round trips as the cookbook's unsafe ``add`` + ``delete``:
 
 - acquire: ``ms <key> <len> T<ttl> F16 ME c`` stores only if absent (add mode) and
-  answers the item's CAS id, which becomes the hold;
+  answers the item's CAS id;
 - release: ``md <key> C<cas>`` deletes only while the CAS id still matches;
-- extend: ``ms <key> <len> C<cas> T<ttl> c`` rewrites only while it matches.
+- extend: ``ms <key> <len> C<cas> T<ttl> F16 c`` rewrites only while it matches.
 
-Any other write to the key (a new holder after expiry, eviction, flush or restart)
-gives it a new CAS id, so a stale holder can neither delete nor prolong it. Where
-meta commands are missing (memcached < 1.6) the same checks use ``gets`` and
-``cas``, releasing with ``cas(..., expire=-1)``.
+Any later write to the key (a new holder after expiry, eviction or flush) gives it
+a new CAS id, so a stale holder can neither delete nor prolong it. CAS ids are
+unique only within one run of the server, though: a restarted memcached counts
+from 1 again, and a new holder can get the very CAS id an old holder kept. A
+restart always breaks the TCP connections to the server, so the CAS id alone is
+trusted only while the connection that took the lock is still the one in use;
+otherwise (a reconnect, another thread, a pooled client) release and extend first
+read the item with ``gets`` and act only if both the stored token and the CAS id
+are still this holder's. Where meta commands are missing (memcached < 1.6) the
+same checks use ``add``, ``gets`` and ``cas`` (``cas(..., expire=-1)`` to delete).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pymemcache.client.base import check_key_helper
 from pymemcache.client.hash import HashClient
-from pymemcache.exceptions import MemcacheError, MemcacheUnknownCommandError
+from pymemcache.exceptions import (
+    MemcacheError,
+    MemcacheUnexpectedCloseError,
+    MemcacheUnknownCommandError,
+)
 
 from ..keys import memcached_key
 from .base import Hold, LockBackend
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from django.core.cache.backends.memcached import PyMemcacheCache
 
-__all__ = ["MemcachedBackend"]
+__all__ = ["MemcachedBackend", "MemcachedHold"]
 
 # pymemcache's serde marks str values with flag 16 (FLAG_TEXT): storing the token
 # with it lets cache.get(lock_id) read the owner back as a str.
 _TEXT_FLAG = 16
+_T = TypeVar("_T")
+# What a server that went away since the last command looks like on its socket.
+_DROPPED = (MemcacheUnexpectedCloseError, BrokenPipeError, ConnectionResetError)
 # Servers that answered ERROR to a meta command; they get the classic commands.
 _classic_servers: set[str] = set()
+
+
+@dataclass(frozen=True)
+class MemcachedHold:
+    """The CAS id of this holder's item, and the socket that wrote it."""
+
+    cas: int
+    sock: object
 
 
 def _wire_key(client: Any, key: str) -> bytes:
@@ -44,16 +68,9 @@ def _wire_key(client: Any, key: str) -> bytes:
     return wire
 
 
-def _cas_of(reply: bytes) -> int | None:
+def _flag(reply: bytes, name: bytes) -> int | None:
     for flag in reply.split()[1:]:
-        if flag[:1] == b"c":
-            return int(flag[1:])
-    return None
-
-
-def _ttl_of(reply: bytes) -> int | None:
-    for flag in reply.split()[1:]:
-        if flag[:1] == b"t":
+        if flag[:1] == name:
             return int(flag[1:])
     return None
 
@@ -78,7 +95,10 @@ class MemcachedBackend(LockBackend):
         if not isinstance(hash_client, HashClient):
             return hash_client
         clients = hash_client.clients
-        if len(clients) == 1 and not hash_client._dead_clients:
+        if len(clients) == 1:
+            # One server: nowhere else to go, even while HashClient has marked it
+            # dead after errors of other cache calls; talking to it directly means
+            # locking resumes the moment it is back.
             return next(iter(clients.values()))
         client = hash_client._get_client(key)
         if client is None:  # HashClient with ignore_exc=True and every server dead
@@ -98,6 +118,8 @@ class MemcachedBackend(LockBackend):
         reserved = len(getattr(self._hash_client, "key_prefix", b"") or b"")
         return memcached_key(self.cache, lock_id, reserved=reserved)
 
+    # -- protocol choice -----------------------------------------------------------
+
     def _meta(self, client: Any) -> bool:
         if self.protocol == "classic":
             return False
@@ -111,51 +133,117 @@ class MemcachedBackend(LockBackend):
             )
         _classic_servers.add(str(client.server))
 
-    def _raw(self, client: Any, command: bytes) -> bytes:
-        reply: bytes = client.raw_command(command, b"\r\n")
+    def _command(self, client: Any, command: bytes) -> bytes | None:
+        """Send one meta command; None if the server does not know meta commands."""
+        try:
+            reply: bytes = client.raw_command(command, b"\r\n")
+        except MemcacheUnknownCommandError:
+            # pymemcache closed the connection, dropping anything else the server
+            # says about the rest of the command.
+            self._no_meta(client)
+            return None
         return reply
+
+    def _hold(self, client: Any, cas: object) -> MemcachedHold:
+        cas_id = int(cast(Any, cas))
+        if cas_id == 0:
+            raise MemcacheError(
+                f"memcached at {client.server} runs without CAS ids (-C), so a "
+                "lock cannot be owner-checked; restart it without -C"
+            )
+        # PooledClient hides its sockets: its holds are always verified by value.
+        return MemcachedHold(cas_id, getattr(client, "sock", None))
+
+    def _owner_cas(
+        self, client: Any, key: str, hold: MemcachedHold, token: str
+    ) -> int | None:
+        """The CAS id to act on if this holder still owns the lock, else None.
+
+        On the connection that took the lock, the CAS id it learnt is proof
+        enough. Elsewhere the stored token decides (tokens are random per
+        acquisition, nobody else writes ours), and the CAS id read with it makes
+        the following write conditional on nothing having changed since.
+        """
+        if hold.sock is not None and getattr(client, "sock", None) is hold.sock:
+            return hold.cas
+        value, cas = client.gets(key)
+        return int(cas) if value == token and cas is not None else None
+
+    def _once_more(self, client: Any, operation: Callable[[], _T]) -> _T:
+        """Run ``operation``, again once if a connection from before had dropped.
+
+        A restarted (or idle-timed-out) server leaves pymemcache a dead socket
+        that fails the next command; pymemcache then reconnects. A fresh
+        connection that fails is an outage, and is raised.
+        """
+        reused = getattr(client, "sock", None) is not None
+        try:
+            return operation()
+        except _DROPPED:
+            if not reused:
+                raise
+            return operation()
 
     # -- acquire -----------------------------------------------------------------
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         client = self._client(key)
+        ttl = math.ceil(expire)
+        tries = 0
+
+        def attempt() -> MemcachedHold | None:
+            nonlocal tries
+            tries += 1
+            hold = self._acquire(client, key, token, ttl)
+            if hold is None and tries > 1:
+                # The dropped first try may have stored our token before the
+                # connection went: then the lock is ours.
+                value, cas = client.gets(key)
+                if value == token:
+                    return self._hold(client, cas)
+            return hold
+
+        return self._once_more(client, attempt)
+
+    def _acquire(
+        self, client: Any, key: str, token: str, ttl: int
+    ) -> MemcachedHold | None:
         if self._meta(client):
             data = token.encode()
+            wire = _wire_key(client, key)
             command = b"ms %s %d T%d F%d ME c\r\n%s" % (
-                _wire_key(client, key),
-                len(data),
-                math.ceil(expire),
-                _TEXT_FLAG,
-                data,
-            )
-            try:
-                reply = self._raw(client, command)
-            except MemcacheUnknownCommandError:
-                self._no_meta(client)
-            else:
-                if reply.startswith(b"HD"):
-                    return _cas_of(reply)
+                wire, len(data), ttl, _TEXT_FLAG, data,
+            )  # fmt: skip
+            reply = self._command(client, command)
+            if reply is not None:
                 if reply.startswith(b"NS"):
                     return None
-                raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-        if not client.add(key, token, expire=math.ceil(expire), noreply=False):
+                if not reply.startswith(b"HD"):
+                    raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+                cas = _flag(reply, b"c")
+                if not cas:
+                    self._command(client, b"md %s" % wire)
+                return self._hold(client, cas)
+        if not client.add(key, token, expire=ttl, noreply=False):
             return None
         value, cas = client.gets(key)
         # Someone else's value here means our item expired in between: not ours.
-        return int(cas) if value == token else None
+        return self._hold(client, cas) if value == token else None
 
     # -- release -----------------------------------------------------------------
 
     def release(self, key: str, hold: Hold, token: str) -> bool:
+        assert isinstance(hold, MemcachedHold)
         client = self._client(key)
+        return self._once_more(client, lambda: self._release(client, key, hold, token))
+
+    def _release(self, client: Any, key: str, hold: MemcachedHold, token: str) -> bool:
+        cas = self._owner_cas(client, key, hold, token)
+        if cas is None:
+            return False
         if self._meta(client):
-            try:
-                reply = self._raw(
-                    client, b"md %s C%d" % (_wire_key(client, key), cast(int, hold))
-                )
-            except MemcacheUnknownCommandError:
-                self._no_meta(client)
-            else:
+            reply = self._command(client, b"md %s C%d" % (_wire_key(client, key), cas))
+            if reply is not None:
                 if reply.startswith(b"HD"):
                     return True
                 if reply.startswith((b"EX", b"NF")):
@@ -163,61 +251,56 @@ class MemcachedBackend(LockBackend):
                 raise MemcacheError(f"unexpected reply to md: {reply!r}")
         # cas() answers True (STORED), False (EXISTS: another owner's) or None
         # (NOT_FOUND); a negative expiry makes the stored item expire at once.
-        return bool(client.cas(key, token, hold, expire=-1, noreply=False))
+        return bool(client.cas(key, token, cas, expire=-1, noreply=False))
 
     # -- extend ------------------------------------------------------------------
 
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
+        assert isinstance(hold, MemcachedHold)
         client = self._client(key)
+        ttl = math.ceil(expire)
+        return self._once_more(
+            client, lambda: self._extend(client, key, hold, token, ttl)
+        )
+
+    def _extend(
+        self, client: Any, key: str, hold: MemcachedHold, token: str, ttl: int
+    ) -> MemcachedHold | None:
+        cas = self._owner_cas(client, key, hold, token)
+        if cas is None:
+            return None
         if self._meta(client):
             data = token.encode()
             command = b"ms %s %d C%d T%d F%d c\r\n%s" % (
-                _wire_key(client, key),
-                len(data),
-                cast(int, hold),
-                math.ceil(expire),
-                _TEXT_FLAG,
-                data,
-            )
-            try:
-                reply = self._raw(client, command)
-            except MemcacheUnknownCommandError:
-                self._no_meta(client)
-            else:
+                _wire_key(client, key), len(data), cas, ttl, _TEXT_FLAG, data,
+            )  # fmt: skip
+            reply = self._command(client, command)
+            if reply is not None:
                 if reply.startswith(b"HD"):
-                    return _cas_of(reply)
+                    return self._hold(client, _flag(reply, b"c"))
                 if reply.startswith((b"EX", b"NF")):
                     return None
                 raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-        if not client.cas(key, token, hold, expire=math.ceil(expire), noreply=False):
+        if not client.cas(key, token, cas, expire=ttl, noreply=False):
             return None
-        value, cas = client.gets(key)
-        return int(cas) if value == token else None
+        value, new_cas = client.gets(key)
+        return self._hold(client, new_cas) if value == token else None
 
     # -- inspection ----------------------------------------------------------------
 
-    def owned(self, key: str, hold: Hold) -> bool:
-        client = self._client(key)
-        if self._meta(client):
-            try:
-                reply = self._raw(client, b"mg %s c" % _wire_key(client, key))
-            except MemcacheUnknownCommandError:
-                self._no_meta(client)
-            else:
-                return reply.startswith(b"HD") and _cas_of(reply) == hold
-        _value, cas = client.gets(key)
-        return cas is not None and int(cas) == hold
+    def owned(self, key: str, hold: Hold, token: str) -> bool:
+        value, _cas = self._client(key).gets(key)
+        return bool(value == token)
 
     def locked(self, key: str) -> bool:
-        client = self._client(key)
-        return client.get(key) is not None
+        return self._client(key).get(key) is not None
 
     def ttl(self, key: str) -> float | None:
         # Only the meta protocol can read an item's remaining time, so this is
         # tried whatever MEMCACHED_PROTOCOL says.
         client = self._client(key)
         try:
-            reply = self._raw(client, b"mg %s t" % _wire_key(client, key))
+            reply = client.raw_command(b"mg %s t" % _wire_key(client, key), b"\r\n")
         except MemcacheUnknownCommandError:
             raise MemcacheError(
                 "reading a lock's remaining time needs memcached's meta commands "
@@ -225,5 +308,5 @@ class MemcachedBackend(LockBackend):
             ) from None
         if not reply.startswith(b"HD"):
             return None
-        seconds = _ttl_of(reply)
+        seconds = _flag(reply, b"t")
         return float("inf") if seconds is None or seconds < 0 else float(seconds)

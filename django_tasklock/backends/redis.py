@@ -7,6 +7,7 @@ import hashlib
 import math
 from typing import TYPE_CHECKING, Any, cast
 
+from ..keys import encodable_key
 from .base import Hold, LockBackend
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ class RedisBackend(LockBackend):
         self.errors = _redis_errors()
         self._cache_client: Any = cache._cache
 
+    def key_for(self, lock_id: str) -> str:
+        return encodable_key(self.cache, lock_id)
+
     def _redis(self, key: str) -> Any:
         # write=True: the primary, never a replica that may lag behind.
         return self._cache_client.get_client(key, write=True)
@@ -80,7 +84,7 @@ class RedisBackend(LockBackend):
             return hold
         return None
 
-    def owned(self, key: str, hold: Hold) -> bool:
+    def owned(self, key: str, hold: Hold, token: str) -> bool:
         return bool(self._redis(key).get(key) == hold)
 
     def locked(self, key: str) -> bool:

@@ -1,0 +1,125 @@
+"""Each system check fires on its misconfiguration and stays quiet otherwise."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.checks import run_checks
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+
+from django_tasklock.checks import check_settings
+
+MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
+
+
+def ids(settings=None):
+    return [message.id for message in check_settings()]
+
+
+def with_lock_cache(settings, config):
+    settings.CACHES = {**settings.CACHES, "locks": config}
+    settings.TASKLOCK = {"CACHE": "locks"}
+
+
+def test_check_quiet_for_memcached_and_redis(settings):
+    assert ids() == []
+    settings.TASKLOCK = {"CACHE": "redis", "LOCK_EXPIRE": 30.5, "MEMCACHED_PROTOCOL": "meta"}
+    assert ids() == []
+
+
+def test_check_quiet_without_tasklock_setting(settings):
+    del settings.TASKLOCK
+    assert ids() == []
+
+
+def test_check_registered_with_the_app(settings):
+    settings.TASKLOCK = {"CACHE": "nope"}
+    assert "django_tasklock.E003" in [m.id for m in run_checks(tags=["caches"])]
+    with pytest.raises(SystemCheckError, match="django_tasklock.E003"):
+        call_command("check")
+
+
+def test_e001_not_a_dict(settings):
+    settings.TASKLOCK = "memcached"
+    assert ids() == ["django_tasklock.E001"]
+
+
+def test_e001_unknown_key(settings):
+    settings.TASKLOCK = {"LOCK_EXPIRES": 60}
+    [message] = check_settings()
+    assert message.id == "django_tasklock.E001"
+    assert "'LOCK_EXPIRES'" in message.msg and "LOCK_EXPIRE" in message.msg
+
+
+@pytest.mark.parametrize("expire", [0, None, -1, 31 * 86400, "60", True])
+def test_e002_bad_lock_expire(settings, expire):
+    settings.TASKLOCK = {"LOCK_EXPIRE": expire}
+    assert ids() == ["django_tasklock.E002"]
+
+
+@pytest.mark.parametrize("alias", ["nope", "", 7])
+def test_e003_bad_cache_alias(settings, alias):
+    settings.TASKLOCK = {"CACHE": alias}
+    assert ids() == ["django_tasklock.E003"]
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "django.core.cache.backends.dummy.DummyCache",
+        "django.core.cache.backends.filebased.FileBasedCache",
+        "django.core.cache.backends.db.DatabaseCache",
+        "django.core.cache.backends.memcached.PyLibMCCache",
+        "tests.test_checks.HomeMadeCache",
+    ],
+)
+def test_e004_backend_cannot_lock(settings, backend):
+    with_lock_cache(settings, {"BACKEND": backend, "LOCATION": "x"})
+    [message] = check_settings()
+    assert message.id == "django_tasklock.E004"
+    assert "PyMemcacheCache" in message.hint
+
+
+def test_e005_noreply(settings):
+    with_lock_cache(
+        settings, {"BACKEND": MEMCACHED, "LOCATION": "x", "OPTIONS": {"default_noreply": True}}
+    )
+    assert ids() == ["django_tasklock.E005"]
+
+
+def test_e006_ignore_exc(settings):
+    with_lock_cache(
+        settings, {"BACKEND": MEMCACHED, "LOCATION": "x", "OPTIONS": {"ignore_exc": True}}
+    )
+    assert ids() == ["django_tasklock.E006"]
+
+
+def test_e005_e006_quiet_when_false(settings):
+    options = {"default_noreply": False, "ignore_exc": False, "use_pooling": True}
+    with_lock_cache(settings, {"BACKEND": MEMCACHED, "LOCATION": "x", "OPTIONS": options})
+    assert ids() == []
+
+
+def test_e007_bad_protocol(settings):
+    settings.TASKLOCK = {"MEMCACHED_PROTOCOL": "binary"}
+    assert ids() == ["django_tasklock.E007"]
+
+
+def test_w001_locmem(settings):
+    settings.TASKLOCK = {"CACHE": "locmem"}
+    [message] = check_settings()
+    assert message.id == "django_tasklock.W001"
+    assert message.is_serious() is False
+
+
+def test_several_problems_reported_together(settings):
+    settings.TASKLOCK = {"LOCK_EXPIRE": 0, "CACHE": "nope", "COLOUR": "red"}
+    assert sorted(ids()) == [
+        "django_tasklock.E001",
+        "django_tasklock.E002",
+        "django_tasklock.E003",
+    ]
+
+
+class HomeMadeCache:
+    """A cache backend django_tasklock knows nothing about."""

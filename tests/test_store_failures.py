@@ -1,0 +1,207 @@
+"""A store that is down at acquire or at release, and one that comes back."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+from django.core.cache import caches
+
+from django_tasklock import Lock, LockBackendError, memcache_lock
+from tests.services import Memcached, Redis, free_port
+
+MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
+REDIS = "django.core.cache.backends.redis.RedisCache"
+
+
+@pytest.fixture(params=["memcached", "redis"])
+def flaky(request, settings):
+    """A private server this test may stop and start, as TASKLOCK's cache."""
+    if request.param == "memcached":
+        server = Memcached().start()
+        config = {"BACKEND": MEMCACHED, "LOCATION": server.address}
+    else:
+        server = Redis().start()
+        config = {
+            "BACKEND": REDIS,
+            "LOCATION": server.url,
+            "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
+        }
+    settings.CACHES = {**settings.CACHES, "flaky": config}
+    settings.TASKLOCK = {"CACHE": "flaky"}
+    yield server
+    server.stop()
+    from tests.conftest import close_connections
+
+    close_connections()
+
+
+@pytest.fixture(params=["memcached", "redis"])
+def nowhere(request, settings):
+    """TASKLOCK's cache points at a port nothing listens on."""
+    port = free_port()
+    if request.param == "memcached":
+        config = {"BACKEND": MEMCACHED, "LOCATION": f"127.0.0.1:{port}"}
+    else:
+        config = {"BACKEND": REDIS, "LOCATION": f"redis://127.0.0.1:{port}/0"}
+    settings.CACHES = {**settings.CACHES, "nowhere": config}
+    settings.TASKLOCK = {"CACHE": "nowhere"}
+    return port
+
+
+def test_store_down_at_acquire_raises_and_body_never_runs(nowhere):
+    ran = []
+    with pytest.raises(LockBackendError) as info:  # noqa: PT012
+        with memcache_lock("feeds-lock-1") as acquired:
+            ran.append(acquired)
+    assert ran == []
+    message = str(info.value)
+    assert "Could not take the lock" in message
+    assert "'feeds-lock-1'" in message
+    assert f"127.0.0.1:{nowhere}" in message
+    assert "'nowhere'" in message
+    assert info.value.lock_id == "feeds-lock-1"
+
+
+def test_store_down_at_acquire_lock_api(nowhere):
+    lock = Lock("x")
+    with pytest.raises(LockBackendError):
+        lock.acquire()
+    with pytest.raises(LockBackendError):
+        lock.locked()
+    with pytest.raises(LockBackendError):
+        lock.ttl()
+    with pytest.raises(LockBackendError), lock:
+        pytest.fail("body ran without a lock")
+
+
+def test_store_down_at_release_keeps_result(flaky, caplog):
+    with caplog.at_level(logging.ERROR, logger="django_tasklock.locks"):
+        with memcache_lock("job") as acquired:
+            assert acquired
+            flaky.stop()
+            result = "imported"
+    assert result == "imported"
+    assert "Could not release lock 'job'" in caplog.text
+
+
+def test_store_down_at_release_keeps_body_exception(flaky):
+    with pytest.raises(KeyError, match="the task's own error"):  # noqa: PT012
+        with memcache_lock("job") as acquired:
+            assert acquired
+            flaky.stop()
+            raise KeyError("the task's own error")
+
+
+def test_store_down_at_release_explicit_release_raises(flaky):
+    lock = Lock("job")
+    lock.acquire()
+    flaky.stop()
+    with pytest.raises(LockBackendError, match="stays until it expires"):
+        lock.release()
+
+
+def test_store_back_locking_resumes_without_restart(flaky):
+    holder = Lock("job")
+    assert holder.acquire()
+    flaky.stop()
+    with pytest.raises(LockBackendError):
+        Lock("job").acquire()
+    # Other cache traffic meanwhile makes Django's client mark the node failed;
+    # the lock still reports the outage instead of looking like contention.
+    for _ in range(3):
+        with contextlib.suppress(Exception):
+            caches["flaky"].add("other", "value", 60)
+        with pytest.raises(LockBackendError):
+            Lock("job").acquire()
+    flaky.start()
+    # The restarted store lost every lock: the next caller takes it at once.
+    again = Lock("job")
+    assert again.acquire()
+    assert Lock("job").acquire() is False
+    assert holder.release() is False
+    assert again.owned()
+    assert again.release()
+
+
+@pytest.fixture
+def own_memcached():
+    server = Memcached().start()
+    yield server
+    server.stop()
+
+
+def use_memcached(settings, address, protocol="auto", alias="own"):
+    config = {"BACKEND": MEMCACHED, "LOCATION": address}
+    settings.CACHES = {**settings.CACHES, alias: config}
+    settings.TASKLOCK = {"CACHE": alias, "MEMCACHED_PROTOCOL": protocol}
+
+
+@pytest.mark.parametrize("protocol", ["meta", "classic"])
+def test_restart_reusing_cas_id_spares_new_holder(settings, own_memcached, protocol):
+    """A restarted memcached counts CAS ids from 1 again: the old holder's id can
+    be the new holder's. The old holder must still not release or extend it."""
+    use_memcached(settings, own_memcached.address, protocol)
+    old = Lock("restart", expire=60)
+    assert old.acquire()
+    own_memcached.restart()
+    new = Lock("restart", expire=60)
+    assert new.acquire()
+    assert new._hold.cas == old._hold.cas, "the case this test exists for"
+    assert old.extend(600) is False
+    assert old.release() is False
+    assert new.owned()
+    ttl = new.ttl()
+    assert ttl is not None and ttl <= 60
+    assert new.release() is True
+
+
+def test_memcached_without_cas_refuses_to_lock(settings):
+    server = Memcached(args=["-C"]).start()
+    try:
+        use_memcached(settings, server.address)
+        with pytest.raises(LockBackendError, match="without CAS ids"):
+            Lock("no-cas").acquire()
+        assert caches["own"].get("no-cas") is None, "left a lock behind"
+    finally:
+        server.stop()
+
+
+def test_server_without_meta_commands_falls_back_to_gets_cas(settings, own_memcached):
+    from tests.services import PreMetaMemcached
+
+    proxy = PreMetaMemcached(own_memcached)
+    try:
+        use_memcached(settings, proxy.address, "auto", alias="old")
+        old_holder = Lock("fallback", expire=60)
+        assert old_holder.acquire()
+        assert proxy.meta_refused >= 1, "meta was not tried first"
+        assert Lock("fallback").acquire() is False
+        assert caches["old"].add("fallback", "true", 60) is False
+        assert old_holder.extend(120)
+        assert old_holder.owned()
+        assert old_holder.release() is True
+        # Lost-lock checks still hold on the classic path.
+        first = Lock("fallback")
+        assert first.acquire()
+        caches["old"].delete("fallback")
+        second = Lock("fallback")
+        assert second.acquire()
+        assert first.release() is False
+        assert second.owned()
+        assert second.release()
+        with pytest.raises(LockBackendError, match="meta commands"):
+            second.ttl()
+        # Forcing meta on such a server is an error that says what to change.
+        settings.TASKLOCK = {"CACHE": "old", "MEMCACHED_PROTOCOL": "meta"}
+        with pytest.raises(LockBackendError, match="MEMCACHED_PROTOCOL"):
+            Lock("fallback").acquire()
+    finally:
+        from django_tasklock.backends import memcached as memcached_backend
+
+        memcached_backend._classic_servers.discard(f"('127.0.0.1', {proxy.port})")
+        from tests.conftest import close_connections
+
+        close_connections()
+        proxy.stop()
