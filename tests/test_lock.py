@@ -242,3 +242,27 @@ def test_blocking_acquire_times_out(any_store):
 def test_timeout_without_blocking_is_a_usage_error(any_store):
     with pytest.raises(LockUsageError, match="blocking=True"):
         Lock("x").acquire(timeout=1)
+
+
+def test_extend_and_release_from_another_thread(any_store):
+    """Another thread (another connection) acts on the lock after checking the
+    stored token, as a heartbeat thread would."""
+    lock = Lock("handed-over", expire=30)
+    lock.acquire()
+    assert in_thread(lambda: lock.extend(90)) is True
+    ttl = lock.ttl()
+    assert ttl is not None and ttl > 60
+    assert in_thread(lock.owned) is True
+    assert in_thread(lock.release) is True
+    assert not Lock("handed-over").locked()
+
+
+def test_another_thread_cannot_release_a_retaken_lock(any_store):
+    old = Lock("retaken")
+    old.acquire()
+    caches[any_store.alias].delete("retaken")
+    new = Lock("retaken")
+    assert new.acquire()
+    assert in_thread(old.release) is False
+    assert new.owned()
+    new.release()

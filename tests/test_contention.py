@@ -1,0 +1,46 @@
+"""Many processes, one lock id: never two holders at once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+
+from tests.workers import hammer, overlaps
+
+PROCESSES = 16
+SECONDS = 3.0
+
+
+def run_storm(tasklock, mode="lock", processes=PROCESSES, seconds=SECONDS):
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(processes) as pool:
+        # Start together, once every process has had time to import Django.
+        start_at = time.monotonic() + 4.0
+        results = pool.starmap(
+            hammer,
+            [(tasklock, "storm-lock", start_at, seconds, mode)] * processes,
+        )
+    holds = [hold for process_holds, _ in results for hold in process_holds]
+    refused = sum(refused for _, refused in results)
+    working = sum(1 for process_holds, _ in results if process_holds)
+    return holds, refused, working
+
+
+@pytest.mark.slow
+def test_contention_no_overlapping_holds(store):
+    holds, refused, working = run_storm(store.tasklock)
+    assert overlaps(holds) == 0
+    # The run means something only if the processes really fought for the lock.
+    assert len(holds) >= 100, f"only {len(holds)} acquisitions"
+    assert refused >= len(holds), "too little contention to prove anything"
+    print(f"{len(holds)} holds, {refused} refused, {working} processes held it")
+    assert working >= PROCESSES // 2, f"only {working} processes ever held it"
+
+
+@pytest.mark.slow
+def test_overlap_detector_sees_unlocked_overlaps(settings):
+    """The same harness without the lock finds overlaps, so zero above is real."""
+    holds, _, _ = run_storm({"CACHE": "default"}, mode="none", processes=4, seconds=1)
+    assert overlaps(holds) > 100

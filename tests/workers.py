@@ -1,0 +1,66 @@
+"""Code that runs in the worker processes the contention tests spawn."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def setup_django() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    import django
+
+    django.setup()
+
+
+def hammer(
+    tasklock: dict[str, object], lock_id: str, start_at: float, seconds: float, mode: str
+) -> tuple[list[tuple[float, float]], int]:
+    """Take and drop one lock as often as possible in a fixed window.
+
+    Returns the (enter, exit) monotonic times of every hold and the number of
+    refused attempts. CLOCK_MONOTONIC is shared by all processes of one machine,
+    so holds from different processes can be compared. ``mode`` "none" skips the
+    lock, to prove the overlap detector sees overlaps when there are some.
+    """
+    setup_django()
+    from django.conf import settings
+    from django.core.cache import close_caches
+
+    from django_tasklock import Lock
+
+    settings.TASKLOCK = tasklock
+    holds: list[tuple[float, float]] = []
+    refused = 0
+    while time.monotonic() < start_at:
+        time.sleep(0.001)
+    deadline = start_at + seconds
+    while time.monotonic() < deadline:
+        lock = Lock(lock_id, expire=30)
+        if mode == "none" or lock.acquire():
+            entered = time.monotonic()
+            # Hold for a moment, so an overlap would have room to show.
+            while time.monotonic() - entered < 0.0002:
+                pass
+            exited = time.monotonic()
+            if mode != "none":
+                assert lock.release(), "lost a lock nobody else could take"
+            holds.append((entered, exited))
+        else:
+            refused += 1
+            # A refused contender gives the holder the CPU back (two cores, many
+            # processes) and tries again a moment later.
+            time.sleep(0.0005)
+    close_caches()
+    return holds, refused
+
+
+def overlaps(holds: list[tuple[float, float]]) -> int:
+    """How many holds began before an earlier one had ended."""
+    count = 0
+    latest_end = float("-inf")
+    for entered, exited in sorted(holds):
+        if entered < latest_end:
+            count += 1
+        latest_end = max(latest_end, exited)
+    return count
