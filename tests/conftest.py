@@ -72,7 +72,9 @@ def _services(
 
 @pytest.fixture(autouse=True)
 def _clean_stores(
-    memcached: Memcached, memcached_pair: tuple[Memcached, Memcached], redis_server: Redis
+    memcached: Memcached,
+    memcached_pair: tuple[Memcached, Memcached],
+    redis_server: Redis,
 ) -> None:
     for server in (memcached, *memcached_pair):
         if server.process is None:  # a test stopped it and failed before restarting
@@ -92,7 +94,11 @@ class Store:
 
     @property
     def tasklock(self) -> dict[str, object]:
-        return {"LOCK_EXPIRE": 60, "CACHE": self.alias, "MEMCACHED_PROTOCOL": self.protocol}
+        return {
+            "LOCK_EXPIRE": 60,
+            "CACHE": self.alias,
+            "MEMCACHED_PROTOCOL": self.protocol,
+        }
 
 
 SHARED_STORES = [

@@ -23,7 +23,11 @@ def with_lock_cache(settings, config):
 
 def test_check_quiet_for_memcached_and_redis(settings):
     assert ids() == []
-    settings.TASKLOCK = {"CACHE": "redis", "LOCK_EXPIRE": 30.5, "MEMCACHED_PROTOCOL": "meta"}
+    settings.TASKLOCK = {
+        "CACHE": "redis",
+        "LOCK_EXPIRE": 30.5,
+        "MEMCACHED_PROTOCOL": "meta",
+    }
     assert ids() == []
 
 
@@ -35,7 +39,7 @@ def test_check_quiet_without_tasklock_setting(settings):
 def test_check_registered_with_the_app(settings):
     settings.TASKLOCK = {"CACHE": "nope"}
     assert "django_tasklock.E003" in [m.id for m in run_checks(tags=["caches"])]
-    with pytest.raises(SystemCheckError, match="django_tasklock.E003"):
+    with pytest.raises(SystemCheckError, match=r"django_tasklock\.E003"):
         call_command("check")
 
 
@@ -82,21 +86,25 @@ def test_e004_backend_cannot_lock(settings, backend):
 
 def test_e005_noreply(settings):
     with_lock_cache(
-        settings, {"BACKEND": MEMCACHED, "LOCATION": "x", "OPTIONS": {"default_noreply": True}}
+        settings,
+        {"BACKEND": MEMCACHED, "LOCATION": "x", "OPTIONS": {"default_noreply": True}},
     )
     assert ids() == ["django_tasklock.E005"]
 
 
 def test_e006_ignore_exc(settings):
     with_lock_cache(
-        settings, {"BACKEND": MEMCACHED, "LOCATION": "x", "OPTIONS": {"ignore_exc": True}}
+        settings,
+        {"BACKEND": MEMCACHED, "LOCATION": "x", "OPTIONS": {"ignore_exc": True}},
     )
     assert ids() == ["django_tasklock.E006"]
 
 
 def test_e005_e006_quiet_when_false(settings):
     options = {"default_noreply": False, "ignore_exc": False, "use_pooling": True}
-    with_lock_cache(settings, {"BACKEND": MEMCACHED, "LOCATION": "x", "OPTIONS": options})
+    with_lock_cache(
+        settings, {"BACKEND": MEMCACHED, "LOCATION": "x", "OPTIONS": options}
+    )
     assert ids() == []
 
 

@@ -67,7 +67,10 @@ def test_long_ids_differing_at_the_end_are_distinct(store):
 
 def test_memcached_keys_are_django_keys_unless_unusable(memcached):
     cache = caches["default"]
-    assert memcached_key(cache, "feeds.import_feed-lock-ab12") == ":1:feeds.import_feed-lock-ab12"
+    assert (
+        memcached_key(cache, "feeds.import_feed-lock-ab12")
+        == ":1:feeds.import_feed-lock-ab12"
+    )
     assert memcached_key(cache, "é" * 123) == ":1:" + "é" * 123  # 249 bytes
     hashed = memcached_key(cache, "é" * 124)  # 251 bytes after make_key
     assert hashed.startswith(":1:" + HASHED_PREFIX)
@@ -95,7 +98,9 @@ def test_two_servers_locks_land_where_django_puts_them(settings, memcached_pair)
     """With several LOCATIONs the lock lives on the server cache.add() would pick."""
     settings.TASKLOCK = {"CACHE": "pair"}
     cache = caches["pair"]
-    raws = [Client(("127.0.0.1", s.port), default_noreply=False) for s in memcached_pair]
+    raws = [
+        Client(("127.0.0.1", s.port), default_noreply=False) for s in memcached_pair
+    ]
     try:
         used = set()
         for number in range(40):

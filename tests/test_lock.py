@@ -9,14 +9,13 @@ import time
 import pytest
 from django.core.cache import caches
 
-from tests.conftest import in_thread
-
 from django_tasklock import (
     Lock,
     LockNotAcquired,
     LockUsageError,
     memcache_lock,
 )
+from tests.conftest import in_thread
 
 
 def test_acquire_second_owner_refused(any_store):
@@ -64,7 +63,10 @@ def test_memcache_lock_not_acquired_leaves_holder_alone(any_store):
 def test_lock_context_manager_raises_when_held(any_store):
     holder = Lock("ctx")
     holder.acquire()
-    with pytest.raises(LockNotAcquired, match="'ctx' is held by another owner"), Lock("ctx"):
+    with (
+        pytest.raises(LockNotAcquired, match="'ctx' is held by another owner"),
+        Lock("ctx"),
+    ):
         pytest.fail("body ran without the lock")
     assert holder.owned()
 
@@ -153,7 +155,9 @@ def test_cookbook_add_and_lock_contend(any_store):
     assert Lock("feeds.import_feed-lock-abc").acquire() is True
 
 
-def test_release_after_store_loses_key_spares_new_holder(store, memcached, redis_server):
+def test_release_after_store_loses_key_spares_new_holder(
+    store, memcached, redis_server
+):
     """flush_all (or a restart) drops the key; the old holder must not free the new."""
     old = Lock("flushed")
     assert old.acquire()

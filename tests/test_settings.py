@@ -123,7 +123,7 @@ def test_unsafe_backend_refuses_to_lock(settings, tmp_path, backend, reason):
     }
     settings.TASKLOCK = {"CACHE": "unsafe"}
     ran = []
-    with pytest.raises(LockConfigurationError, match=reason):  # noqa: PT012
+    with pytest.raises(LockConfigurationError, match=reason):
         with memcache_lock("x"):
             ran.append(True)
     assert ran == []

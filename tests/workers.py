@@ -14,7 +14,11 @@ def setup_django() -> None:
 
 
 def hammer(
-    tasklock: dict[str, object], lock_id: str, start_at: float, seconds: float, mode: str
+    tasklock: dict[str, object],
+    lock_id: str,
+    start_at: float,
+    seconds: float,
+    mode: str,
 ) -> tuple[list[tuple[float, float]], int]:
     """Take and drop one lock as often as possible in a fixed window.
 

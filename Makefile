@@ -1,0 +1,41 @@
+# The two commands a newcomer runs (see README.rst):
+#   make demo   the main job: a short demo of the lock against a private memcached
+#   make test   the whole suite: lint, types and tests against real services
+# Both set up everything themselves: the memcached/redis-server binaries (apt-get,
+# when missing and run as root), a virtual environment in .venv, and the package.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck pytest services venv clean
+
+demo: services $(STAMP)
+	$(BIN)/python scripts/lock_demo.py
+
+test: services $(STAMP) lint typecheck pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy django_tasklock
+
+pytest: services $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+services:
+	@./scripts/ensure-services
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
