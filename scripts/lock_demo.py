@@ -142,7 +142,9 @@ def main() -> int:
     say(f"Private memcached on {memcached.address}; Django system checks:")
     call_command("check")
     logging.basicConfig(
-        stream=sys.stdout, level=logging.WARNING, format="   [%(levelname)s] %(message)s"
+        stream=sys.stdout,
+        level=logging.WARNING,
+        format="   [%(levelname)s] %(message)s",
     )
     try:
         overlapping = contention(memcached)
