@@ -9,12 +9,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest services venv clean
+.PHONY: demo test lint typecheck matrix pytest services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python scripts/lock_demo.py
 
-test: services $(STAMP) lint typecheck pytest
+test: services $(STAMP) lint typecheck matrix pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -25,6 +25,10 @@ typecheck: $(STAMP)
 
 pytest: services $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The other supported Python/Django pairs (the main run is python3 with Django 5.2).
+matrix: services
+	./scripts/matrix
 
 services:
 	@./scripts/ensure-services
@@ -38,4 +42,4 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-3.* build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
