@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .decorator import lock_id_for, single_instance
 from .exceptions import (
     InvalidLockExpire,
     LockBackendError,
@@ -23,5 +24,7 @@ __all__ = [
     "LockUsageError",
     "TaskLockError",
     "__version__",
+    "lock_id_for",
     "memcache_lock",
+    "single_instance",
 ]

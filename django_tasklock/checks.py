@@ -10,6 +10,9 @@ Ids are stable and documented in README.rst:
 - E005 memcached OPTIONS['default_noreply'] is true.
 - E006 memcached OPTIONS['ignore_exc'] is true.
 - E007 TASKLOCK['MEMCACHED_PROTOCOL'] is not auto, meta or classic.
+- E008 TASKLOCK['ON_CONTENTION'] is not skip, raise, retry or wait.
+- E009 TASKLOCK['WAIT_TIMEOUT'] is not a number of seconds > 0.
+- E010 TASKLOCK['RETRY_COUNTDOWN'] is not a number of seconds >= 0.
 - W001 the lock cache is LocMemCache: locks hold within one process only.
 """
 
@@ -32,6 +35,9 @@ _SETTING_IDS = {
     "LOCK_EXPIRE": "django_tasklock.E002",
     "CACHE": "django_tasklock.E003",
     "MEMCACHED_PROTOCOL": "django_tasklock.E007",
+    "ON_CONTENTION": "django_tasklock.E008",
+    "WAIT_TIMEOUT": "django_tasklock.E009",
+    "RETRY_COUNTDOWN": "django_tasklock.E010",
 }
 _OPTION_IDS = {
     "default_noreply": "django_tasklock.E005",

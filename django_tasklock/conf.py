@@ -8,24 +8,40 @@ Every value is validated where it is read: a bad value raises
 from __future__ import annotations
 
 import math
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from django.conf import settings as django_settings
 
 from .exceptions import InvalidLockExpire, LockConfigurationError
 
-__all__ = ["DEFAULTS", "MAX_EXPIRE", "settings", "validate_expire"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "DEFAULTS",
+    "MAX_EXPIRE",
+    "settings",
+    "validate_choice",
+    "validate_expire",
+    "validate_seconds",
+]
 
 #: memcached reads a relative expiry above 30 days as an absolute Unix time.
 MAX_EXPIRE: Final = 30 * 24 * 60 * 60
 
 Protocol = Literal["auto", "meta", "classic"]
 PROTOCOLS: Final = ("auto", "meta", "classic")
+Contention = Literal["skip", "raise", "retry", "wait"]
+CONTENTION_POLICIES: Final = ("skip", "raise", "retry", "wait")
+TIMEOUT_POLICIES: Final = ("skip", "raise")
 
 DEFAULTS: Final[dict[str, Any]] = {
     "LOCK_EXPIRE": 600,
     "CACHE": "default",
     "MEMCACHED_PROTOCOL": "auto",
+    "ON_CONTENTION": "skip",
+    "WAIT_TIMEOUT": 60,
+    "RETRY_COUNTDOWN": 5,
 }
 
 
@@ -56,6 +72,50 @@ def validate_expire(value: object, *, name: str = "expire") -> float:
     return value
 
 
+def validate_seconds(value: object, *, name: str, allow_zero: bool = False) -> float:
+    """Return ``value`` if it is a finite number of seconds (> 0, or >= 0)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not allow_zero)
+    ):
+        bound = "0 or more" if allow_zero else "greater than 0"
+        raise ValueError(f"{name} must be a number of seconds {bound}, not {value!r}.")
+    return value
+
+
+def validate_choice(value: object, *, name: str, choices: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}.")
+    return value
+
+
+_VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
+    "LOCK_EXPIRE": lambda v: validate_expire(v, name="TASKLOCK['LOCK_EXPIRE']"),
+    "CACHE": lambda v: validate_alias(v, name="TASKLOCK['CACHE']"),
+    "MEMCACHED_PROTOCOL": lambda v: validate_choice(
+        v, name="TASKLOCK['MEMCACHED_PROTOCOL']", choices=PROTOCOLS
+    ),
+    "ON_CONTENTION": lambda v: validate_choice(
+        v, name="TASKLOCK['ON_CONTENTION']", choices=CONTENTION_POLICIES
+    ),
+    "WAIT_TIMEOUT": lambda v: validate_seconds(v, name="TASKLOCK['WAIT_TIMEOUT']"),
+    "RETRY_COUNTDOWN": lambda v: validate_seconds(
+        v, name="TASKLOCK['RETRY_COUNTDOWN']", allow_zero=True
+    ),
+}
+
+
+def validate_alias(value: object, *, name: str) -> str:
+    """Return ``value`` if it can name a CACHES entry."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be the name of a CACHES entry, not {value!r}.")
+    return value
+
+
 def setting_problems(raw: object) -> list[tuple[str, str]]:
     """List ``(key, message)`` for every problem in a TASKLOCK value.
 
@@ -64,34 +124,18 @@ def setting_problems(raw: object) -> list[tuple[str, str]]:
     if not isinstance(raw, dict):
         return [("", f"TASKLOCK must be a dict, not {type(raw).__name__}.")]
     problems: list[tuple[str, str]] = []
-    for key in raw:
-        if key not in DEFAULTS:
+    for key, value in raw.items():
+        validator = _VALIDATORS.get(key)
+        if validator is None:
             known = ", ".join(sorted(DEFAULTS))
             problems.append(
                 (str(key), f"Unknown TASKLOCK key {key!r}; known keys: {known}.")
             )
-    if "LOCK_EXPIRE" in raw:
+            continue
         try:
-            validate_expire(raw["LOCK_EXPIRE"], name="TASKLOCK['LOCK_EXPIRE']")
-        except InvalidLockExpire as exc:
-            problems.append(("LOCK_EXPIRE", str(exc)))
-    if "CACHE" in raw and (not isinstance(raw["CACHE"], str) or not raw["CACHE"]):
-        problems.append(
-            (
-                "CACHE",
-                "TASKLOCK['CACHE'] must be the name of a CACHES entry, "
-                f"not {raw['CACHE']!r}.",
-            )
-        )
-    if "MEMCACHED_PROTOCOL" in raw and raw["MEMCACHED_PROTOCOL"] not in PROTOCOLS:
-        problems.append(
-            (
-                "MEMCACHED_PROTOCOL",
-                "TASKLOCK['MEMCACHED_PROTOCOL'] must be one of "
-                f"{', '.join(PROTOCOLS)}, "
-                f"not {raw['MEMCACHED_PROTOCOL']!r}.",
-            )
-        )
+            validator(value)
+        except ValueError as exc:
+            problems.append((key, str(exc)))
     return problems
 
 
@@ -122,6 +166,24 @@ class Settings:
     def CACHE(self) -> str:
         """Alias of the CACHES entry that holds the locks."""
         value: str = self._get("CACHE")
+        return value
+
+    @property
+    def ON_CONTENTION(self) -> Contention:
+        """What ``@single_instance`` does when the lock is held."""
+        value: Contention = self._get("ON_CONTENTION")
+        return value
+
+    @property
+    def WAIT_TIMEOUT(self) -> float:
+        """How long ``on_contention="wait"`` waits for the lock, in seconds."""
+        value: float = self._get("WAIT_TIMEOUT")
+        return value
+
+    @property
+    def RETRY_COUNTDOWN(self) -> float:
+        """Seconds before ``on_contention="retry"`` runs the task again."""
+        value: float = self._get("RETRY_COUNTDOWN")
         return value
 
     @property

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+import redis
 from django.core.cache import caches, close_caches
 from django.test import override_settings
 
@@ -80,7 +81,11 @@ def _clean_stores(
         if server.process is None:  # a test stopped it and failed before restarting
             server.start()
         server.flush_all()
-    caches["redis"]._cache.get_client(write=True).flushall()
+    # Only the databases tests write: Celery's broker (db 3) and results (db 4)
+    # keep their queue bindings for worker processes that outlive one test.
+    caches["redis"]._cache.get_client(write=True).flushdb()
+    with redis.Redis.from_url(f"{redis_server.url[:-2]}/2") as runs:
+        runs.flushdb()
     caches["locmem"].clear()
 
 

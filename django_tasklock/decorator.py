@@ -1,0 +1,347 @@
+"""``@single_instance``: one run at a time per task and arguments."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, cast, overload
+
+from .arguments import KeySpec, bind_arguments, call_digest
+from .conf import (
+    CONTENTION_POLICIES,
+    TIMEOUT_POLICIES,
+    settings,
+    validate_choice,
+    validate_expire,
+    validate_seconds,
+)
+from .exceptions import LockNotAcquired
+from .locks import Lock
+
+__all__ = ["lock_id_for", "single_instance"]
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+Policy = Literal["skip", "raise", "retry", "wait"]
+
+# Locks held by single_instance bodies running in this thread, innermost last, so
+# that a task's self.retry() can release its lock before the retry is sent.
+_held = threading.local()
+
+
+def _celery_task_class() -> type | None:
+    # Celery stays optional: if it was never imported, nothing here is a task.
+    module = sys.modules.get("celery.app.task")
+    return getattr(module, "Task", None) if module is not None else None
+
+
+def _is_django_task_context(value: object) -> bool:
+    module = sys.modules.get("django.tasks.base")
+    context_class = getattr(module, "TaskContext", None)
+    return context_class is not None and isinstance(value, context_class)
+
+
+def _current_celery_task(wrapper: Callable[..., Any]) -> Any:
+    """The Celery task whose run() is ``wrapper``, if one is executing it."""
+    state = sys.modules.get("celery._state")
+    if state is None:
+        return None
+    task = state.get_current_task()
+    run = getattr(task, "run", None)
+    return task if getattr(run, "__func__", run) is wrapper else None
+
+
+def _releasing_retry(task: Any) -> None:
+    """Make ``task.retry`` drop the lock of the running body before it sends the
+    retry (a retried message may otherwise meet its own run's lock)."""
+    if getattr(task.retry, "_tasklock_releases", False):
+        return
+    original = task.retry
+
+    @functools.wraps(original)
+    def retry(*args: Any, **kwargs: Any) -> Any:
+        for lock in reversed(getattr(_held, "locks", [])):
+            if lock.task is task:
+                lock.release_quietly()
+        return original(*args, **kwargs)
+
+    retry._tasklock_releases = True  # type: ignore[attr-defined]
+    task.retry = retry
+
+
+class _TaskLock(Lock):
+    """A Lock that remembers which task instance holds it."""
+
+    task: Any = None
+
+
+@overload
+def single_instance(func: F, /) -> F: ...
+
+
+@overload
+def single_instance(
+    func: None = None,
+    /,
+    *,
+    key: KeySpec = None,
+    expire: float | None = None,
+    on_contention: Policy | None = None,
+    timeout: float | None = None,
+    on_timeout: Literal["skip", "raise"] = "skip",
+    countdown: float | None = None,
+    cache: str | None = None,
+) -> Callable[[F], F]: ...
+
+
+def single_instance(
+    func: F | None = None,
+    /,
+    *,
+    key: KeySpec = None,
+    expire: float | None = None,
+    on_contention: Policy | None = None,
+    timeout: float | None = None,
+    on_timeout: Literal["skip", "raise"] = "skip",
+    countdown: float | None = None,
+    cache: str | None = None,
+) -> F | Callable[[F], F]:
+    """Run the decorated task (or function) at most once at a time per arguments.
+
+    Put it under Celery's decorator::
+
+        @app.task(bind=True)
+        @single_instance
+        def import_feed(self, feed_url): ...
+
+        @app.task(bind=True)
+        @single_instance(key="feed_url", expire=300, on_contention="retry")
+        def refresh(self, feed_url, force=False): ...
+
+    The lock id is ``"<task name>-lock-<md5 hex>"``: the task name is ``self.name``
+    for bound tasks, the Celery task's name for unbound ones and
+    ``module.qualname`` for plain functions; the digest covers the call's
+    arguments bound to the signature with defaults applied (the bound task left
+    out), so the key does not change when the message goes through JSON.
+
+    ``key``: an argument name, a list of names, or a callable taking the call's
+    arguments and returning a str. With one argument name whose value is a str,
+    the digest is the MD5 of that str, the cookbook's own lock id.
+    ``expire``: seconds (default ``TASKLOCK["LOCK_EXPIRE"]``).
+    ``on_contention`` (default ``TASKLOCK["ON_CONTENTION"]``, ``"skip"``):
+    ``"skip"`` returns None and logs at INFO; ``"raise"`` raises
+    ``LockNotAcquired``; ``"retry"`` calls ``self.retry(countdown=countdown)`` of a
+    bound Celery task (its own ``max_retries`` apply); ``"wait"`` waits up to
+    ``timeout`` seconds (default ``TASKLOCK["WAIT_TIMEOUT"]``), then does
+    ``on_timeout`` (``"skip"`` or ``"raise"``). ``cache``: a CACHES alias.
+
+    A body that raises, or calls ``self.retry()``, has released the lock before
+    the retry is sent, so a retry never meets its own lock.
+    """
+    if expire is not None:
+        validate_expire(expire)
+    if on_contention is not None:
+        validate_choice(
+            on_contention, name="on_contention", choices=CONTENTION_POLICIES
+        )
+    if timeout is not None:
+        validate_seconds(timeout, name="timeout")
+    if countdown is not None:
+        validate_seconds(countdown, name="countdown", allow_zero=True)
+    validate_choice(on_timeout, name="on_timeout", choices=TIMEOUT_POLICIES)
+    options = _Options(
+        key, expire, on_contention, timeout, on_timeout, countdown, cache
+    )
+    if func is None:
+        return lambda function: _decorate(function, options)
+    if not callable(func):
+        raise TypeError(
+            "single_instance takes the function to decorate, or keyword options only: "
+            f"@single_instance(key=...), not @single_instance({func!r})."
+        )
+    return _decorate(func, options)
+
+
+class _Options:
+    __slots__ = (
+        "cache",
+        "countdown",
+        "expire",
+        "key",
+        "on_contention",
+        "on_timeout",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        key: KeySpec,
+        expire: float | None,
+        on_contention: Policy | None,
+        timeout: float | None,
+        on_timeout: str,
+        countdown: float | None,
+        cache: str | None,
+    ) -> None:
+        self.key, self.expire, self.on_contention = key, expire, on_contention
+        self.timeout, self.on_timeout, self.countdown = timeout, on_timeout, countdown
+        self.cache = cache
+
+
+def _decorate(func: F, options: _Options) -> F:
+    signature = inspect.signature(func)
+    parameters = list(signature.parameters.values())
+    first = parameters[0] if parameters else None
+    takes_self = first is not None and first.kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+    unbound_signature = (
+        signature.replace(parameters=parameters[1:]) if takes_self else signature
+    )
+    _check_key(func, options.key, signature)
+    if options.on_contention == "retry" and not takes_self:
+        raise TypeError(
+            f"on_contention='retry' needs a bound Celery task, but {func.__qualname__} "
+            "takes no 'self' argument. Use @app.task(bind=True) and def "
+            f"{func.__name__}(self, ...), or another on_contention."
+        )
+    plain_name = f"{func.__module__}.{func.__qualname__}"
+
+    def lock_id(
+        name: str, bound: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str:
+        arguments = bind_arguments(
+            unbound_signature if bound else signature, args, kwargs
+        )
+        return f"{name}-lock-{call_digest(name, arguments, options.key)}"
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        task_class = _celery_task_class()
+        bound = (
+            task_class is not None and bool(args) and isinstance(args[0], task_class)
+        )
+        task = args[0] if bound else _current_celery_task(wrapper)
+        name = task.name if task is not None else plain_name
+        if not bound and args and _is_django_task_context(args[0]):
+            # Django's @task(takes_context=True) passes its TaskContext first.
+            bound, name = True, args[0].task_result.task.module_path
+        lock = _TaskLock(
+            lock_id(name, bound, args[1:] if bound else args, kwargs),
+            expire=options.expire,
+            cache=options.cache,
+            oid=getattr(getattr(task, "app", None), "oid", None),
+        )
+        lock.task = task
+        if not _acquire(lock, options, name):
+            return _contended(lock, options, name, task if bound else None)
+        if task is not None:
+            _releasing_retry(task)
+        stack = _held.__dict__.setdefault("locks", [])
+        stack.append(lock)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            stack.remove(lock)
+            lock.release_quietly()
+
+    # Celery reads the signature (getfullargspec) to check a call's arguments
+    # when it is sent; give it the function's, not (*args, **kwargs).
+    wrapper.__signature__ = signature  # type: ignore[attr-defined]
+    wrapper._tasklock_lock_id = lock_id  # type: ignore[attr-defined]
+    wrapper._tasklock_name = plain_name  # type: ignore[attr-defined]
+    return cast(F, wrapper)
+
+
+def lock_id_for(target: Callable[..., Any], /, *args: Any, **kwargs: Any) -> str:
+    """The lock id a call of ``target`` with these arguments would use.
+
+    ``target`` is a ``@single_instance`` function, or a Celery or Django task
+    built on one (pass the arguments as for ``delay()``/``enqueue()``, without
+    ``self`` or the context). The id is the same for every spelling of one call,
+    and for its arguments after a JSON round trip.
+    """
+    func = getattr(target, "func", None)
+    if func is not None and hasattr(target, "module_path"):  # a django.tasks Task
+        make = getattr(func, "_tasklock_lock_id", None)
+        if make is not None:
+            takes_context = getattr(target, "takes_context", False)
+            result: str = make(target.module_path, takes_context, args, kwargs)
+            return result
+    run = getattr(target, "run", None)
+    if run is not None and hasattr(target, "name"):  # a Celery task
+        function = getattr(run, "__func__", run)
+        make = getattr(function, "_tasklock_lock_id", None)
+        if make is not None:
+            result = make(target.name, inspect.ismethod(run), args, kwargs)
+            return result
+    make = getattr(target, "_tasklock_lock_id", None)
+    if make is None:
+        raise TypeError(f"{target!r} is not decorated with @single_instance.")
+    result = make(target._tasklock_name, False, args, kwargs)  # type: ignore[attr-defined]
+    return result
+
+
+def _check_key(
+    func: Callable[..., Any], key: KeySpec, signature: inspect.Signature
+) -> None:
+    if key is None or callable(key):
+        return
+    names = [key] if isinstance(key, str) else key
+    if (
+        not isinstance(names, (list, tuple))
+        or not names
+        or not all(isinstance(name, str) for name in names)
+    ):
+        raise TypeError(
+            f"key= must be an argument name, a list of names or a callable, not {key!r}."
+        )
+    known = signature.parameters
+    for name in names:
+        if name not in known:
+            raise ValueError(
+                f"key= names {name!r}, which is not an argument of {func.__qualname__}; "
+                f"its arguments are: {', '.join(known) or '(none)'}."
+            )
+
+
+def _acquire(lock: Lock, options: _Options, name: str) -> bool:
+    policy = options.on_contention or settings.ON_CONTENTION
+    if policy != "wait":
+        return lock.acquire()
+    timeout = options.timeout if options.timeout is not None else settings.WAIT_TIMEOUT
+    return lock.acquire(blocking=True, timeout=timeout)
+
+
+def _contended(lock: Lock, options: _Options, name: str, bound_task: Any) -> Any:
+    policy: str = options.on_contention or settings.ON_CONTENTION
+    if policy == "wait":
+        policy = options.on_timeout
+    if policy == "raise":
+        raise LockNotAcquired(lock.lock_id)
+    if policy == "retry":
+        if bound_task is None:
+            raise TypeError(
+                f"on_contention='retry' needs a bound Celery task; {name} was called "
+                "without one. Use @app.task(bind=True), or another on_contention."
+            )
+        countdown = (
+            options.countdown
+            if options.countdown is not None
+            else settings.RETRY_COUNTDOWN
+        )
+        logger.info(
+            "Retrying %s in %ss: lock %r is held by another run",
+            name,
+            countdown,
+            lock.lock_id,
+        )
+        return bound_task.retry(countdown=countdown)
+    logger.info("Skipped %s: lock %r is held by another run", name, lock.lock_id)
+    return None

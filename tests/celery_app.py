@@ -1,0 +1,29 @@
+"""The Celery app of the tests: broker from the environment, tasks in tests.tasks.
+
+Worker processes started by the tests import this module (``celery -A
+tests.celery_app worker``), so it sets Django up itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+django.setup()
+
+from celery import Celery  # noqa: E402
+
+app = Celery("tests", set_as_current=False)
+app.conf.update(
+    broker_url=os.environ.get("TASKLOCK_TEST_BROKER", "memory://"),
+    result_backend=os.environ.get("TASKLOCK_TEST_RESULTS") or None,
+    task_serializer="json",
+    accept_content=["json"],
+    task_acks_late=False,
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+)
+app.autodiscover_tasks(["tests"], related_name="tasks", force=True)

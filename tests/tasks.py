@@ -1,0 +1,91 @@
+"""Tasks the tests run, in-process and in real worker processes.
+
+Every run records when it started and ended, and with what, in the test session's
+private Redis, so tests measure overlaps instead of assuming them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+
+from django_tasklock import single_instance
+from tests.celery_app import app
+
+
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(os.environ["TASKLOCK_TEST_REDIS"][:-2] + "/2")
+
+
+def record(run_key: str, started: float, **details: object) -> None:
+    """Store one run of ``run_key``: its start, its end (now), pid and details."""
+    entry = {"start": started, "end": time.monotonic(), "pid": os.getpid(), **details}
+    with _redis() as client:
+        client.rpush(f"runs:{run_key}", json.dumps(entry))
+
+
+def runs(run_key: str) -> list[dict[str, object]]:
+    with _redis() as client:
+        return [json.loads(item) for item in client.lrange(f"runs:{run_key}", 0, -1)]
+
+
+def forget_runs() -> None:
+    with _redis() as client:
+        client.flushdb()
+
+
+@app.task(bind=True)
+@single_instance(expire=60)
+def import_feed(self, feed_url, seconds=0.3, tag=""):
+    """Skip duplicates (the default)."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    record(feed_url, started, tag=tag, task=self.name)
+    return feed_url
+
+
+@app.task(bind=True, max_retries=200)
+@single_instance(key="feed_url", on_contention="retry", countdown=0.1, expire=60)
+def refresh_feed(self, feed_url, call, seconds=0.2):
+    """Every call runs once: duplicates come back later (key ignores ``call``)."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    record(feed_url, started, call=call, retries=self.request.retries)
+    return call
+
+
+@app.task(bind=True, max_retries=2)
+@single_instance(key="feed_url", on_contention="retry", countdown=0)
+def refresh_limited(self, feed_url):
+    """Gives up after two retries, as its own max_retries says."""
+    return feed_url
+
+
+@app.task
+@single_instance(key=["feed_url"], on_contention="wait", timeout=60, expire=60)
+def wait_feed(feed_url, call, seconds=0.2):
+    """Every call runs once: duplicates wait for the lock."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    record(feed_url, started, call=call)
+    return call
+
+
+@app.task(bind=True, max_retries=3)
+@single_instance
+def retries_itself(self, name):
+    """Calls self.retry() once from inside the locked body."""
+    started = time.monotonic()
+    record(name, started, retries=self.request.retries)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return "done"
+
+
+@app.task
+@single_instance(on_contention="raise")
+def rebuild_index():
+    return "rebuilt"

@@ -1,0 +1,80 @@
+"""@single_instance on Celery tasks, called in this process (no worker)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from celery.exceptions import MaxRetriesExceededError
+
+from django_tasklock import Lock, LockNotAcquired, lock_id_for
+from tests import tasks
+
+
+@pytest.fixture(autouse=True)
+def _memcached_locks(settings):
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
+
+
+def test_bound_task_lock_id_uses_task_name():
+    lock_id = lock_id_for(tasks.import_feed, "https://example.com/a.xml")
+    assert lock_id.startswith("tests.tasks.import_feed-lock-")
+    assert tasks.import_feed.name == "tests.tasks.import_feed"
+    assert lock_id == lock_id_for(
+        tasks.import_feed, feed_url="https://example.com/a.xml"
+    )
+
+
+def test_bound_task_skips_while_locked_and_runs_after():
+    url = "https://example.com/a.xml"
+    with Lock(lock_id_for(tasks.import_feed, url, seconds=0)):
+        assert tasks.import_feed(url, seconds=0) is None
+        # Other arguments are another call, with a lock of its own.
+        assert tasks.import_feed(url, seconds=0, tag="other") == url
+    assert tasks.import_feed(url, seconds=0) == url
+    assert [run["tag"] for run in tasks.runs(url)] == ["other", ""]
+
+
+def test_key_str_matches_cookbook_for_celery_task():
+    url = "https://example.com/feed"
+    cookbook = f"{tasks.refresh_feed.name}-lock-{hashlib.md5(url.encode()).hexdigest()}"
+    assert lock_id_for(tasks.refresh_feed, url, 7) == cookbook
+
+
+def test_unbound_task_uses_celery_name_and_raises():
+    lock_id = lock_id_for(tasks.rebuild_index)
+    assert lock_id.startswith(f"{tasks.rebuild_index.name}-lock-")
+    with Lock(lock_id), pytest.raises(LockNotAcquired):
+        tasks.rebuild_index()
+    assert tasks.rebuild_index() == "rebuilt"
+
+
+def test_celery_argument_checking_still_works():
+    with pytest.raises(TypeError):
+        tasks.import_feed.delay()  # feed_url missing: refused before sending
+    with pytest.raises(TypeError):
+        tasks.import_feed.delay("u", nonsense=1)
+
+
+def test_retry_inside_body_releases_the_lock_first():
+    """Eager retries run at once, inside retry(): they must not meet their own lock."""
+    result = tasks.retries_itself.apply(args=("self-retry",))
+    assert result.get() == "done"
+    assert [run["retries"] for run in tasks.runs("self-retry")] == [0, 1]
+    assert not Lock(lock_id_for(tasks.retries_itself, "self-retry")).locked()
+
+
+def test_retry_on_contention_honours_max_retries():
+    url = "https://example.com/busy"
+    with Lock(lock_id_for(tasks.refresh_limited, url)):
+        result = tasks.refresh_limited.apply(args=(url,))
+    assert result.failed()
+    with pytest.raises(MaxRetriesExceededError):
+        result.get()
+
+
+def test_retry_on_contention_runs_once_free():
+    url = "https://example.com/free"
+    with Lock(lock_id_for(tasks.refresh_limited, url)):
+        pass
+    assert tasks.refresh_limited.apply(args=(url,)).get() == url

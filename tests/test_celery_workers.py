@@ -1,0 +1,187 @@
+"""@single_instance under real Celery workers, on a real broker (private Redis).
+
+An in-process worker (celery.contrib.testing, thread pool) and two real
+``celery worker`` processes with the prefork pool. Every run records its start
+and end; the tests measure overlaps instead of assuming them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+
+from tests import tasks
+from tests.celery_app import app
+from tests.workers import overlaps
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def broker(redis_server):
+    """Celery's broker and result backend: databases 3 and 4 of the private Redis."""
+    base = redis_server.url[:-2]
+    env = {"TASKLOCK_TEST_BROKER": f"{base}/3", "TASKLOCK_TEST_RESULTS": f"{base}/4"}
+    os.environ.update(env)
+    app.conf.update(
+        broker_url=env["TASKLOCK_TEST_BROKER"],
+        result_backend=env["TASKLOCK_TEST_RESULTS"],
+    )
+    yield env
+    app.pool.force_close_all()
+
+
+@pytest.fixture(autouse=True)
+def _memcached_locks(settings):
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
+
+
+def storm(calls, producers=4):
+    """Send every (task, args, kwargs) from several producer threads at once."""
+
+    def send(call):
+        task, args, kwargs = call
+        return task.apply_async(args=args, kwargs=kwargs)
+
+    with ThreadPoolExecutor(producers) as pool:
+        return list(pool.map(send, calls))
+
+
+def intervals(run_key):
+    return [(run["start"], run["end"]) for run in tasks.runs(run_key)]
+
+
+def pairs_overlap(first, second):
+    return any(a0 < b1 and b0 < a1 for a0, a1 in first for b0, b1 in second)
+
+
+def test_in_process_worker_duplicates_skip_and_distinct_run_in_parallel(broker):
+    with start_worker(
+        app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING"
+    ):
+        calls = [
+            (tasks.import_feed, (f"feed-{n % 2}",), {"seconds": 0.4}) for n in range(24)
+        ]
+        results = storm(calls)
+        outcomes = [result.get(timeout=60) for result in results]
+    ran = {key: intervals(key) for key in ("feed-0", "feed-1")}
+    for key, holds in ran.items():
+        assert holds, f"{key} never ran"
+        assert overlaps(holds) == 0, f"{key} ran twice at once"
+    assert outcomes.count(None) == 24 - sum(len(h) for h in ran.values()), (
+        "a call vanished"
+    )
+    assert outcomes.count(None) > 0, (
+        "no duplicate was ever refused: no contention tested"
+    )
+    assert pairs_overlap(ran["feed-0"], ran["feed-1"]), (
+        "distinct feeds never ran together"
+    )
+
+
+@pytest.fixture(scope="module")
+def prefork_workers(broker):
+    """Two `celery worker` processes, prefork pool, two child processes each."""
+    env = {**os.environ, **broker, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.celery_app",
+                "worker",
+                "-P",
+                "prefork",
+                "-c",
+                "2",
+                "-n",
+                f"tasklock-test-{n}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-l",
+                "WARNING",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for n in (1, 2)
+    ]
+    deadline = time.monotonic() + 60
+    while len(app.control.ping(timeout=0.5)) < 2:
+        for process in processes:
+            if process.poll() is not None:
+                pytest.fail(
+                    f"celery worker died: {process.stderr.read().decode()[-2000:]}"
+                )
+        if time.monotonic() > deadline:
+            pytest.fail("celery workers did not answer a ping within 60 s")
+    yield processes
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+
+
+def test_prefork_storm_of_duplicates(prefork_workers):
+    feeds = [f"https://feeds.example/{n}.xml" for n in range(3)]
+    calls = [(tasks.import_feed, (feed,), {"seconds": 0.3}) for feed in feeds * 12]
+    outcomes = [result.get(timeout=120) for result in storm(calls)]
+    ran = {feed: intervals(feed) for feed in feeds}
+    for feed, holds in ran.items():
+        assert holds, f"{feed} never ran"
+        assert overlaps(holds) == 0, f"{feed} ran twice at once"
+        assert len({run["pid"] for run in tasks.runs(feed)}) >= 1
+    assert len(outcomes) == len(calls)
+    assert outcomes.count(None) == len(calls) - sum(len(h) for h in ran.values())
+    assert outcomes.count(None) > 0, "no duplicate was refused: no contention tested"
+    pids = {run["pid"] for feed in feeds for run in tasks.runs(feed)}
+    assert len(pids) >= 2, "all runs in one process: not a multi-process test"
+    assert any(pairs_overlap(ran[a], ran[b]) for a in feeds for b in feeds if a < b), (
+        "distinct feeds never ran in parallel"
+    )
+
+
+def test_prefork_retry_runs_every_call_once(prefork_workers):
+    feeds = ["retry-a", "retry-b"]
+    calls = [(tasks.refresh_feed, (feed, n), {}) for n in range(6) for feed in feeds]
+    outcomes = [result.get(timeout=120) for result in storm(calls)]
+    assert sorted(outcomes) == sorted(n for n in range(6) for _ in feeds)
+    for feed in feeds:
+        runs = tasks.runs(feed)
+        assert sorted(run["call"] for run in runs) == list(range(6)), (
+            "a call ran twice or never"
+        )
+        assert overlaps([(run["start"], run["end"]) for run in runs]) == 0
+    assert any(run["retries"] > 0 for feed in feeds for run in tasks.runs(feed)), (
+        "no call was ever retried: no contention tested"
+    )
+
+
+def test_prefork_wait_runs_every_call_once(prefork_workers):
+    feeds = ["wait-a", "wait-b"]
+    calls = [(tasks.wait_feed, (feed, n), {}) for n in range(4) for feed in feeds]
+    outcomes = [result.get(timeout=120) for result in storm(calls)]
+    assert sorted(outcomes) == sorted(n for n in range(4) for _ in feeds)
+    for feed in feeds:
+        runs = tasks.runs(feed)
+        assert sorted(run["call"] for run in runs) == list(range(4))
+        assert overlaps([(run["start"], run["end"]) for run in runs]) == 0
