@@ -89,3 +89,19 @@ def retries_itself(self, name):
 @single_instance(on_contention="raise")
 def rebuild_index():
     return "rebuilt"
+
+
+@app.task(bind=True, soft_time_limit=0.5)
+@single_instance(expire=60)
+def overruns_soft_limit(self, name):
+    """Runs into its soft time limit; the lock must go with the exception."""
+    record(name, time.monotonic())
+    time.sleep(10)
+
+
+@app.task(bind=True, time_limit=1)
+@single_instance(expire=3)
+def overruns_hard_limit(self, name):
+    """Killed at its hard time limit: the lock stays only until it expires."""
+    record(name, time.monotonic())
+    time.sleep(10)

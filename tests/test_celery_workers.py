@@ -185,3 +185,34 @@ def test_prefork_wait_runs_every_call_once(prefork_workers):
         runs = tasks.runs(feed)
         assert sorted(run["call"] for run in runs) == list(range(4))
         assert overlaps([(run["start"], run["end"]) for run in runs]) == 0
+
+
+def test_prefork_soft_time_limit_releases_the_lock(prefork_workers):
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from django_tasklock import Lock, lock_id_for
+
+    result = tasks.overruns_soft_limit.delay("soft")
+    with pytest.raises(SoftTimeLimitExceeded):
+        result.get(timeout=30)
+    assert len(tasks.runs("soft")) == 1
+    assert not Lock(lock_id_for(tasks.overruns_soft_limit, "soft")).locked()
+
+
+def test_prefork_hard_time_limit_leaves_lock_no_longer_than_expiry(prefork_workers):
+    from celery.exceptions import TimeLimitExceeded
+
+    from django_tasklock import Lock, lock_id_for
+
+    lock = Lock(lock_id_for(tasks.overruns_hard_limit, "hard"))
+    result = tasks.overruns_hard_limit.delay("hard")
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=30)
+    assert len(tasks.runs("hard")) == 1
+    started = tasks.runs("hard")[0]["start"]
+    # Celery terminates the child (SIGTERM, which runs the release, then SIGKILL if
+    # it hangs); whichever way it dies, memcached drops the lock at its expiry
+    # (3 s, counted in whole seconds from the acquire) at the latest.
+    while lock.locked():
+        assert time.monotonic() - started < 3 + 1.5, "lock outlived its expiry"
+        time.sleep(0.1)

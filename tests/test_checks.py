@@ -131,3 +131,28 @@ def test_several_problems_reported_together(settings):
 
 class HomeMadeCache:
     """A cache backend django_tasklock knows nothing about."""
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "check_id"),
+    [
+        ("ON_CONTENTION", "queue", "django_tasklock.E008"),
+        ("ON_CONTENTION", None, "django_tasklock.E008"),
+        ("WAIT_TIMEOUT", 0, "django_tasklock.E009"),
+        ("WAIT_TIMEOUT", "60", "django_tasklock.E009"),
+        ("RETRY_COUNTDOWN", -1, "django_tasklock.E010"),
+        ("RETRY_COUNTDOWN", float("inf"), "django_tasklock.E010"),
+    ],
+)
+def test_e008_e010_decorator_defaults(settings, key, value, check_id):
+    settings.TASKLOCK = {key: value}
+    assert ids() == [check_id]
+
+
+def test_decorator_defaults_quiet_when_valid(settings):
+    settings.TASKLOCK = {
+        "ON_CONTENTION": "wait",
+        "WAIT_TIMEOUT": 5.5,
+        "RETRY_COUNTDOWN": 0,
+    }
+    assert ids() == []
