@@ -1,5 +1,6 @@
 # The two commands a newcomer runs (see README.rst):
-#   make demo   the main job: a short demo of the lock against a private memcached
+#   make demo   the main job: the example project's feed importer under a storm of
+#               duplicate tasks, over real Celery worker processes
 #   make test   the whole suite: lint, types and tests against real services
 # Both set up everything themselves: the memcached/redis-server binaries (apt-get,
 # when missing and run as root), a virtual environment in .venv, and the package.
@@ -9,9 +10,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck matrix pytest services venv clean
+.PHONY: demo lock-demo test lint typecheck matrix pytest services venv clean
 
 demo: services $(STAMP)
+	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
+
+# The lock alone, and the cookbook recipe's failure after a flush or a restart.
+lock-demo: services $(STAMP)
 	$(BIN)/python scripts/lock_demo.py
 
 test: services $(STAMP) lint typecheck matrix pytest

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Django's command-line utility for this repository.
+"""Django's command-line utility for the example project (example_project/).
 
-Until the example project exists it runs with the test settings, e.g.
-``python manage.py check`` shows django_tasklock's system checks.
+``python manage.py feeds_demo`` runs the demo ``make demo`` runs; the test suite
+uses its own settings (tests/settings.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 
 def main() -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "example_project.settings")
     from django.core.management import execute_from_command_line
 
     execute_from_command_line(sys.argv)

@@ -1,0 +1,241 @@
+"""The demo: a storm of duplicate feed imports over real Celery worker processes.
+
+    python -m example_project.demo [--duplicates N] [--producers N] [--workers N]
+
+It starts a private memcached (or, without one, a private Redis, and says so), a
+local feed server with slow responses, a fresh SQLite database and real
+``celery worker`` processes (prefork) on kombu's filesystem transport, or on
+``CELERY_BROKER_URL`` when that is set. Then, for each of the two importer tasks
+(the cookbook's ``memcache_lock`` and ``@single_instance``), several producer
+threads enqueue every feed many times at once. Each import records its start and
+end; the report shows per feed how many imports ran, how many duplicates were
+skipped, the most imports of that feed running at one moment, and the entries
+stored. The exit status is 1 if any feed was imported twice at once, never
+imported, or a task failed; every process the demo started is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.services import Memcached, Redis  # noqa: E402
+
+TASKS = ("import_feed", "import_feed_single")
+
+
+def say(message: str = "") -> None:
+    print(message, flush=True)
+
+
+def start_lock_store(stack: ExitStack) -> str:
+    """A private lock store: memcached, or Redis when memcached is missing."""
+    if shutil.which("memcached"):
+        server = Memcached().start()
+        stack.callback(server.stop)
+        say(f"Lock store: private memcached on {server.address}")
+        return f"memcached://{server.address}"
+    say(
+        "memcached is not installed (apt-get install -y memcached); falling back to a "
+        "private Redis, which also holds locks across processes."
+    )
+    if not shutil.which("redis-server"):
+        raise SystemExit("Neither memcached nor redis-server is installed: apt-get install -y memcached")
+    redis = Redis().start()
+    stack.callback(redis.stop)
+    say(f"Lock store: private Redis on {redis.address}")
+    return redis.url
+
+
+def start_workers(stack: ExitStack, run_dir: Path, count: int, concurrency: int) -> None:
+    env = dict(os.environ)
+    procs = []
+    for number in range(1, count + 1):
+        log = run_dir / f"worker{number}.log"
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "celery", "-A", "example_project", "worker",
+                "-P", "prefork", "-c", str(concurrency), "-n", f"demo{number}@%h",
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+                "-l", "INFO", "-f", str(log),
+            ],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        procs.append((proc, log))
+        stack.callback(stop_process, proc)
+    deadline = time.monotonic() + 60
+    for proc, log in procs:
+        while "ready." not in (log.read_text() if log.exists() else ""):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text()[-3000:] if log.exists() else ""
+                raise SystemExit(f"A celery worker did not start:\n{tail}")
+            time.sleep(0.1)
+    say(f"Started {count} celery workers (prefork, {concurrency} processes each); logs in {run_dir}")
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def storm(task_name: str, urls: list[str], duplicates: int, producers: int) -> int:
+    """Every producer thread sends every feed ``duplicates`` times; returns the total."""
+    from example_project.feeds import tasks
+
+    task = getattr(tasks, task_name)
+    barrier = threading.Barrier(producers)
+
+    def produce(number: int) -> None:
+        barrier.wait()
+        for round_ in range(duplicates):
+            for url in urls[number % len(urls) :] + urls[: number % len(urls)]:
+                task.delay(url)
+
+    threads = [threading.Thread(target=produce, args=(n,)) for n in range(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return producers * duplicates * len(urls)
+
+
+def wait_for(task_name: str, expected: int, timeout: float = 60) -> None:
+    from example_project.feeds.models import TaskOutcome
+
+    full_name = f"example_project.feeds.tasks.{task_name}"
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        outcomes = TaskOutcome.objects.filter(task_name=full_name)
+        done = outcomes.count()
+        line = (
+            f"   {done}/{expected} done: "
+            f"{outcomes.filter(outcome='imported').count()} imported, "
+            f"{outcomes.filter(outcome='skipped').count()} skipped, "
+            f"{outcomes.filter(outcome='failed').count()} failed"
+        )
+        if line != last:
+            say(line)
+            last = line
+        if done >= expected:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"Timed out: only {done} of {expected} {task_name} tasks finished")
+        time.sleep(0.5)
+
+
+def most_at_once(intervals: list[tuple[float, float]]) -> int:
+    """The highest number of intervals open at one moment."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    running = peak = 0
+    for _, change in events:  # an end sorts before a start at the same instant
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+def report(task_name: str, urls: list[str]) -> bool:
+    from example_project.feeds.models import Entry, ImportRun, TaskOutcome
+
+    full_name = f"example_project.feeds.tasks.{task_name}"
+    say(f"{'feed':<28} {'imports':>7} {'skipped':>7} {'failed':>6} {'at once':>7} {'entries':>7}")
+    ok = True
+    for url in urls:
+        runs = ImportRun.objects.filter(task_name=full_name, feed_url=url)
+        outcomes = TaskOutcome.objects.filter(task_name=full_name, feed_url=url)
+        peak = most_at_once(list(runs.values_list("started", "finished")))
+        failed = outcomes.filter(outcome="failed").count()
+        row = (
+            f"{url.rsplit('/', 1)[1]:<28} {runs.count():>7} "
+            f"{outcomes.filter(outcome='skipped').count():>7} {failed:>6} {peak:>7} "
+            f"{Entry.objects.filter(feed__url=url).count():>7}"
+        )
+        problems = []
+        if peak > 1:
+            problems.append("IMPORTED CONCURRENTLY")
+        if runs.count() == 0:
+            problems.append("NEVER IMPORTED")
+        if failed:
+            problems.append("TASKS FAILED")
+        ok = ok and not problems
+        say(row + ("   <- " + ", ".join(problems) if problems else ""))
+        for detail in outcomes.filter(outcome="failed").values_list("detail", flat=True)[:3]:
+            say(f"      failed: {detail}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duplicates", type=int, default=4, help="sends of each feed per producer")
+    parser.add_argument("--producers", type=int, default=3, help="producer threads")
+    parser.add_argument("--workers", type=int, default=2, help="celery worker processes")
+    parser.add_argument("--concurrency", type=int, default=2, help="pool processes per worker")
+    parser.add_argument("--delay", type=float, default=0.3, help="feed server delay, seconds")
+    options = parser.parse_args(argv)
+    started = time.monotonic()
+
+    with ExitStack() as stack:
+        run_dir = Path(tempfile.mkdtemp(prefix="tasklock-demo-"))
+        stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
+        os.environ["EXAMPLE_LOCK_STORE"] = start_lock_store(stack)
+        os.environ["EXAMPLE_DATABASE"] = str(run_dir / "demo.sqlite3")
+        os.environ["EXAMPLE_BROKER_DIR"] = str(run_dir / "broker")
+        os.environ["DJANGO_SETTINGS_MODULE"] = "example_project.settings"
+        for folder in ("queue", "control"):
+            (run_dir / "broker" / folder).mkdir(parents=True)
+        broker = os.environ.get("CELERY_BROKER_URL", "filesystem:// (kombu, no server)")
+        say(f"Broker: {broker}")
+
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        from example_project.feedserver import FeedServer
+
+        call_command("migrate", verbosity=0)
+        call_command("check")
+        say(f"Database: fresh SQLite at {os.environ['EXAMPLE_DATABASE']}")
+        server = FeedServer(delay=options.delay).start()
+        stack.callback(server.stop)
+        urls = server.feed_urls()
+        say(f"Feed server: {len(urls)} fixture feeds on 127.0.0.1:{server.port}, "
+            f"{options.delay}s per response")
+        start_workers(stack, run_dir, options.workers, options.concurrency)
+
+        ok = True
+        for number, task_name in enumerate(TASKS, 1):
+            label = "memcache_lock (the cookbook's way)" if task_name == "import_feed" else "@single_instance"
+            say()
+            say(f"{number}. {task_name}, {label}: {options.producers} producers send every feed "
+                f"{options.duplicates} times each")
+            sent = storm(task_name, urls, options.duplicates, options.producers)
+            say(f"   sent {sent} tasks")
+            wait_for(task_name, sent)
+            ok = report(task_name, urls) and ok
+        say()
+        say(f"Feed server answered {server.requests} requests.")
+    say(f"Stopped every process the demo started ({time.monotonic() - started:.1f}s in all).")
+    say("RESULT: " + ("OK: no feed imported twice at once, every feed imported" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Feeds and their entries, plus the records the demo measures with."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from django.db import models
+
+if TYPE_CHECKING:
+    from .importer import ImportResult
+
+
+class FeedManager(models.Manager["Feed"]):
+    def import_feed(self, url: str) -> ImportResult:
+        """Download, parse and upsert the RSS 2.0 or Atom feed at ``url``.
+
+        Idempotent: entries are matched on their guid (or a stand-in for feeds
+        without one), so importing twice stores nothing twice. A feed that cannot
+        be fetched or parsed raises ``FeedImportError`` and changes nothing.
+        """
+        from .importer import import_feed
+
+        return import_feed(url)
+
+
+class Feed(models.Model):
+    url = models.URLField(max_length=500, unique=True)
+    title = models.CharField(max_length=300, blank=True)
+    link = models.URLField(max_length=500, blank=True)
+    last_imported_at = models.DateTimeField(null=True, blank=True)
+    imports = models.PositiveIntegerField(default=0)
+    entries_created = models.PositiveIntegerField(default=0)
+    entries_updated = models.PositiveIntegerField(default=0)
+
+    objects: ClassVar[FeedManager] = FeedManager()
+
+    class Meta:
+        ordering = ("url",)
+
+    def __str__(self) -> str:
+        return self.title or self.url
+
+
+class Entry(models.Model):
+    feed = models.ForeignKey(Feed, on_delete=models.CASCADE, related_name="entries")
+    guid = models.CharField(max_length=500)
+    title = models.CharField(max_length=500, blank=True)
+    link = models.URLField(max_length=500, blank=True)
+    published = models.DateTimeField(null=True, blank=True)
+    updated = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ("-published", "id")
+        constraints = (
+            models.UniqueConstraint(fields=("feed", "guid"), name="entry_unique_guid_per_feed"),
+        )
+        verbose_name_plural = "entries"
+
+    def __str__(self) -> str:
+        return self.title or self.guid
+
+
+class ImportRun(models.Model):
+    """One import that held the lock: when it ran (monotonic clock) and where."""
+
+    feed_url = models.URLField(max_length=500, db_index=True)
+    task_name = models.CharField(max_length=200)
+    started = models.FloatField(help_text="time.monotonic() when the import began")
+    finished = models.FloatField(help_text="time.monotonic() when it ended")
+    pid = models.PositiveIntegerField()
+    entries_created = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.task_name} {self.feed_url} [{self.started:.3f}, {self.finished:.3f}]"
+
+
+class TaskOutcome(models.Model):
+    """What became of every feeds task message: imported, skipped or failed."""
+
+    IMPORTED, SKIPPED, FAILED = "imported", "skipped", "failed"
+
+    task_id = models.CharField(max_length=100, unique=True)
+    task_name = models.CharField(max_length=200)
+    feed_url = models.URLField(max_length=500, db_index=True)
+    outcome = models.CharField(
+        max_length=10,
+        choices=((IMPORTED, "imported"), (SKIPPED, "skipped"), (FAILED, "failed")),
+    )
+    detail = models.TextField(blank=True, help_text="the error, for failed tasks")
+
+    def __str__(self) -> str:
+        return f"{self.task_name} {self.feed_url}: {self.outcome}"

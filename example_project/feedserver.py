@@ -1,0 +1,63 @@
+"""A local HTTP server for the fixture feeds, slow on purpose.
+
+Each response waits ``delay`` seconds, so an import takes long enough that two
+imports of one feed at the same moment would be seen. Nothing reaches the
+internet: the demo and the tests import from here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+FIXTURES = Path(__file__).resolve().parent / "feeds" / "fixtures"
+CONTENT_TYPES = {".rss": "application/rss+xml", ".atom": "application/atom+xml"}
+
+
+class FeedServer:
+    """Serves ``fixtures/<path>`` on a free loopback port in a background thread."""
+
+    def __init__(self, delay: float = 0.3) -> None:
+        self.delay = delay
+        self.requests = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                server.requests += 1
+                time.sleep(server.delay)
+                path = (FIXTURES / self.path.lstrip("/")).resolve()
+                if FIXTURES not in path.parents or not path.is_file():
+                    self.send_error(404, "no such feed")
+                    return
+                body = path.read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPES.get(path.suffix, "text/xml"))
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port: int = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def feed_urls(self) -> list[str]:
+        return [self.url(f"feeds/{p.name}") for p in sorted((FIXTURES / "feeds").iterdir())]
+
+    def start(self) -> FeedServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join()
