@@ -52,14 +52,18 @@ def start_lock_store(stack: ExitStack) -> str:
         "private Redis, which also holds locks across processes."
     )
     if not shutil.which("redis-server"):
-        raise SystemExit("Neither memcached nor redis-server is installed: apt-get install -y memcached")
+        raise SystemExit(
+            "Neither memcached nor redis-server is installed: apt-get install -y memcached"
+        )
     redis = Redis().start()
     stack.callback(redis.stop)
     say(f"Lock store: private Redis on {redis.address}")
     return redis.url
 
 
-def start_workers(stack: ExitStack, run_dir: Path, count: int, concurrency: int) -> None:
+def start_workers(
+    stack: ExitStack, run_dir: Path, count: int, concurrency: int
+) -> None:
     env = dict(os.environ)
     procs = []
     for number in range(1, count + 1):
@@ -82,7 +86,9 @@ def start_workers(stack: ExitStack, run_dir: Path, count: int, concurrency: int)
                 tail = log.read_text()[-3000:] if log.exists() else ""
                 raise SystemExit(f"A celery worker did not start:\n{tail}")
             time.sleep(0.1)
-    say(f"Started {count} celery workers (prefork, {concurrency} processes each); logs in {run_dir}")
+    say(
+        f"Started {count} celery workers (prefork, {concurrency} processes each); logs in {run_dir}"
+    )
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
@@ -104,7 +110,7 @@ def storm(task_name: str, urls: list[str], duplicates: int, producers: int) -> i
 
     def produce(number: int) -> None:
         barrier.wait()
-        for round_ in range(duplicates):
+        for _ in range(duplicates):
             for url in urls[number % len(urls) :] + urls[: number % len(urls)]:
                 task.delay(url)
 
@@ -137,13 +143,17 @@ def wait_for(task_name: str, expected: int, timeout: float = 60) -> None:
         if done >= expected:
             return
         if time.monotonic() > deadline:
-            raise SystemExit(f"Timed out: only {done} of {expected} {task_name} tasks finished")
+            raise SystemExit(
+                f"Timed out: only {done} of {expected} {task_name} tasks finished"
+            )
         time.sleep(0.5)
 
 
 def most_at_once(intervals: list[tuple[float, float]]) -> int:
     """The highest number of intervals open at one moment."""
-    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    events = sorted(
+        [(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals]
+    )
     running = peak = 0
     for _, change in events:  # an end sorts before a start at the same instant
         running += change
@@ -155,7 +165,9 @@ def report(task_name: str, urls: list[str]) -> bool:
     from example_project.feeds.models import Entry, ImportRun, TaskOutcome
 
     full_name = f"example_project.feeds.tasks.{task_name}"
-    say(f"{'feed':<28} {'imports':>7} {'skipped':>7} {'failed':>6} {'at once':>7} {'entries':>7}")
+    say(
+        f"{'feed':<28} {'imports':>7} {'skipped':>7} {'failed':>6} {'at once':>7} {'entries':>7}"
+    )
     ok = True
     for url in urls:
         runs = ImportRun.objects.filter(task_name=full_name, feed_url=url)
@@ -176,18 +188,28 @@ def report(task_name: str, urls: list[str]) -> bool:
             problems.append("TASKS FAILED")
         ok = ok and not problems
         say(row + ("   <- " + ", ".join(problems) if problems else ""))
-        for detail in outcomes.filter(outcome="failed").values_list("detail", flat=True)[:3]:
+        for detail in outcomes.filter(outcome="failed").values_list(
+            "detail", flat=True
+        )[:3]:
             say(f"      failed: {detail}")
     return ok
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duplicates", type=int, default=4, help="sends of each feed per producer")
+    parser.add_argument(
+        "--duplicates", type=int, default=4, help="sends of each feed per producer"
+    )
     parser.add_argument("--producers", type=int, default=3, help="producer threads")
-    parser.add_argument("--workers", type=int, default=2, help="celery worker processes")
-    parser.add_argument("--concurrency", type=int, default=2, help="pool processes per worker")
-    parser.add_argument("--delay", type=float, default=0.3, help="feed server delay, seconds")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="celery worker processes"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=2, help="pool processes per worker"
+    )
+    parser.add_argument(
+        "--delay", type=float, default=0.3, help="feed server delay, seconds"
+    )
     options = parser.parse_args(argv)
     started = time.monotonic()
 
@@ -216,24 +238,41 @@ def main(argv: list[str] | None = None) -> int:
         server = FeedServer(delay=options.delay).start()
         stack.callback(server.stop)
         urls = server.feed_urls()
-        say(f"Feed server: {len(urls)} fixture feeds on 127.0.0.1:{server.port}, "
-            f"{options.delay}s per response")
+        say(
+            f"Feed server: {len(urls)} fixture feeds on 127.0.0.1:{server.port}, "
+            f"{options.delay}s per response"
+        )
         start_workers(stack, run_dir, options.workers, options.concurrency)
 
         ok = True
         for number, task_name in enumerate(TASKS, 1):
-            label = "memcache_lock (the cookbook's way)" if task_name == "import_feed" else "@single_instance"
+            label = (
+                "memcache_lock (the cookbook's way)"
+                if task_name == "import_feed"
+                else "@single_instance"
+            )
             say()
-            say(f"{number}. {task_name}, {label}: {options.producers} producers send every feed "
-                f"{options.duplicates} times each")
+            say(
+                f"{number}. {task_name}, {label}: {options.producers} producers send every feed "
+                f"{options.duplicates} times each"
+            )
             sent = storm(task_name, urls, options.duplicates, options.producers)
             say(f"   sent {sent} tasks")
             wait_for(task_name, sent)
             ok = report(task_name, urls) and ok
         say()
         say(f"Feed server answered {server.requests} requests.")
-    say(f"Stopped every process the demo started ({time.monotonic() - started:.1f}s in all).")
-    say("RESULT: " + ("OK: no feed imported twice at once, every feed imported" if ok else "FAILED"))
+    say(
+        f"Stopped every process the demo started ({time.monotonic() - started:.1f}s in all)."
+    )
+    say(
+        "RESULT: "
+        + (
+            "OK: no feed imported twice at once, every feed imported"
+            if ok
+            else "FAILED"
+        )
+    )
     return 0 if ok else 1
 
 

@@ -25,7 +25,7 @@ class FeedServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 server.requests += 1
                 time.sleep(server.delay)
                 path = (FIXTURES / self.path.lstrip("/")).resolve()
@@ -34,7 +34,9 @@ class FeedServer:
                     return
                 body = path.read_bytes()
                 self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPES.get(path.suffix, "text/xml"))
+                self.send_header(
+                    "Content-Type", CONTENT_TYPES.get(path.suffix, "text/xml")
+                )
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -51,7 +53,9 @@ class FeedServer:
         return f"http://127.0.0.1:{self.port}/{name}"
 
     def feed_urls(self) -> list[str]:
-        return [self.url(f"feeds/{p.name}") for p in sorted((FIXTURES / "feeds").iterdir())]
+        return [
+            self.url(f"feeds/{p.name}") for p in sorted((FIXTURES / "feeds").iterdir())
+        ]
 
     def start(self) -> FeedServer:
         self._thread.start()

@@ -67,7 +67,10 @@ DATABASES = {
         "NAME": os.environ.get("EXAMPLE_DATABASE", str(RUN_DIR / "example.sqlite3")),
         # Several worker processes write at once: wait for SQLite's lock, and take
         # it when a transaction begins (a read that turns into a write could not wait).
-        "OPTIONS": {"timeout": 30, **({"transaction_mode": "IMMEDIATE"} if django.VERSION >= (5, 1) else {})},
+        "OPTIONS": {
+            "timeout": 30,
+            **({"transaction_mode": "IMMEDIATE"} if django.VERSION >= (5, 1) else {}),
+        },
     }
 }
 

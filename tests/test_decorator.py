@@ -71,7 +71,9 @@ def test_tuples_and_lists_and_dict_order_alike():
 
 RICH = {
     "uuid": uuid.UUID("12345678-1234-5678-1234-567812345678"),
-    "when": datetime.datetime(2026, 11, 22, 10, 0, 0, 123456, tzinfo=datetime.timezone.utc),
+    "when": datetime.datetime(
+        2026, 11, 22, 10, 0, 0, 123456, tzinfo=datetime.timezone.utc
+    ),
     "day": datetime.date(2026, 11, 22),
     "price": decimal.Decimal("10.50"),
     "nested": ({"b": [1, (2, 3)], "a": None}, 1.5, True),

@@ -28,7 +28,14 @@ class EntryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 @admin.register(ImportRun)
 class ImportRunAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    list_display = ("feed_url", "task_name", "started", "finished", "pid", "entries_created")
+    list_display = (
+        "feed_url",
+        "task_name",
+        "started",
+        "finished",
+        "pid",
+        "entries_created",
+    )
 
 
 @admin.register(TaskOutcome)

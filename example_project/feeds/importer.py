@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import html
-import time
 import urllib.error
 import urllib.request
 from calendar import timegm
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urljoin
 
 import feedparser
@@ -20,6 +19,9 @@ from django.utils import timezone as django_timezone
 from django.utils.html import strip_tags
 
 from .models import Entry, Feed
+
+if TYPE_CHECKING:
+    import time
 
 
 class FeedImportError(Exception):
@@ -52,7 +54,9 @@ def parse(url: str, body: bytes, headers: dict[str, str]) -> Any:
     if not parsed.version:
         reason = parsed.get("bozo_exception", "no RSS or Atom document found")
         raise FeedImportError(f"{url} is not an RSS or Atom feed: {reason}")
-    if parsed.bozo and not isinstance(parsed.bozo_exception, feedparser.CharacterEncodingOverride):
+    if parsed.bozo and not isinstance(
+        parsed.bozo_exception, feedparser.CharacterEncodingOverride
+    ):
         raise FeedImportError(f"{url} is malformed: {parsed.bozo_exception}")
     return parsed
 

@@ -52,7 +52,9 @@ class Entry(models.Model):
     class Meta:
         ordering = ("-published", "id")
         constraints = (
-            models.UniqueConstraint(fields=("feed", "guid"), name="entry_unique_guid_per_feed"),
+            models.UniqueConstraint(
+                fields=("feed", "guid"), name="entry_unique_guid_per_feed"
+            ),
         )
         verbose_name_plural = "entries"
 

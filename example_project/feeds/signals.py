@@ -8,13 +8,21 @@ from celery.signals import task_postrun
 
 from .models import TaskOutcome
 
-FEED_TASKS = ("example_project.feeds.tasks.import_feed", "example_project.feeds.tasks.import_feed_single")
+FEED_TASKS = (
+    "example_project.feeds.tasks.import_feed",
+    "example_project.feeds.tasks.import_feed_single",
+)
 
 
 @task_postrun.connect
 def record_outcome(
-    sender: Any = None, task_id: str = "", args: Any = (), kwargs: Any = None, retval: Any = None,
-    state: str = "", **extra: Any
+    sender: Any = None,
+    task_id: str = "",
+    args: Any = (),
+    kwargs: Any = None,
+    retval: Any = None,
+    state: str = "",
+    **extra: Any,
 ) -> None:
     if getattr(sender, "name", None) not in FEED_TASKS:
         return

@@ -5,67 +5,131 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Feed',
+            name="Feed",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('url', models.URLField(max_length=500, unique=True)),
-                ('title', models.CharField(blank=True, max_length=300)),
-                ('link', models.URLField(blank=True, max_length=500)),
-                ('last_imported_at', models.DateTimeField(blank=True, null=True)),
-                ('imports', models.PositiveIntegerField(default=0)),
-                ('entries_created', models.PositiveIntegerField(default=0)),
-                ('entries_updated', models.PositiveIntegerField(default=0)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True,
+                        primary_key=True,
+                        serialize=False,
+                        verbose_name="ID",
+                    ),
+                ),
+                ("url", models.URLField(max_length=500, unique=True)),
+                ("title", models.CharField(blank=True, max_length=300)),
+                ("link", models.URLField(blank=True, max_length=500)),
+                ("last_imported_at", models.DateTimeField(blank=True, null=True)),
+                ("imports", models.PositiveIntegerField(default=0)),
+                ("entries_created", models.PositiveIntegerField(default=0)),
+                ("entries_updated", models.PositiveIntegerField(default=0)),
             ],
             options={
-                'ordering': ('url',),
+                "ordering": ("url",),
             },
         ),
         migrations.CreateModel(
-            name='ImportRun',
+            name="ImportRun",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('feed_url', models.URLField(db_index=True, max_length=500)),
-                ('task_name', models.CharField(max_length=200)),
-                ('started', models.FloatField(help_text='time.monotonic() when the import began')),
-                ('finished', models.FloatField(help_text='time.monotonic() when it ended')),
-                ('pid', models.PositiveIntegerField()),
-                ('entries_created', models.PositiveIntegerField(default=0)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True,
+                        primary_key=True,
+                        serialize=False,
+                        verbose_name="ID",
+                    ),
+                ),
+                ("feed_url", models.URLField(db_index=True, max_length=500)),
+                ("task_name", models.CharField(max_length=200)),
+                (
+                    "started",
+                    models.FloatField(
+                        help_text="time.monotonic() when the import began"
+                    ),
+                ),
+                (
+                    "finished",
+                    models.FloatField(help_text="time.monotonic() when it ended"),
+                ),
+                ("pid", models.PositiveIntegerField()),
+                ("entries_created", models.PositiveIntegerField(default=0)),
             ],
         ),
         migrations.CreateModel(
-            name='TaskOutcome',
+            name="TaskOutcome",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('task_id', models.CharField(max_length=100, unique=True)),
-                ('task_name', models.CharField(max_length=200)),
-                ('feed_url', models.URLField(db_index=True, max_length=500)),
-                ('outcome', models.CharField(choices=[('imported', 'imported'), ('skipped', 'skipped'), ('failed', 'failed')], max_length=10)),
-                ('detail', models.TextField(blank=True, help_text='the error, for failed tasks')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True,
+                        primary_key=True,
+                        serialize=False,
+                        verbose_name="ID",
+                    ),
+                ),
+                ("task_id", models.CharField(max_length=100, unique=True)),
+                ("task_name", models.CharField(max_length=200)),
+                ("feed_url", models.URLField(db_index=True, max_length=500)),
+                (
+                    "outcome",
+                    models.CharField(
+                        choices=[
+                            ("imported", "imported"),
+                            ("skipped", "skipped"),
+                            ("failed", "failed"),
+                        ],
+                        max_length=10,
+                    ),
+                ),
+                (
+                    "detail",
+                    models.TextField(
+                        blank=True, help_text="the error, for failed tasks"
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Entry',
+            name="Entry",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('guid', models.CharField(max_length=500)),
-                ('title', models.CharField(blank=True, max_length=500)),
-                ('link', models.URLField(blank=True, max_length=500)),
-                ('published', models.DateTimeField(blank=True, null=True)),
-                ('updated', models.DateTimeField(blank=True, null=True)),
-                ('feed', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='entries', to='feeds.feed')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True,
+                        primary_key=True,
+                        serialize=False,
+                        verbose_name="ID",
+                    ),
+                ),
+                ("guid", models.CharField(max_length=500)),
+                ("title", models.CharField(blank=True, max_length=500)),
+                ("link", models.URLField(blank=True, max_length=500)),
+                ("published", models.DateTimeField(blank=True, null=True)),
+                ("updated", models.DateTimeField(blank=True, null=True)),
+                (
+                    "feed",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="entries",
+                        to="feeds.feed",
+                    ),
+                ),
             ],
             options={
-                'verbose_name_plural': 'entries',
-                'ordering': ('-published', 'id'),
-                'constraints': [models.UniqueConstraint(fields=('feed', 'guid'), name='entry_unique_guid_per_feed')],
+                "verbose_name_plural": "entries",
+                "ordering": ("-published", "id"),
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("feed", "guid"), name="entry_unique_guid_per_feed"
+                    )
+                ],
             },
         ),
     ]
