@@ -210,12 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--delay", type=float, default=0.3, help="feed server delay, seconds"
     )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the run folder (database, worker logs)",
+    )
     options = parser.parse_args(argv)
     started = time.monotonic()
 
     with ExitStack() as stack:
         run_dir = Path(tempfile.mkdtemp(prefix="tasklock-demo-"))
-        stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
+        if not options.keep:
+            stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
         os.environ["EXAMPLE_LOCK_STORE"] = start_lock_store(stack)
         os.environ["EXAMPLE_DATABASE"] = str(run_dir / "demo.sqlite3")
         os.environ["EXAMPLE_BROKER_DIR"] = str(run_dir / "broker")

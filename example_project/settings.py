@@ -95,6 +95,8 @@ TASKLOCK = {"LOCK_EXPIRE": 300}
 BROKER_DIR = Path(os.environ.get("EXAMPLE_BROKER_DIR", str(RUN_DIR / "broker")))
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
 if CELERY_BROKER_URL == "filesystem://":
+    # kombu's filesystem transport, with atomic writes: see filesystem_broker.py.
+    CELERY_BROKER_TRANSPORT = "example_project.filesystem_broker:Transport"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(BROKER_DIR / "queue"),
         "data_folder_out": str(BROKER_DIR / "queue"),

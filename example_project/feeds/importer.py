@@ -37,7 +37,8 @@ class ImportResult:
 
 def fetch(url: str) -> tuple[bytes, dict[str, str]]:
     try:
-        with urllib.request.urlopen(url, timeout=settings.FEED_TIMEOUT) as response:
+        timeout = getattr(settings, "FEED_TIMEOUT", 10)
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.read(), {k.lower(): v for k, v in response.headers.items()}
     except (urllib.error.URLError, OSError) as exc:
         raise FeedImportError(f"Could not fetch {url}: {exc}") from exc
@@ -95,8 +96,10 @@ def import_feed(url: str) -> ImportResult:
             values = {
                 "title": text(item.get("title"))[:500],
                 "link": link,
-                "published": when(item.get("published_parsed")),
-                "updated": when(item.get("updated_parsed")),
+                # dict.get: feedparser's own get() would stand published in for a
+                # missing updated (and warn that it will stop doing so).
+                "published": when(dict.get(item, "published_parsed")),
+                "updated": when(dict.get(item, "updated_parsed")),
             }
             entry, was_created = Entry.objects.get_or_create(
                 feed=feed, guid=guid_of(item, link), defaults=values

@@ -1,0 +1,211 @@
+"""The example project: the feed importer, its two tasks under a real worker, and
+the demo a newcomer runs first."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from hashlib import md5
+from pathlib import Path
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+from django.db import connections
+
+from django_tasklock import Lock, lock_id_for
+from example_project.celery import app as example_app
+from example_project.feeds import tasks
+from example_project.feeds.importer import FeedImportError
+from example_project.feeds.models import Entry, Feed, ImportRun, TaskOutcome
+from example_project.feedserver import FeedServer
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def feeds():
+    server = FeedServer(delay=0).start()
+    yield server
+    server.stop()
+
+
+def test_every_fixture_feed_imports(feeds):
+    urls = feeds.feed_urls()
+    assert len(urls) >= 5
+    assert {Path(u).suffix for u in urls} == {".rss", ".atom"}
+    for url in urls:
+        result = Feed.objects.import_feed(url)
+        assert result.created >= 2, url
+        assert result.updated == 0, f"{url}: entries collided on one guid"
+        assert result.feed.title
+        assert result.feed.entries.count() == result.created
+
+
+def test_rss_fields(feeds):
+    feed = Feed.objects.import_feed(feeds.url("feeds/python-news.rss")).feed
+    assert feed.title == "Python Insider"
+    assert feed.link == "https://blog.python.example/"
+    entry = feed.entries.get(guid="tag:blog.python.example,2026:post-sprint")
+    assert entry.title == "Core sprint report"
+    assert entry.link == "https://blog.python.example/2026/10/sprint.html"
+    assert entry.published.isoformat() == "2026-10-19T12:30:00+00:00"
+
+
+def test_html_in_titles_is_stripped(feeds):
+    feed = Feed.objects.import_feed(feeds.url("feeds/relative-links.atom")).feed
+    assert feed.title == "Relative Links Weekly"
+    titles = set(feed.entries.values_list("title", flat=True))
+    assert titles == {"Issue 42: links without a host", "Issue 41 & friends"}
+
+
+def test_relative_links_are_resolved_against_the_feed(feeds):
+    url = feeds.url("feeds/relative-links.atom")
+    feed = Feed.objects.import_feed(url).feed
+    base = f"http://127.0.0.1:{feeds.port}"
+    assert set(feed.entries.values_list("link", flat=True)) == {
+        f"{base}/feeds/issues/42.html",
+        f"{base}/weekly/issues/41.html",
+    }
+    assert feed.link == f"{base}/"
+
+
+def test_declared_non_utf8_encodings_are_decoded(feeds):
+    cafe = Feed.objects.import_feed(feeds.url("feeds/cafe-latin1.rss")).feed
+    assert cafe.title == "Le Café des Développeurs"
+    assert "Crème brûlée et compilateurs" in cafe.entries.values_list(
+        "title", flat=True
+    )
+    notes = Feed.objects.import_feed(feeds.url("feeds/release-notes.atom")).feed
+    assert notes.title == "Release Notes \u2013 \u201cStable\u201d channel"
+
+
+def test_entries_without_guid_get_distinct_stable_ids(feeds):
+    url = feeds.url("feeds/no-guids.rss")
+    first = Feed.objects.import_feed(url)
+    guids = set(first.feed.entries.values_list("guid", flat=True))
+    assert len(guids) == 3
+    assert f"http://127.0.0.1:{feeds.port}/feeds/posts/only-link.html" in guids
+    assert sum(guid.startswith("sha1:") for guid in guids) == 2
+    assert "Tip: use functools.cache" in first.feed.entries.values_list(
+        "title", flat=True
+    )
+    again = Feed.objects.import_feed(url)
+    assert set(again.feed.entries.values_list("guid", flat=True)) == guids
+
+
+def test_reimport_is_idempotent(feeds):
+    url = feeds.url("feeds/podcast.rss")
+    first = Feed.objects.import_feed(url)
+    second = Feed.objects.import_feed(url)
+    assert (second.created, second.updated) == (0, 0)
+    assert Entry.objects.filter(feed__url=url).count() == first.created
+    feed = Feed.objects.get(url=url)
+    assert (feed.imports, feed.entries_created) == (2, first.created)
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("broken.rss", "is malformed"),
+        ("not-a-feed.html", "is not an RSS or Atom feed"),
+        ("missing.rss", "Could not fetch"),
+    ],
+)
+def test_bad_feed_gives_clear_error_and_changes_nothing(feeds, path, message):
+    url = feeds.url(path)
+    feed = Feed.objects.create(url=url, title="kept", imports=3)
+    Entry.objects.create(feed=feed, guid="g1", title="kept entry")
+    with pytest.raises(FeedImportError, match=message):
+        Feed.objects.import_feed(url)
+    feed.refresh_from_db()
+    assert (feed.title, feed.imports) == ("kept", 3)
+    assert list(feed.entries.values_list("title", flat=True)) == ["kept entry"]
+
+
+def test_unreachable_server_is_a_clear_error():
+    with pytest.raises(
+        FeedImportError, match=r"Could not fetch http://127\.0\.0\.1:9/"
+    ):
+        Feed.objects.import_feed("http://127.0.0.1:9/feed.rss")
+    assert Feed.objects.count() == 0
+
+
+@pytest.fixture
+def example_worker(redis_server, settings):
+    settings.TASKLOCK = {"CACHE": "default"}
+    base = redis_server.url[:-2]
+    example_app.conf.update(broker_url=f"{base}/5", result_backend=f"{base}/6")
+    with start_worker(
+        example_app,
+        pool="threads",
+        concurrency=2,
+        perform_ping_check=False,
+        loglevel="WARNING",
+    ) as worker:
+        yield worker
+    connections.close_all()
+
+
+@pytest.mark.slow
+def test_both_tasks_through_a_worker(feeds, example_worker):
+    url = feeds.url("feeds/python-news.rss")
+    cookbook_id = f"{tasks.import_feed.name}-lock-{md5(url.encode()).hexdigest()}"
+    # @single_instance(key="feed_url") takes the lock id the cookbook would build.
+    single_id = lock_id_for(tasks.import_feed_single, url)
+    assert (
+        single_id
+        == f"{tasks.import_feed_single.name}-lock-{md5(url.encode()).hexdigest()}"
+    )
+
+    assert tasks.import_feed.delay(url).get(timeout=30) == url
+    assert tasks.import_feed_single.delay(url).get(timeout=30) == url
+    with Lock(cookbook_id), Lock(single_id):
+        assert tasks.import_feed.delay(url).get(timeout=30) is None
+        assert tasks.import_feed_single.delay(url).get(timeout=30) is None
+    outcomes = list(
+        TaskOutcome.objects.order_by("id").values_list("task_name", "outcome")
+    )
+    assert outcomes == [
+        (tasks.import_feed.name, "imported"),
+        (tasks.import_feed_single.name, "imported"),
+        (tasks.import_feed.name, "skipped"),
+        (tasks.import_feed_single.name, "skipped"),
+    ]
+    assert ImportRun.objects.count() == 2
+    assert Feed.objects.get(url=url).imports == 2
+    assert Entry.objects.filter(feed__url=url).count() == 3
+
+
+@pytest.mark.slow
+def test_demo_end_to_end():
+    """The README's first command, with a small storm."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "example_project.demo",
+            "--duplicates",
+            "2",
+            "--producers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "RESULT: OK" in out
+    rows = re.findall(
+        r"^(\S+\.(?:rss|atom))\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.M
+    )
+    assert len(rows) == 12, out  # six feeds, two tasks
+    for name, imports, _skipped, failed, at_once, entries in rows:
+        assert int(imports) >= 1, name
+        assert int(failed) == 0, name
+        assert int(at_once) == 1, name
+        assert int(entries) >= 2, name
+    assert "Stopped every process the demo started" in out
