@@ -110,8 +110,9 @@ def storm(task_name: str, urls: list[str], duplicates: int, producers: int) -> i
 
     def produce(number: int) -> None:
         barrier.wait()
-        for _ in range(duplicates):
-            for url in urls[number % len(urls) :] + urls[: number % len(urls)]:
+        # Bursts of one feed from every producer at once: the worst case.
+        for url in urls:
+            for _ in range(duplicates):
                 task.delay(url)
 
     threads = [threading.Thread(target=produce, args=(n,)) for n in range(producers)]
