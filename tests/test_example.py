@@ -3,7 +3,9 @@ the demo a newcomer runs first."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from hashlib import md5
@@ -178,10 +180,8 @@ def test_both_tasks_through_a_worker(feeds, example_worker):
     assert Entry.objects.filter(feed__url=url).count() == 3
 
 
-@pytest.mark.slow
-def test_demo_end_to_end():
-    """The README's first command, with a small storm."""
-    result = subprocess.run(
+def run_demo(env=None):
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -195,7 +195,27 @@ def test_demo_end_to_end():
         text=True,
         timeout=180,
         cwd=ROOT,
+        env=env,
     )
+
+
+@pytest.mark.slow
+def test_demo_without_memcached_falls_back_to_redis(tmp_path):
+    """No memcached binary: the demo says how to install it and uses Redis."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(shutil.which("redis-server"))
+    result = run_demo({**os.environ, "PATH": str(bin_dir)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "memcached is not installed (apt-get install -y memcached)" in result.stdout
+    assert "Lock store: private Redis on 127.0.0.1:" in result.stdout
+    assert "RESULT: OK" in result.stdout
+
+
+@pytest.mark.slow
+def test_demo_end_to_end():
+    """The README's first command, with a small storm."""
+    result = run_demo()
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "RESULT: OK" in out
