@@ -155,3 +155,9 @@ def in_thread(function, *args):
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["result"]
+
+
+def forget_backend(celery_app):
+    """Celery keeps a result backend per thread once asked for one; earlier tests
+    in this thread may have met the app before its backend was configured."""
+    celery_app._local.__dict__.pop("backend", None)

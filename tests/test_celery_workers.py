@@ -20,6 +20,7 @@ from celery.contrib.testing.worker import start_worker
 
 from tests import tasks
 from tests.celery_app import app
+from tests.conftest import forget_backend
 from tests.workers import overlaps
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +33,7 @@ def broker(redis_server):
     base = redis_server.url[:-2]
     env = {"TASKLOCK_TEST_BROKER": f"{base}/3", "TASKLOCK_TEST_RESULTS": f"{base}/4"}
     os.environ.update(env)
+    forget_backend(app)
     app.conf.update(
         broker_url=env["TASKLOCK_TEST_BROKER"],
         result_backend=env["TASKLOCK_TEST_RESULTS"],

@@ -21,6 +21,7 @@ from example_project.feeds import tasks
 from example_project.feeds.importer import FeedImportError
 from example_project.feeds.models import Entry, Feed, ImportRun, TaskOutcome
 from example_project.feedserver import FeedServer
+from tests.conftest import forget_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -138,6 +139,7 @@ def test_unreachable_server_is_a_clear_error():
 def example_worker(redis_server, settings):
     settings.TASKLOCK = {"CACHE": "default"}
     base = redis_server.url[:-2]
+    forget_backend(example_app)
     example_app.conf.update(broker_url=f"{base}/5", result_backend=f"{base}/6")
     with start_worker(
         example_app,
