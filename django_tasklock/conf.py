@@ -45,6 +45,9 @@ DEFAULTS: Final[dict[str, Any]] = {
 }
 
 
+_UNSET: Final = object()
+
+
 def validate_expire(value: object, *, name: str = "expire") -> float:
     """Return ``value`` if it is a valid lock expiry, else raise InvalidLockExpire.
 
@@ -142,6 +145,11 @@ def setting_problems(raw: object) -> list[tuple[str, str]]:
 class Settings:
     """Typed view of ``settings.TASKLOCK``; every attribute is read anew."""
 
+    def __init__(self) -> None:
+        # The last value found valid per key: a value object seen before (the
+        # very same object) is not validated again on this hot path.
+        self._valid: dict[str, object] = {}
+
     def _get(self, key: str) -> Any:
         raw = getattr(django_settings, "TASKLOCK", None)
         if raw is None:
@@ -151,9 +159,12 @@ class Settings:
         if key not in raw:
             return DEFAULTS[key]
         value = raw[key]
+        if self._valid.get(key, _UNSET) is value:
+            return value
         for problem_key, message in setting_problems({key: value}):
             if problem_key == key:
                 raise LockConfigurationError(message)
+        self._valid[key] = value
         return value
 
     @property

@@ -83,23 +83,27 @@ def portable_id(cache: BaseCache, lock_id: str, *, reserved: int = 0) -> str:
     calls it). ``reserved`` is the length of a key prefix the memcached client adds
     itself (pymemcache's ``key_prefix`` option).
     """
+    return _memcached_id_and_key(cache, lock_id, reserved)[0]
+
+
+def memcached_key(cache: BaseCache, lock_id: str, *, reserved: int = 0) -> str:
+    """The memcached key of ``lock_id``: Django's key, hashed only if unusable."""
+    return _memcached_id_and_key(cache, lock_id, reserved)[1]
+
+
+def _memcached_id_and_key(
+    cache: BaseCache, lock_id: str, reserved: int
+) -> tuple[str, str]:
     max_bytes = MEMCACHED_MAX_KEY_BYTES - reserved
-    if _fits_memcached(cache.make_key(lock_id), max_bytes):
-        return lock_id
-    hashed = (
-        HASHED_PREFIX
-        + hashlib.sha256(lock_id.encode("utf-8", "surrogatepass")).hexdigest()
-    )
+    key = cache.make_key(lock_id)
+    if _fits_memcached(key, max_bytes):
+        return lock_id, key
+    hashed = hashed_id(lock_id)
     key = cache.make_key(hashed)
     if _fits_memcached(key, max_bytes):
-        return hashed
+        return hashed, key
     raise LockConfigurationError(
         f"The cache's KEY_PREFIX/KEY_FUNCTION turn even a hashed lock id into "
         f"{key!r}, which memcached cannot store (over {max_bytes} bytes, or "
         "whitespace/control characters). Shorten KEY_PREFIX or fix KEY_FUNCTION."
     )
-
-
-def memcached_key(cache: BaseCache, lock_id: str, *, reserved: int = 0) -> str:
-    """The memcached key of ``lock_id``: Django's key, hashed only if unusable."""
-    return cache.make_key(portable_id(cache, lock_id, reserved=reserved))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -26,6 +27,26 @@ __all__ = ["Lock", "memcache_lock"]
 logger = logging.getLogger(__name__)
 
 _HOSTNAME = socket.gethostname()
+
+
+class _Tokens:
+    """Unique tokens without a system call per acquisition: a random 64-bit prefix
+    per process (drawn again in a forked child) and a counter."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = f"{os.getpid()}:{secrets.token_hex(8)}"
+        self.counter = itertools.count()
+
+    def new(self, owner: str) -> str:
+        # next() on itertools.count is atomic under the GIL: threads never share one.
+        return f"{owner}:{self.prefix}:{threading.get_ident()}:{next(self.counter)}"
+
+
+_tokens = _Tokens()
 #: Shortest and longest pause between two tries of a blocking acquire.
 POLL_MIN = 0.01
 POLL_MAX = 0.5
@@ -102,8 +123,7 @@ class Lock:
         return backend, key
 
     def _new_token(self) -> str:
-        owner = self._oid or _HOSTNAME
-        return f"{owner}:{os.getpid()}:{threading.get_ident()}:{secrets.token_hex(8)}"
+        return _tokens.new(self._oid or _HOSTNAME)
 
     def _store_error(
         self, backend: LockBackend, key: str, doing: str, exc: BaseException

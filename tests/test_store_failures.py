@@ -200,7 +200,7 @@ def test_server_without_meta_commands_falls_back_to_gets_cas(settings, own_memca
     finally:
         from django_tasklock.backends import memcached as memcached_backend
 
-        memcached_backend._classic_servers.discard(f"('127.0.0.1', {proxy.port})")
+        memcached_backend._classic_servers.discard(("127.0.0.1", proxy.port))
         from tests.conftest import close_connections
 
         close_connections()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from django.core.cache import InvalidCacheBackendError, caches
@@ -76,6 +77,11 @@ def unsafe_options(backend_class: type[Any], options: dict[str, Any]) -> dict[st
     return {name: why for name, why in _UNSAFE_OPTIONS.items() if options.get(name)}
 
 
+# One backend per Django cache object (and so per thread and alias, and anew when
+# CACHES changes): building it on every lock call would cost more than the lock.
+_backends: weakref.WeakKeyDictionary[Any, LockBackend] = weakref.WeakKeyDictionary()
+
+
 def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
     """The lock backend of the CACHES entry ``alias``, for the calling thread."""
     try:
@@ -85,8 +91,16 @@ def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
             f"TASKLOCK['CACHE'] (or cache=) names {alias!r}, which is not in CACHES "
             f"({exc}). Add that alias to CACHES or name an existing one."
         ) from exc
+    backend = _backends.get(cache)
+    if backend is None:
+        backend = _backends[cache] = _new_backend(cache, alias)
+    backend.protocol = protocol
+    return backend
+
+
+def _new_backend(cache: Any, alias: str) -> LockBackend:
     if isinstance(cache, PyMemcacheCache):
-        return MemcachedBackend(cache, alias, protocol)
+        return MemcachedBackend(cache, alias)
     if isinstance(cache, RedisCache):
         return RedisBackend(cache, alias)
     if isinstance(cache, LocMemCache):

@@ -25,6 +25,8 @@ class LockBackend(abc.ABC):
 
     kind: ClassVar[str]
     errors: tuple[type[BaseException], ...] = ()
+    #: memcached only: "auto", "meta" or "classic" (TASKLOCK["MEMCACHED_PROTOCOL"]).
+    protocol: str = "auto"
 
     def __init__(self, cache: BaseCache, alias: str) -> None:
         self.cache = cache

@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from pymemcache.client.base import check_key_helper
 from pymemcache.client.hash import HashClient
 from pymemcache.exceptions import (
     MemcacheError,
@@ -51,7 +50,7 @@ _T = TypeVar("_T")
 # What a server that went away since the last command looks like on its socket.
 _DROPPED = (MemcacheUnexpectedCloseError, BrokenPipeError, ConnectionResetError)
 # Servers that answered ERROR to a meta command; they get the classic commands.
-_classic_servers: set[str] = set()
+_classic_servers: set[Any] = set()
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,12 @@ class MemcachedHold:
 
 
 def _wire_key(client: Any, key: str) -> bytes:
-    """The key as the client itself sends it: its own key_prefix, checked."""
-    wire: bytes = check_key_helper(key, client.allow_unicode_keys, client.key_prefix)
+    """The key as the client itself sends it, with its own key_prefix.
+
+    ``key`` comes from ``key_for``, which already made sure memcached can take it
+    (length with the prefix, no whitespace or control characters).
+    """
+    wire: bytes = client.key_prefix + key.encode("utf-8")
     return wire
 
 
@@ -123,7 +126,7 @@ class MemcachedBackend(LockBackend):
     def _meta(self, client: Any) -> bool:
         if self.protocol == "classic":
             return False
-        return self.protocol == "meta" or str(client.server) not in _classic_servers
+        return self.protocol == "meta" or client.server not in _classic_servers
 
     def _no_meta(self, client: Any) -> None:
         if self.protocol == "meta":
@@ -131,7 +134,7 @@ class MemcachedBackend(LockBackend):
                 f"memcached at {client.server} has no meta commands (needs 1.6+); "
                 "set TASKLOCK['MEMCACHED_PROTOCOL'] to 'auto' or 'classic'"
             )
-        _classic_servers.add(str(client.server))
+        _classic_servers.add(client.server)
 
     def _command(self, client: Any, command: bytes) -> bytes | None:
         """Send one meta command; None if the server does not know meta commands."""

@@ -1,0 +1,391 @@
+"""django_tasklock against the cookbook recipe and the raw memcached floor.
+
+    python -m benchmarks.bench [--quick] [--write-readme]
+
+Everything runs in one process tree against one private memcached, in one run, so
+the ratios compare like with like on a shared, noisy machine:
+
+1. Cycles: each variant takes and drops one lock, one cycle at a time, in rounds
+   that interleave the variants (each round in a new random order) so that drift
+   in the machine's speed hits every variant alike. Median and p99 per cycle, and
+   each median's ratio to the floor's: raw pymemcache ``add`` + ``delete`` on one
+   connection.
+2. Contended: 8 processes on one lock id for a fixed time, acquisitions per
+   second, for the floor (raw ``add``/``delete``) and for ``Lock``, alternated.
+3. End to end: a storm of duplicate Celery tasks over real worker processes
+   (prefork, on a private Redis broker), with and without ``@single_instance``,
+   time until every task has finished, alternated.
+
+``--write-readme`` replaces the table between the benchmark markers in README.rst.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.services import Memcached, Redis  # noqa: E402
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+TARGETS = {"memcache_lock": 1.3, "Lock": 1.3, "@single_instance": 1.6}
+README_START = ".. benchmark-table-start"
+README_END = ".. benchmark-table-end"
+
+
+def setup_django(memcached: str) -> None:
+    os.environ["TASKLOCK_TEST_MEMCACHED"] = memcached
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    import django
+
+    django.setup()
+
+
+# -- 1. cycles ---------------------------------------------------------------------
+
+
+def cycle_variants(port: int) -> dict[str, Callable[[], object]]:
+    from django.core.cache import caches
+    from pymemcache.client.base import Client
+
+    from django_tasklock import Lock, memcache_lock, single_instance
+
+    raw = Client(("127.0.0.1", port), default_noreply=False)
+    cache = caches["default"]
+
+    def floor() -> None:
+        raw.add("bench-floor", b"1", 60)
+        raw.delete("bench-floor")
+
+    def recipe() -> None:
+        if cache.add("bench-recipe", "true", 60):
+            cache.delete("bench-recipe")
+
+    def with_memcache_lock() -> None:
+        with memcache_lock("bench-memcache-lock", "oid") as acquired:
+            assert acquired
+
+    def with_lock() -> None:
+        lock = Lock("bench-lock")
+        lock.acquire()
+        lock.release()
+
+    @single_instance(on_contention="raise")
+    def decorated(feed_url: str, force: bool = False) -> None:
+        pass
+
+    def with_single_instance() -> None:
+        decorated("https://feeds.example/a.xml")
+
+    return {
+        "floor (raw add+delete)": floor,
+        "cookbook recipe (cache.add+delete)": recipe,
+        "memcache_lock": with_memcache_lock,
+        "Lock": with_lock,
+        "@single_instance": with_single_instance,
+    }
+
+
+def measure_cycles(port: int, rounds: int, per_round: int) -> dict[str, list[int]]:
+    variants = cycle_variants(port)
+    samples: dict[str, list[int]] = {name: [] for name in variants}
+    for variant in variants.values():  # warm up connections and caches
+        for _ in range(50):
+            variant()
+    clock = time.perf_counter_ns
+    for _ in range(rounds):
+        order = list(variants.items())
+        random.shuffle(order)
+        for name, variant in order:
+            bucket = samples[name]
+            for _ in range(per_round):
+                started = clock()
+                variant()
+                bucket.append(clock() - started)
+    return samples
+
+
+def p99(values: list[int]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+# -- 2. contended ------------------------------------------------------------------
+
+
+def contend(memcached: str, variant: str, start_at: float, seconds: float) -> int:
+    """One of the contending processes: acquisitions it made in the window."""
+    from pymemcache.client.base import Client
+
+    from django_tasklock import Lock
+
+    host, port = memcached.split(":")
+    raw = Client((host, int(port)), default_noreply=False)
+    count = 0
+    while time.monotonic() < start_at:
+        time.sleep(0.001)
+    deadline = start_at + seconds
+    while time.monotonic() < deadline:
+        if variant == "floor":
+            if raw.add("bench-contended-floor", b"1", 60):
+                raw.delete("bench-contended-floor")
+                count += 1
+        else:
+            lock = Lock("bench-contended-lock")
+            if lock.acquire():
+                lock.release()
+                count += 1
+    return count
+
+
+def measure_contended(
+    memcached: str, processes: int, seconds: float, rounds: int
+) -> dict[str, float]:
+    context = multiprocessing.get_context("spawn")
+    totals = {"floor": 0, "Lock": 0}
+    with context.Pool(
+        processes, initializer=setup_django, initargs=(memcached,)
+    ) as pool:
+        pool.map(time.sleep, [0.05] * processes * 4)  # every process up and set up
+        for _ in range(rounds):
+            for variant in random.sample(list(totals), len(totals)):
+                start_at = time.monotonic() + 1.0
+                counts = pool.starmap(
+                    contend, [(memcached, variant, start_at, seconds)] * processes
+                )
+                totals[variant] += sum(counts)
+    return {variant: total / (seconds * rounds) for variant, total in totals.items()}
+
+
+# -- 3. end to end -----------------------------------------------------------------
+
+
+def start_workers(
+    env: dict[str, str], count: int, concurrency: int
+) -> list[subprocess.Popen[bytes]]:
+    from benchmarks.celery_bench import app
+
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "benchmarks.celery_bench",
+                "worker",
+                "-P",
+                "prefork",
+                "-c",
+                str(concurrency),
+                "-n",
+                f"bench{n}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-l",
+                "ERROR",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for n in range(count)
+    ]
+    deadline = time.monotonic() + 60
+    while len(app.control.ping(timeout=0.5)) < count:
+        if time.monotonic() > deadline or any(w.poll() is not None for w in workers):
+            raise SystemExit("benchmark workers did not start")
+    return workers
+
+
+def measure_storm(
+    redis_url: str, tasks: int, distinct: int, rounds: int
+) -> dict[str, float]:
+    import redis
+
+    from benchmarks import celery_bench
+
+    counter = redis.Redis.from_url(redis_url)
+    times: dict[str, list[float]] = {"without lock": [], "@single_instance": []}
+    for _ in range(rounds):
+        for variant in random.sample(list(times), len(times)):
+            task = (
+                celery_bench.plain if variant == "without lock" else celery_bench.locked
+            )
+            counter.delete(celery_bench.DONE)
+            started = time.monotonic()
+            for n in range(tasks):
+                task.delay(n % distinct)
+            while int(counter.get(celery_bench.DONE) or 0) < tasks:
+                if time.monotonic() - started > 300:
+                    raise SystemExit(f"{variant}: the queue did not drain in 300 s")
+                time.sleep(0.002)
+            times[variant].append(time.monotonic() - started)
+    return {variant: statistics.median(values) for variant, values in times.items()}
+
+
+# -- report ------------------------------------------------------------------------
+
+
+def versions(memcached: Memcached) -> str:
+    import celery
+    import django
+    import pymemcache
+
+    server = memcached.raw(b"version").decode().removeprefix("VERSION ")
+    return (
+        f"Python {platform.python_version()}, Django {django.__version__}, "
+        f"pymemcache {pymemcache.__version__}, Celery {celery.__version__}, "
+        f"memcached {server}, {os.cpu_count()} CPUs"
+    )
+
+
+def render(
+    samples: dict[str, list[int]],
+    contended: dict[str, float],
+    storm: dict[str, float] | None,
+    about: str,
+    command: str,
+) -> tuple[str, list[str]]:
+    floor = statistics.median(samples["floor (raw add+delete)"])
+    misses: list[str] = []
+    lines = [
+        f"``{command}`` ({about}):",
+        "",
+        ".. code-block:: text",
+        "",
+        f"    {'cycle: acquire + release':<36} {'median':>9} {'p99':>9} {'x floor':>8}  target",
+    ]
+    for name, values in samples.items():
+        median = statistics.median(values)
+        ratio = median / floor
+        target = TARGETS.get(name)
+        verdict = ""
+        if target is not None:
+            verdict = f"<= {target}x " + ("met" if ratio <= target else "MISSED")
+            if ratio > target:
+                misses.append(f"{name}: {ratio:.2f}x the floor (target {target}x)")
+        lines.append(
+            f"    {name:<36} {median / 1000:>7.1f}us {p99(values) / 1000:>7.1f}us "
+            f"{ratio:>7.2f}x  {verdict}"
+        )
+    ratio = contended["Lock"] / contended["floor"]
+    if ratio < 0.9:
+        misses.append(
+            f"contended: {ratio:.2f}x the floor's acquisitions/s (target 0.9x)"
+        )
+    lines += [
+        "",
+        f"    {'contended: 8 processes, one lock id':<36} {'acq/s':>9} {'':>9} {'x floor':>8}",
+        f"    {'floor (raw add+delete)':<36} {contended['floor']:>9.0f} {'':>9} {1:>7.2f}x",
+        f"    {'Lock':<36} {contended['Lock']:>9.0f} {'':>9} {ratio:>7.2f}x  "
+        f">= 0.9x {'met' if ratio >= 0.9 else 'MISSED'}",
+    ]
+    if storm is not None:
+        slower = storm["@single_instance"] / storm["without lock"] - 1
+        if slower > 0.10:
+            misses.append(f"end to end: {slower:+.0%} time to drain (target +10%)")
+        lines += [
+            "",
+            f"    {'end to end: duplicate storm':<36} {'drained':>9} {'':>9} {'change':>8}",
+            f"    {'without lock':<36} {storm['without lock']:>8.2f}s",
+            f"    {'@single_instance':<36} {storm['@single_instance']:>8.2f}s {'':>9} "
+            f"{slower:>+7.0%}   <= +10% {'met' if slower <= 0.10 else 'MISSED'}",
+        ]
+    return "\n".join(lines) + "\n", misses
+
+
+def write_readme(table: str) -> None:
+    readme = ROOT / "README.rst"
+    text = readme.read_text()
+    pattern = re.compile(
+        rf"{re.escape(README_START)}\n.*?{re.escape(README_END)}", re.S
+    )
+    if not pattern.search(text):
+        raise SystemExit(f"README.rst has no {README_START} / {README_END} markers")
+    readme.write_text(
+        pattern.sub(lambda _: f"{README_START}\n\n{table}\n{README_END}", text)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--write-readme", action="store_true", help="update README.rst")
+    parser.add_argument("--no-storm", action="store_true", help="skip the Celery storm")
+    options = parser.parse_args(argv)
+    quick = options.quick
+    memcached = Memcached().start()
+    redis_server = Redis().start() if not options.no_storm else None
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        setup_django(memcached.address)
+        print(f"memcached on {memcached.address}; measuring cycles...", flush=True)
+        samples = measure_cycles(
+            memcached.port, rounds=3 if quick else 20, per_round=50 if quick else 250
+        )
+        print("contended...", flush=True)
+        contended = measure_contended(
+            memcached.address,
+            processes=8,
+            seconds=0.5 if quick else 3.0,
+            rounds=1 if quick else 2,
+        )
+        storm = None
+        if redis_server is not None:
+            print("end to end storm over celery workers...", flush=True)
+            env = {
+                **os.environ,
+                "TASKLOCK_BENCH_BROKER": f"{redis_server.url[:-2]}/1",
+                "TASKLOCK_TEST_REDIS": redis_server.url,
+            }
+            os.environ.update(env)
+            workers = start_workers(env, count=2, concurrency=2)
+            storm = measure_storm(
+                f"{redis_server.url[:-2]}/2",
+                tasks=40 if quick else 400,
+                distinct=10,
+                rounds=1 if quick else 3,
+            )
+        command = "python -m benchmarks.bench" + (" --quick" if quick else "")
+        table, misses = render(samples, contended, storm, versions(memcached), command)
+        print()
+        print(table)
+        for miss in misses:
+            print(f"target missed: {miss}")
+        if options.write_readme:
+            write_readme(table)
+            print("README.rst updated.")
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        if redis_server is not None:
+            redis_server.stop()
+        memcached.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
