@@ -167,6 +167,23 @@ class Settings:
         self._valid[key] = value
         return value
 
+    def lock_defaults(self) -> tuple[float, str, Protocol]:
+        """``LOCK_EXPIRE``, ``CACHE`` and ``MEMCACHED_PROTOCOL`` in one read."""
+        raw = getattr(django_settings, "TASKLOCK", None)
+        if not isinstance(raw, dict):
+            return self.LOCK_EXPIRE, self.CACHE, self.MEMCACHED_PROTOCOL
+        valid = self._valid
+        values = []
+        for key in ("LOCK_EXPIRE", "CACHE", "MEMCACHED_PROTOCOL"):
+            value = raw.get(key, _UNSET)
+            if value is _UNSET:
+                value = DEFAULTS[key]
+            elif valid.get(key, _UNSET) is not value:
+                value = self._get(key)
+            values.append(value)
+        expire, cache, protocol = values
+        return expire, cache, protocol
+
     @property
     def LOCK_EXPIRE(self) -> float:
         """Default expiry of a lock in seconds."""

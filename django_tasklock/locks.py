@@ -98,6 +98,8 @@ class Lock:
         self._hold: Hold | None = None
         self._alias: str | None = None
         self._key: str | None = None
+        self._held_backend: LockBackend | None = None
+        self._holder_thread: int | None = None
         self.token: str | None = None
         self.acquired_at: float | None = None
         #: True once a release or extend found the lock gone or someone else's.
@@ -116,6 +118,8 @@ class Lock:
 
     def _backend(self) -> tuple[LockBackend, str]:
         """This thread's backend and the store key, for the alias of the hold."""
+        if self._holder_thread == threading.get_ident() and self._held_backend:
+            return self._held_backend, self._key  # type: ignore[return-value]
         alias = self._alias or self._cache or settings.CACHE
         backend = backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL)
         key = self._key if self._alias is not None else backend.key_for(self.lock_id)
@@ -151,9 +155,10 @@ class Lock:
             )
         if timeout is not None and not blocking:
             raise LockUsageError("timeout= needs blocking=True.")
-        expire = self.expire
-        alias = self._cache or settings.CACHE
-        backend = backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL)
+        default_expire, default_alias, protocol = settings.lock_defaults()
+        expire = self._expire if self._expire is not None else default_expire
+        alias = self._cache or default_alias
+        backend = backend_for(alias, protocol=protocol)
         key = backend.key_for(self.lock_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = POLL_MIN
@@ -165,6 +170,9 @@ class Lock:
                 raise self._store_error(backend, key, "take the lock", exc) from exc
             if hold is not None:
                 self._hold, self._alias, self._key, self.token = hold, alias, key, token
+                # Release and extend in this thread reuse this backend (the same
+                # connection); another thread looks its own up.
+                self._held_backend, self._holder_thread = backend, threading.get_ident()
                 self.acquired_at = time.monotonic()
                 self.lost = False
                 return True

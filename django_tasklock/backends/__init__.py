@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import weakref
+import threading
 from typing import Any
 
 from django.core.cache import InvalidCacheBackendError, caches
@@ -12,6 +12,8 @@ from django.core.cache.backends.filebased import FileBasedCache
 from django.core.cache.backends.locmem import LocMemCache
 from django.core.cache.backends.memcached import BaseMemcachedCache, PyMemcacheCache
 from django.core.cache.backends.redis import RedisCache
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 
 from ..exceptions import LockConfigurationError
 from .base import Hold, LockBackend
@@ -77,13 +79,35 @@ def unsafe_options(backend_class: type[Any], options: dict[str, Any]) -> dict[st
     return {name: why for name, why in _UNSAFE_OPTIONS.items() if options.get(name)}
 
 
-# One backend per Django cache object (and so per thread and alias, and anew when
-# CACHES changes): building it on every lock call would cost more than the lock.
-_backends: weakref.WeakKeyDictionary[Any, LockBackend] = weakref.WeakKeyDictionary()
+# One backend per alias and thread, over that thread's Django cache object (so its
+# connections), forgotten when CACHES changes: looking the cache up and building a
+# backend on every lock call would cost more than the lock itself.
+_per_thread = threading.local()
+
+
+@receiver(setting_changed)
+def _forget_backends(*, setting: str, **kwargs: Any) -> None:
+    if setting == "CACHES":
+        _generation[0] += 1
+
+
+_generation = [0]
 
 
 def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
     """The lock backend of the CACHES entry ``alias``, for the calling thread."""
+    memo: dict[str, LockBackend] | None = getattr(_per_thread, "backends", None)
+    if memo is None or _per_thread.generation != _generation[0]:
+        memo = _per_thread.backends = {}
+        _per_thread.generation = _generation[0]
+    backend = memo.get(alias)
+    if backend is None:
+        backend = memo[alias] = _lookup(alias)
+    backend.protocol = protocol
+    return backend
+
+
+def _lookup(alias: str) -> LockBackend:
     try:
         cache = caches[alias]
     except InvalidCacheBackendError as exc:
@@ -91,14 +115,6 @@ def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
             f"TASKLOCK['CACHE'] (or cache=) names {alias!r}, which is not in CACHES "
             f"({exc}). Add that alias to CACHES or name an existing one."
         ) from exc
-    backend = _backends.get(cache)
-    if backend is None:
-        backend = _backends[cache] = _new_backend(cache, alias)
-    backend.protocol = protocol
-    return backend
-
-
-def _new_backend(cache: Any, alias: str) -> LockBackend:
     if isinstance(cache, PyMemcacheCache):
         return MemcachedBackend(cache, alias)
     if isinstance(cache, RedisCache):

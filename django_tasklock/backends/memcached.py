@@ -23,7 +23,6 @@ same checks use ``add``, ``gets`` and ``cas`` (``cas(..., expire=-1)`` to delete
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pymemcache.client.hash import HashClient
@@ -47,18 +46,23 @@ __all__ = ["MemcachedBackend", "MemcachedHold"]
 # with it lets cache.get(lock_id) read the owner back as a str.
 _TEXT_FLAG = 16
 _T = TypeVar("_T")
+_POOLED = object()
 # What a server that went away since the last command looks like on its socket.
 _DROPPED = (MemcacheUnexpectedCloseError, BrokenPipeError, ConnectionResetError)
 # Servers that answered ERROR to a meta command; they get the classic commands.
 _classic_servers: set[Any] = set()
 
 
-@dataclass(frozen=True)
 class MemcachedHold:
     """The CAS id of this holder's item, and the socket that wrote it."""
 
-    cas: int
-    sock: object
+    __slots__ = ("cas", "sock")
+
+    def __init__(self, cas: int, sock: object) -> None:
+        self.cas, self.sock = cas, sock
+
+    def __repr__(self) -> str:
+        return f"MemcachedHold(cas={self.cas})"
 
 
 def _wire_key(client: Any, key: str) -> bytes:
@@ -137,15 +141,43 @@ class MemcachedBackend(LockBackend):
         _classic_servers.add(client.server)
 
     def _command(self, client: Any, command: bytes) -> bytes | None:
-        """Send one meta command; None if the server does not know meta commands."""
+        """Send one meta command and read its one-line reply.
+
+        None if the server does not know meta commands. On the client's own socket
+        where it has one (pymemcache's raw_command costs more than the lock's own
+        work); any error closes the connection, as pymemcache does.
+        """
+        sock: Any = getattr(client, "sock", _POOLED)
+        if sock is _POOLED:  # PooledClient: its sockets are its pool's
+            try:
+                reply: bytes = client.raw_command(command, b"\r\n")
+            except MemcacheUnknownCommandError:
+                self._no_meta(client)
+                return None
+            return reply
+        if sock is None:
+            client._connect()
+            sock = client.sock
         try:
-            reply: bytes = client.raw_command(command, b"\r\n")
-        except MemcacheUnknownCommandError:
-            # pymemcache closed the connection, dropping anything else the server
-            # says about the rest of the command.
-            self._no_meta(client)
-            return None
-        return reply
+            sock.sendall(command + b"\r\n")
+            reply = sock.recv(4096)
+            while not reply.endswith(b"\r\n"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    raise MemcacheUnexpectedCloseError()
+                reply += chunk
+        except BaseException:
+            client.close()
+            raise
+        if reply.startswith((b"ERROR", b"CLIENT_ERROR", b"SERVER_ERROR")):
+            # Close: an old server also answers the rest of the command (its data
+            # line) with ERROR, which must not be read as the next reply.
+            client.close()
+            if reply.startswith(b"ERROR"):
+                self._no_meta(client)
+                return None
+            raise MemcacheError(reply.strip().decode(errors="replace"))
+        return reply[:-2]
 
     def _hold(self, client: Any, cas: object) -> MemcachedHold:
         cas_id = int(cast(Any, cas))
