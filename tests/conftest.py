@@ -18,7 +18,10 @@ def close_connections() -> None:
     Django's RedisCache.close() leaves its connection pools open, so a thread that
     ends would drop them unclosed (a ResourceWarning, an error in this suite).
     """
+    from django_tasklock.backends import close_thread_connections
+
     close_caches()
+    close_thread_connections()
     for pool in getattr(caches["redis"]._cache, "_pools", {}).values():
         pool.disconnect()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "Hold",
     "LockBackend",
     "backend_for",
+    "close_thread_connections",
     "unsafe_options",
     "unsupported_reason",
 ]
@@ -85,19 +87,41 @@ def unsafe_options(backend_class: type[Any], options: dict[str, Any]) -> dict[st
 _per_thread = threading.local()
 
 
+_generation = [0]
+
+
+def _forget_all() -> None:
+    _generation[0] += 1
+
+
 @receiver(setting_changed)
 def _forget_backends(*, setting: str, **kwargs: Any) -> None:
     if setting == "CACHES":
-        _generation[0] += 1
+        _forget_all()
 
 
-_generation = [0]
+# A forked child must not talk over its parent's sockets.
+os.register_at_fork(after_in_child=_forget_all)
+
+
+def close_thread_connections() -> None:
+    """Close the connections django_tasklock opened in this thread.
+
+    They outlive Django's ``close_caches()`` on purpose; call this where a thread
+    ends for good (tests, custom thread pools). A later lock reconnects.
+    """
+    memo: dict[str, LockBackend] = getattr(_per_thread, "backends", None) or {}
+    for backend in memo.values():
+        backend.close()
+    _per_thread.backends = {}
 
 
 def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
     """The lock backend of the CACHES entry ``alias``, for the calling thread."""
     memo: dict[str, LockBackend] | None = getattr(_per_thread, "backends", None)
     if memo is None or _per_thread.generation != _generation[0]:
+        if memo:
+            close_thread_connections()
         memo = _per_thread.backends = {}
         _per_thread.generation = _generation[0]
     backend = memo.get(alias)

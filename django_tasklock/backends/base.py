@@ -32,6 +32,9 @@ class LockBackend(abc.ABC):
         self.cache = cache
         self.alias = alias
 
+    def close(self) -> None:  # noqa: B027 - most backends use Django's connections
+        """Close connections this backend opened itself (not Django's)."""
+
     def describe(self, key: str) -> str:
         """Name the store, for error messages: kind, alias and server."""
         return f"{self.kind} cache {self.alias!r}"

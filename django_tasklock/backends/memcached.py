@@ -94,7 +94,18 @@ class MemcachedBackend(LockBackend):
     ) -> None:
         super().__init__(cache, alias)
         self.protocol = protocol
-        self._hash_client: Any = cast(Any, cache)._cache
+        # A client of our own, built exactly as Django builds its one (same
+        # servers, options and hashing, so the same server for a key), which
+        # close_caches() leaves alone: Celery's Django fixup closes every cache
+        # connection after every task, and reconnecting would cost each locked
+        # task more than the lock.
+        django_cache = cast(Any, cache)
+        self._hash_client: Any = django_cache._class(
+            django_cache.client_servers, **django_cache._options
+        )
+
+    def close(self) -> None:
+        self._hash_client.close()
 
     def _client(self, key: str) -> Any:
         """The server Django's own ``cache.add(key)`` talks to."""
