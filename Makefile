@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lock-demo bench test lint typecheck matrix pytest services venv clean
+.PHONY: demo lock-demo bench faults test lint typecheck matrix pytest services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -34,6 +34,10 @@ pytest: services $(STAMP)
 # The benchmark (see README.rst, Performance); BENCH_ARGS="--write-readme" updates it.
 bench: services $(STAMP)
 	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS)
+
+# The fault suite at full size (see README.rst, Reliability).
+faults: services $(STAMP)
+	$(BIN)/python -m reliability.faults $(FAULTS_ARGS)
 
 # The other supported Python/Django pairs (the main run is python3 with Django 5.2).
 matrix: services

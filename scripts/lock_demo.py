@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from typing import TYPE_CHECKING
 
 from tests.services import Memcached
-from tests.workers import hammer, overlaps
+from tests.workers import hammer, overlaps, setup_django
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -40,8 +40,9 @@ def say(message: str = "") -> None:
 def contention(memcached: Memcached) -> int:
     say(f"1. {PROCESSES} processes take and release one lock id for {SECONDS:.0f} s...")
     context = multiprocessing.get_context("spawn")
-    with context.Pool(PROCESSES) as pool:
-        start_at = time.monotonic() + 3.0
+    with context.Pool(PROCESSES, initializer=setup_django) as pool:
+        pool.map(time.sleep, [0.05] * PROCESSES * 4)  # every process up and set up
+        start_at = time.monotonic() + 1.0
         results = pool.starmap(
             hammer,
             [({"CACHE": "default"}, "demo-lock", start_at, SECONDS, "lock")]

@@ -105,3 +105,11 @@ def overruns_hard_limit(self, name):
     """Killed at its hard time limit: the lock stays only until it expires."""
     record(name, time.monotonic())
     time.sleep(10)
+
+
+@app.task
+@single_instance(key="name", expire=3)
+def hold_for(name, seconds):
+    """Holds its lock for ``seconds``; the fault suite kills it midway."""
+    record(name, time.monotonic())
+    time.sleep(seconds)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.workers import hammer, overlaps
+from tests.workers import hammer, overlaps, setup_django
 
 PROCESSES = 16
 SECONDS = 3.0
@@ -15,9 +15,10 @@ SECONDS = 3.0
 
 def run_storm(tasklock, mode="lock", processes=PROCESSES, seconds=SECONDS):
     context = multiprocessing.get_context("spawn")
-    with context.Pool(processes) as pool:
-        # Start together, once every process has had time to import Django.
-        start_at = time.monotonic() + 4.0
+    with context.Pool(processes, initializer=setup_django) as pool:
+        # Every process up with Django set up, then start together.
+        pool.map(time.sleep, [0.05] * processes * 4)
+        start_at = time.monotonic() + 1.0
         results = pool.starmap(
             hammer,
             [(tasklock, "storm-lock", start_at, seconds, mode)] * processes,
