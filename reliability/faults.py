@@ -41,7 +41,7 @@ class Row:
     attempts: int
     overlaps: int = 0
     lost: int = 0
-    recovery: str = "-"
+    recovery: str = ""
     notes: list[str] = field(default_factory=list)
 
 
@@ -82,15 +82,13 @@ def contention(memcached: Memcached, processes: int, minimum: int, limit: float)
                 * processes,
             )
             holds += [hold for process_holds, _ in results for hold in process_holds]
-    seconds = sum(end - start for start, end in holds)
     span = (
         max(end for _, end in holds) - min(start for start, _ in holds) if holds else 0
     )
     row = Row(
         f"1. contention, {processes} processes, one id", len(holds), overlaps(holds)
     )
-    row.notes.append(f"{len(holds) / max(span, 1e-9) / 1:.0f} acq/s while running")
-    del seconds
+    row.notes.append(f"{len(holds) / max(span, 1e-9):.0f} acq/s while running")
     return row
 
 
@@ -446,7 +444,7 @@ def render(rows: list[Row], command: str) -> str:
         f"    {'case':<42} {'attempts':>8} {'overlaps':>8} {'lost':>5}  recovery / notes",
     ]
     for row in rows:
-        extra = "; ".join([row.recovery] * (row.recovery != "-") + row.notes) or "-"
+        extra = "; ".join(filter(None, [row.recovery, *row.notes])) or "-"
         lines.append(
             f"    {row.case:<42} {row.attempts:>8} {row.overlaps:>8} {row.lost:>5}  {extra}"
         )
