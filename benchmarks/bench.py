@@ -26,7 +26,6 @@ import multiprocessing
 import os
 import platform
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.readme import write_section  # noqa: E402
 from tests.services import Memcached, Redis  # noqa: E402
 
 if TYPE_CHECKING:
@@ -313,16 +313,7 @@ def render(
 
 
 def write_readme(table: str) -> None:
-    readme = ROOT / "README.rst"
-    text = readme.read_text()
-    pattern = re.compile(
-        rf"{re.escape(README_START)}\n.*?{re.escape(README_END)}", re.S
-    )
-    if not pattern.search(text):
-        raise SystemExit(f"README.rst has no {README_START} / {README_END} markers")
-    readme.write_text(
-        pattern.sub(lambda _: f"{README_START}\n\n{table}\n{README_END}", text)
-    )
+    write_section(README_START, README_END, table)
 
 
 def main(argv: list[str] | None = None) -> int:

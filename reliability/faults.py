@@ -16,7 +16,6 @@ import contextlib
 import multiprocessing
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.readme import write_section  # noqa: E402
 from tests.services import Memcached  # noqa: E402
 from tests.workers import hammer, overlaps  # noqa: E402
 
@@ -489,16 +489,7 @@ def run(quick: bool) -> list[Row]:
 
 
 def write_readme(table: str) -> None:
-    readme = ROOT / "README.rst"
-    text = readme.read_text()
-    pattern = re.compile(
-        rf"{re.escape(README_START)}\n.*?{re.escape(README_END)}", re.S
-    )
-    if not pattern.search(text):
-        raise SystemExit(f"README.rst has no {README_START} / {README_END} markers")
-    readme.write_text(
-        pattern.sub(lambda _: f"{README_START}\n\n{table}\n{README_END}", text)
-    )
+    write_section(README_START, README_END, table)
 
 
 def main(argv: list[str] | None = None) -> int:
