@@ -26,9 +26,7 @@ import multiprocessing
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,9 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.readme import write_section  # noqa: E402
-from tests.services import Memcached, Redis  # noqa: E402
+from tests.services import Memcached, Redis, celery_worker, stop_process  # noqa: E402
 
 if TYPE_CHECKING:
+    import subprocess
     from collections.abc import Callable
 
 TARGETS = {"memcache_lock": 1.3, "Lock": 1.3, "@single_instance": 1.6}
@@ -181,31 +180,7 @@ def start_workers(
     from benchmarks.celery_bench import app
 
     workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "benchmarks.celery_bench",
-                "worker",
-                "-P",
-                "prefork",
-                "-c",
-                str(concurrency),
-                "-n",
-                f"bench{n}@%h",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-l",
-                "ERROR",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        celery_worker("benchmarks.celery_bench", f"bench{n}", concurrency, env)
         for n in range(count)
     ]
     deadline = time.monotonic() + 60
@@ -366,12 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             print("README.rst updated.")
     finally:
         for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-        for worker in workers:
-            try:
-                worker.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+            stop_process(worker)
         if redis_server is not None:
             redis_server.stop()
         memcached.stop()

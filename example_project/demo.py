@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.services import Memcached, Redis  # noqa: E402
+from tests.services import Memcached, Redis, celery_worker, stop_process  # noqa: E402
 
 TASKS = ("import_feed", "import_feed_single")
 
@@ -68,14 +67,9 @@ def start_workers(
     procs = []
     for number in range(1, count + 1):
         log = run_dir / f"worker{number}.log"
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "celery", "-A", "example_project", "worker",
-                "-P", "prefork", "-c", str(concurrency), "-n", f"demo{number}@%h",
-                "--without-gossip", "--without-mingle", "--without-heartbeat",
-                "-l", "INFO", "-f", str(log),
-            ],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        proc = celery_worker(
+            "example_project", f"demo{number}", concurrency, env,
+            loglevel="INFO", logfile=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         procs.append((proc, log))
         stack.callback(stop_process, proc)
@@ -89,16 +83,6 @@ def start_workers(
     say(
         f"Started {count} celery workers (prefork, {concurrency} processes each); logs in {run_dir}"
     )
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def storm(task_name: str, urls: list[str], duplicates: int, producers: int) -> int:

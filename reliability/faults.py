@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.readme import write_section  # noqa: E402
-from tests.services import Memcached  # noqa: E402
+from tests.services import Memcached, celery_worker, stop_process  # noqa: E402
 from tests.workers import hammer, overlaps  # noqa: E402
 
 README_START = ".. fault-table-start"
@@ -211,14 +210,7 @@ def killed_worker(redis_url: str, tries: int) -> Row:
     }
     os.environ.update(env)
     app.conf.update(broker_url=env["TASKLOCK_TEST_BROKER"], result_backend=None)
-    worker = subprocess.Popen(
-        [
-            sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-            "-P", "prefork", "-c", "1", "-n", "faults@%h",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "ERROR",
-        ],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    worker = celery_worker("tests.celery_app", "faults", 1, env)
     recoveries: list[float] = []
     frees: list[float] = []
     early = 0
@@ -249,11 +241,7 @@ def killed_worker(redis_url: str, tries: int) -> Row:
             # Before the lock's expiry (3 s after it was taken), no run may start.
             early += second["start"] < first["start"] + 2.0
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        stop_process(worker)
         app.pool.force_close_all()
     row = Row("4. worker SIGKILLed mid-task (expire 3s)", tries, overlaps=early)
     row.recovery = (

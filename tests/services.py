@@ -10,8 +10,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 INSTALL_HINT = (
     "is not installed. Run the README's test command (make test), which installs it "
@@ -222,3 +224,41 @@ class PreMetaMemcached:
     def stop(self) -> None:
         self._stopped = True
         self.listener.close()
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def celery_worker(
+    app: str,
+    name: str,
+    concurrency: int,
+    env: dict[str, str],
+    *,
+    loglevel: str = "ERROR",
+    logfile: Path | None = None,
+    stderr: int = subprocess.DEVNULL,
+) -> subprocess.Popen[bytes]:
+    """A real ``celery worker`` process with the prefork pool, quiet on the network
+    (no gossip, mingle or heartbeat), started from the repository's root."""
+    command = [
+        sys.executable, "-m", "celery", "-A", app, "worker",
+        "-P", "prefork", "-c", str(concurrency), "-n", f"{name}@%h",
+        "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", loglevel,
+    ]  # fmt: skip
+    if logfile is not None:
+        command += ["-f", str(logfile)]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr
+    )
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM (a Celery worker's warm shutdown), then SIGKILL if it hangs."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

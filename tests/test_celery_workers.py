@@ -8,9 +8,7 @@ and end; the tests measure overlaps instead of assuming them.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +19,7 @@ from celery.contrib.testing.worker import start_worker
 from tests import tasks
 from tests.celery_app import app
 from tests.conftest import forget_backend
+from tests.services import celery_worker, stop_process
 from tests.workers import overlaps
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,29 +94,12 @@ def prefork_workers(broker):
     """Two `celery worker` processes, prefork pool, two child processes each."""
     env = {**os.environ, **broker, "DJANGO_SETTINGS_MODULE": "tests.settings"}
     processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "tests.celery_app",
-                "worker",
-                "-P",
-                "prefork",
-                "-c",
-                "2",
-                "-n",
-                f"tasklock-test-{n}@%h",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-l",
-                "WARNING",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
+        celery_worker(
+            "tests.celery_app",
+            f"tasklock-test-{n}",
+            2,
+            env,
+            loglevel="WARNING",
             stderr=subprocess.PIPE,
         )
         for n in (1, 2)
@@ -133,13 +115,7 @@ def prefork_workers(broker):
             pytest.fail("celery workers did not answer a ping within 60 s")
     yield processes
     for process in processes:
-        process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         process.stderr.close()
 
 
