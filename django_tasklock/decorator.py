@@ -239,8 +239,9 @@ def _decorate(func: F, options: _Options) -> F:
             oid=getattr(getattr(task, "app", None), "oid", None),
         )
         lock.task = task
-        if not _acquire(lock, options, name):
-            return _contended(lock, options, name, task if bound else None)
+        policy = options.on_contention or settings.ON_CONTENTION
+        if not _acquire(lock, policy, options):
+            return _contended(lock, policy, options, name, task if bound else None)
         if task is not None:
             _releasing_retry(task)
         stack = _held.__dict__.setdefault("locks", [])
@@ -311,16 +312,16 @@ def _check_key(
             )
 
 
-def _acquire(lock: Lock, options: _Options, name: str) -> bool:
-    policy = options.on_contention or settings.ON_CONTENTION
+def _acquire(lock: Lock, policy: str, options: _Options) -> bool:
     if policy != "wait":
         return lock.acquire()
     timeout = options.timeout if options.timeout is not None else settings.WAIT_TIMEOUT
     return lock.acquire(blocking=True, timeout=timeout)
 
 
-def _contended(lock: Lock, options: _Options, name: str, bound_task: Any) -> Any:
-    policy: str = options.on_contention or settings.ON_CONTENTION
+def _contended(
+    lock: Lock, policy: str, options: _Options, name: str, bound_task: Any
+) -> Any:
     if policy == "wait":
         policy = options.on_timeout
     if policy == "raise":
