@@ -345,13 +345,12 @@ class MemcachedBackend(LockBackend):
         # Only the meta protocol can read an item's remaining time, so this is
         # tried whatever MEMCACHED_PROTOCOL says.
         client = self._client(key)
-        try:
-            reply = client.raw_command(b"mg %s t" % _wire_key(client, key), b"\r\n")
-        except MemcacheUnknownCommandError:
+        reply = self._command(client, b"mg %s t" % _wire_key(client, key))
+        if reply is None:
             raise MemcacheError(
                 "reading a lock's remaining time needs memcached's meta commands "
                 "(memcached 1.6+)"
-            ) from None
+            )
         if not reply.startswith(b"HD"):
             return None
         seconds = _flag(reply, b"t")
