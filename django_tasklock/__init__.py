@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from .decorator import lock_id_for, single_instance
+from .decorator import current_lock, lock_id_for, single_instance
 from .exceptions import (
     InvalidLockExpire,
     LockBackendError,
     LockConfigurationError,
+    LockLost,
     LockNotAcquired,
     LockUsageError,
     TaskLockError,
@@ -20,10 +21,12 @@ __all__ = [
     "Lock",
     "LockBackendError",
     "LockConfigurationError",
+    "LockLost",
     "LockNotAcquired",
     "LockUsageError",
     "TaskLockError",
     "__version__",
+    "current_lock",
     "lock_id_for",
     "memcache_lock",
     "single_instance",

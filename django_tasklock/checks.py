@@ -13,6 +13,7 @@ Ids are stable and documented in README.rst:
 - E008 TASKLOCK['ON_CONTENTION'] is not skip, raise, retry or wait.
 - E009 TASKLOCK['WAIT_TIMEOUT'] is not a number of seconds > 0.
 - E010 TASKLOCK['RETRY_COUNTDOWN'] is not a number of seconds >= 0.
+- E011 TASKLOCK['RENEW'] is not True or False.
 - W001 the lock cache is LocMemCache: locks hold within one process only.
 """
 
@@ -38,6 +39,7 @@ _SETTING_IDS = {
     "ON_CONTENTION": "django_tasklock.E008",
     "WAIT_TIMEOUT": "django_tasklock.E009",
     "RETRY_COUNTDOWN": "django_tasklock.E010",
+    "RENEW": "django_tasklock.E011",
 }
 _OPTION_IDS = {
     "default_noreply": "django_tasklock.E005",

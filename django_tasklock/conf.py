@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULTS",
     "MAX_EXPIRE",
     "settings",
+    "validate_bool",
     "validate_choice",
     "validate_expire",
     "validate_seconds",
@@ -42,6 +43,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "ON_CONTENTION": "skip",
     "WAIT_TIMEOUT": 60,
     "RETRY_COUNTDOWN": 5,
+    "RENEW": False,
 }
 
 
@@ -109,7 +111,15 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
     "RETRY_COUNTDOWN": lambda v: validate_seconds(
         v, name="TASKLOCK['RETRY_COUNTDOWN']", allow_zero=True
     ),
+    "RENEW": lambda v: validate_bool(v, name="TASKLOCK['RENEW']"),
 }
+
+
+def validate_bool(value: object, *, name: str) -> bool:
+    """Return ``value`` if it is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, not {value!r}.")
+    return value
 
 
 def validate_alias(value: object, *, name: str) -> str:
@@ -167,22 +177,23 @@ class Settings:
         self._valid[key] = value
         return value
 
-    def lock_defaults(self) -> tuple[float, str, Protocol]:
-        """``LOCK_EXPIRE``, ``CACHE`` and ``MEMCACHED_PROTOCOL`` in one read."""
+    def lock_defaults(self) -> tuple[float, str, Protocol, bool]:
+        """``LOCK_EXPIRE``, ``CACHE``, ``MEMCACHED_PROTOCOL`` and ``RENEW`` in one
+        read."""
         raw = getattr(django_settings, "TASKLOCK", None)
         if not isinstance(raw, dict):
-            return self.LOCK_EXPIRE, self.CACHE, self.MEMCACHED_PROTOCOL
+            return self.LOCK_EXPIRE, self.CACHE, self.MEMCACHED_PROTOCOL, self.RENEW
         valid = self._valid
         values = []
-        for key in ("LOCK_EXPIRE", "CACHE", "MEMCACHED_PROTOCOL"):
+        for key in ("LOCK_EXPIRE", "CACHE", "MEMCACHED_PROTOCOL", "RENEW"):
             value = raw.get(key, _UNSET)
             if value is _UNSET:
                 value = DEFAULTS[key]
             elif valid.get(key, _UNSET) is not value:
                 value = self._get(key)
             values.append(value)
-        expire, cache, protocol = values
-        return expire, cache, protocol
+        expire, cache, protocol, renew = values
+        return expire, cache, protocol, renew
 
     @property
     def LOCK_EXPIRE(self) -> float:
@@ -212,6 +223,12 @@ class Settings:
     def RETRY_COUNTDOWN(self) -> float:
         """Seconds before ``on_contention="retry"`` runs the task again."""
         value: float = self._get("RETRY_COUNTDOWN")
+        return value
+
+    @property
+    def RENEW(self) -> bool:
+        """Whether locks renew themselves while held, unless told otherwise."""
+        value: bool = self._get("RENEW")
         return value
 
     @property

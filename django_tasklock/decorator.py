@@ -15,14 +15,15 @@ from .conf import (
     CONTENTION_POLICIES,
     TIMEOUT_POLICIES,
     settings,
+    validate_bool,
     validate_choice,
     validate_expire,
     validate_seconds,
 )
 from .exceptions import LockNotAcquired
-from .locks import Lock
+from .locks import ON_LOST_POLICIES, Lock, OnLost
 
-__all__ = ["lock_id_for", "single_instance"]
+__all__ = ["current_lock", "lock_id_for", "single_instance"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ def single_instance(
     on_timeout: Literal["skip", "raise"] = "skip",
     countdown: float | None = None,
     cache: str | None = None,
+    renew: bool | None = None,
+    max_hold: float | None = None,
+    on_lost: OnLost = "warn",
 ) -> Callable[[F], F]: ...
 
 
@@ -110,6 +114,9 @@ def single_instance(
     on_timeout: Literal["skip", "raise"] = "skip",
     countdown: float | None = None,
     cache: str | None = None,
+    renew: bool | None = None,
+    max_hold: float | None = None,
+    on_lost: OnLost = "warn",
 ) -> F | Callable[[F], F]:
     """Run the decorated task (or function) at most once at a time per arguments.
 
@@ -140,6 +147,14 @@ def single_instance(
     ``timeout`` seconds (default ``TASKLOCK["WAIT_TIMEOUT"]``), then does
     ``on_timeout`` (``"skip"`` or ``"raise"``). ``cache``: a CACHES alias.
 
+    ``renew`` (default ``TASKLOCK["RENEW"]``) keeps the lock alive with a
+    heartbeat while the body runs, so ``expire`` can be short. ``max_hold``
+    (seconds) caps how long the lock lasts; for a Celery task it defaults to the
+    task's hard ``time_limit`` (from the call, the task or ``task_time_limit``),
+    so a lock never outlives the run the worker kills. ``on_lost="raise"`` makes
+    ``current_lock().check()`` raise ``LockLost`` once the lock is found lost;
+    ``current_lock().fence`` is the run's fencing token.
+
     A body that raises, or calls ``self.retry()``, has released the lock before
     the retry is sent, so a retry never meets its own lock.
     """
@@ -154,9 +169,15 @@ def single_instance(
     if countdown is not None:
         validate_seconds(countdown, name="countdown", allow_zero=True)
     validate_choice(on_timeout, name="on_timeout", choices=TIMEOUT_POLICIES)
+    if renew is not None:
+        validate_bool(renew, name="renew")
+    if max_hold is not None:
+        validate_seconds(max_hold, name="max_hold")
+    validate_choice(on_lost, name="on_lost", choices=ON_LOST_POLICIES)
     options = _Options(
         key, expire, on_contention, timeout, on_timeout, countdown, cache
     )
+    options.renew, options.max_hold, options.on_lost = renew, max_hold, on_lost
     if func is None:
         return lambda function: _decorate(function, options)
     if not callable(func):
@@ -173,8 +194,11 @@ class _Options:
         "countdown",
         "expire",
         "key",
+        "max_hold",
         "on_contention",
+        "on_lost",
         "on_timeout",
+        "renew",
         "timeout",
     )
 
@@ -191,6 +215,9 @@ class _Options:
         self.key, self.expire, self.on_contention = key, expire, on_contention
         self.timeout, self.on_timeout, self.countdown = timeout, on_timeout, countdown
         self.cache = cache
+        self.renew: bool | None = None
+        self.max_hold: float | None = None
+        self.on_lost: OnLost = "warn"
 
 
 def _decorate(func: F, options: _Options) -> F:
@@ -237,6 +264,11 @@ def _decorate(func: F, options: _Options) -> F:
             expire=options.expire,
             cache=options.cache,
             oid=getattr(getattr(task, "app", None), "oid", None),
+            renew=options.renew,
+            max_hold=options.max_hold
+            if options.max_hold is not None
+            else _time_limit(task),
+            on_lost=options.on_lost,
         )
         lock.task = task
         policy = options.on_contention or settings.ON_CONTENTION
@@ -257,7 +289,34 @@ def _decorate(func: F, options: _Options) -> F:
     wrapper.__signature__ = signature  # type: ignore[attr-defined]
     wrapper._tasklock_lock_id = lock_id  # type: ignore[attr-defined]
     wrapper._tasklock_name = plain_name  # type: ignore[attr-defined]
+    wrapper._tasklock_options = options  # type: ignore[attr-defined]
     return cast(F, wrapper)
+
+
+def current_lock() -> Lock | None:
+    """The lock of the innermost ``@single_instance`` body running in this thread.
+
+    For its ``fence`` (pass it with writes) and ``check()`` (between steps of
+    long work); None outside such a body.
+    """
+    locks: list[Lock] = getattr(_held, "locks", None) or []
+    return locks[-1] if locks else None
+
+
+def _time_limit(task: Any) -> float | None:
+    """The hard time limit the worker enforces on this run of ``task``, if any."""
+    if task is None:
+        return None
+    limits = getattr(getattr(task, "request", None), "timelimit", None)
+    hard = limits[0] if limits else None
+    if not hard:
+        hard = getattr(task, "time_limit", None)
+    if not hard:
+        conf = getattr(getattr(task, "app", None), "conf", None)
+        hard = getattr(conf, "task_time_limit", None)
+    if isinstance(hard, bool) or not isinstance(hard, (int, float)) or hard <= 0:
+        return None
+    return float(hard)
 
 
 def lock_id_for(target: Callable[..., Any], /, *args: Any, **kwargs: Any) -> str:
@@ -268,25 +327,33 @@ def lock_id_for(target: Callable[..., Any], /, *args: Any, **kwargs: Any) -> str
     ``self`` or the context). The id is the same for every spelling of one call,
     and for its arguments after a JSON round trip.
     """
+    function, name, bound = _decorated(target)
+    result: str = function._tasklock_lock_id(name, bound, args, kwargs)
+    return result
+
+
+def lock_cache_for(target: Callable[..., Any], /) -> str | None:
+    """The ``cache=`` alias ``target``'s ``@single_instance`` names, if any."""
+    function, _name, _bound = _decorated(target)
+    cache: str | None = function._tasklock_options.cache
+    return cache
+
+
+def _decorated(target: Callable[..., Any]) -> tuple[Any, str, bool]:
+    """The ``@single_instance`` wrapper inside ``target``, the task name its lock
+    ids start with, and whether its first argument is left out of them."""
     func = getattr(target, "func", None)
-    if func is not None and hasattr(target, "module_path"):  # a django.tasks Task
-        make = getattr(func, "_tasklock_lock_id", None)
-        if make is not None:
-            takes_context = getattr(target, "takes_context", False)
-            result: str = make(target.module_path, takes_context, args, kwargs)
-            return result
+    # A django.tasks Task:
+    if hasattr(target, "module_path") and hasattr(func, "_tasklock_lock_id"):
+        return func, target.module_path, getattr(target, "takes_context", False)
     run = getattr(target, "run", None)
     if run is not None and hasattr(target, "name"):  # a Celery task
         function = getattr(run, "__func__", run)
-        make = getattr(function, "_tasklock_lock_id", None)
-        if make is not None:
-            result = make(target.name, inspect.ismethod(run), args, kwargs)
-            return result
-    make = getattr(target, "_tasklock_lock_id", None)
-    if make is None:
+        if hasattr(function, "_tasklock_lock_id"):
+            return function, target.name, inspect.ismethod(run)
+    if not hasattr(target, "_tasklock_lock_id"):
         raise TypeError(f"{target!r} is not decorated with @single_instance.")
-    result = make(target._tasklock_name, False, args, kwargs)  # type: ignore[attr-defined]
-    return result
+    return target, target._tasklock_name, False  # type: ignore[attr-defined]
 
 
 def _check_key(

@@ -8,6 +8,7 @@ __all__ = [
     "InvalidLockExpire",
     "LockBackendError",
     "LockConfigurationError",
+    "LockLost",
     "LockNotAcquired",
     "LockUsageError",
     "TaskLockError",
@@ -32,6 +33,25 @@ class LockNotAcquired(TaskLockError):
             f"Lock {lock_id!r} is held by another owner; the protected code did not "
             "run. Try again later, or wait for it with Lock.acquire(blocking=True, "
             "timeout=...)."
+        )
+
+
+class LockLost(TaskLockError):
+    """The lock expired, was evicted, flushed or released by force while its holder
+    still ran: another owner may be running the protected code now.
+
+    Raised by ``Lock.check()`` on a lock made with ``on_lost="raise"``. Stop the
+    work, or carry on only with writes fenced by ``lock.fence``.
+    """
+
+    def __init__(self, lock_id: str, held_for: float) -> None:
+        self.lock_id = lock_id
+        self.held_for = held_for
+        super().__init__(
+            f"Lock {lock_id!r} was lost {held_for:.1f}s after it was taken: it "
+            "expired, was evicted, flushed or released by force, and another owner "
+            "may hold it now. Stop the protected work; writes fenced with lock.fence "
+            "are refused from here on."
         )
 
 

@@ -19,9 +19,11 @@ if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
 
 __all__ = [
+    "FENCE_PREFIX",
     "MEMCACHED_MAX_KEY_BYTES",
     "check_lock_id",
     "encodable_key",
+    "fence_id",
     "hashed_id",
     "memcached_key",
     "portable_id",
@@ -29,6 +31,8 @@ __all__ = [
 
 MEMCACHED_MAX_KEY_BYTES: Final = 250
 HASHED_PREFIX: Final = "tasklock-sha256-"
+#: The fencing counter of lock ``x`` is stored under the id ``FENCE_PREFIX + x``.
+FENCE_PREFIX: Final = "tasklock-fence:"
 # memcached's text protocol splits a command line on spaces and ends it at CR LF;
 # these bytes must never reach it inside a key (protocol.txt, "Keys").
 _UNSAFE_KEY_CHARS: Final = re.compile(r"[\x00-\x20\x7f]")
@@ -44,7 +48,17 @@ def check_lock_id(lock_id: object) -> str:
         )
     if not lock_id:
         raise ValueError("lock_id must be a non-empty str.")
+    if lock_id.startswith(FENCE_PREFIX):
+        raise ValueError(
+            f"lock_id must not start with {FENCE_PREFIX!r}: ids starting so name the "
+            f"fencing counters of other locks. Got {lock_id!r}."
+        )
     return lock_id
+
+
+def fence_id(lock_id: str) -> str:
+    """The id of the fencing counter of ``lock_id``."""
+    return FENCE_PREFIX + lock_id
 
 
 def _fits_memcached(key: str, max_bytes: int) -> bool:

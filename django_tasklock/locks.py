@@ -4,25 +4,40 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import random
 import secrets
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, Literal
 
-from .backends import backend_for
-from .conf import settings, validate_expire
-from .exceptions import LockBackendError, LockNotAcquired, LockUsageError
-from .keys import check_lock_id
+from .backends import FenceCounter, backend_for
+from .conf import (
+    MAX_EXPIRE,
+    settings,
+    validate_bool,
+    validate_choice,
+    validate_expire,
+    validate_seconds,
+)
+from .exceptions import LockBackendError, LockLost, LockNotAcquired, LockUsageError
+from .keys import check_lock_id, fence_id
+from .renewal import Heartbeat
+from .signals import lock_acquired, lock_contended, lock_lost, lock_released
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from .backends import Hold, LockBackend
 
-__all__ = ["Lock", "memcache_lock"]
+__all__ = ["Lock", "OnLost", "memcache_lock"]
+
+OnLost = Literal["warn", "raise"]
+ON_LOST_POLICIES: Final = ("warn", "raise")
+#: Shortest life of a fencing counter after its last acquisition, in seconds.
+FENCE_COUNTER_TTL: Final = 24 * 60 * 60
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +57,7 @@ class _Tokens:
         self.counter = itertools.count()
 
     def new(self, owner: str) -> str:
+        """``owner:pid:random:thread:count``; owner is ``oid@host`` or ``host``."""
         # next() on itertools.count is atomic under the GIL: threads never share one.
         return f"{owner}:{self.prefix}:{threading.get_ident()}:{next(self.counter)}"
 
@@ -62,21 +78,35 @@ class Lock:
         lock = Lock(f"{self.name}-lock-{digest}", expire=300)
         if lock.acquire():
             try:
-                do_the_work()
+                do_the_work(fence=lock.fence)
             finally:
                 lock.release()
 
     or, raising ``LockNotAcquired`` when someone else holds it::
 
-        with Lock("nightly-report"):
+        with Lock("nightly-report", expire=30, renew=True):
             do_the_work()
 
     ``expire`` (seconds, 0 < expire <= 30 days) defaults to
     ``TASKLOCK['LOCK_EXPIRE']`` and ``cache`` (a CACHES alias) to
     ``TASKLOCK['CACHE']``, both read when the lock is acquired. ``oid`` is written
-    into the stored token for people reading the store (Celery's ``app.oid``, a
-    hostname); it plays no part in the owner check. A Lock object belongs to one
-    holder: do not share one object between threads.
+    into the stored token for people reading the store (Celery's ``app.oid``);
+    it plays no part in the owner check.
+
+    ``renew`` (default ``TASKLOCK['RENEW']``): while held, a heartbeat thread
+    extends the lock, owner-checked, every third of its expiry, so a short expiry
+    frees the lock soon after a crash while a long holder keeps it. ``max_hold``
+    (seconds): the lock never lasts longer than this after it was taken, renewed
+    or not. When the lock is found lost (by the heartbeat, ``extend()`` or
+    ``release()``), ``lost`` becomes True, a WARNING is logged and ``lock_lost`` is
+    sent; with ``on_lost="raise"``, ``check()`` then raises ``LockLost``.
+
+    Every acquisition draws ``fence``, an integer larger than that of every
+    earlier acquisition of the same lock id: pass it with writes so the protected
+    resource can refuse a holder that lost the lock (see README, Fencing).
+
+    A Lock object belongs to one holder: do not share it between threads (its own
+    heartbeat aside).
     """
 
     def __init__(
@@ -86,6 +116,9 @@ class Lock:
         expire: float | None = None,
         cache: str | None = None,
         oid: str | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost = "warn",
     ) -> None:
         self.lock_id = check_lock_id(lock_id)
         self._expire = None if expire is None else validate_expire(expire)
@@ -93,6 +126,15 @@ class Lock:
             raise TypeError(f"cache must be the name of a CACHES entry, not {cache!r}.")
         if oid is not None and not isinstance(oid, str):
             raise TypeError(f"oid must be a str, not {type(oid).__name__}.")
+        self._renew_option = (
+            None if renew is None else validate_bool(renew, name="renew")
+        )
+        self.max_hold = (
+            None if max_hold is None else validate_seconds(max_hold, name="max_hold")
+        )
+        self.on_lost: OnLost = validate_choice(  # type: ignore[assignment]
+            on_lost, name="on_lost", choices=ON_LOST_POLICIES
+        )
         self._cache = cache
         self._oid = oid
         self._hold: Hold | None = None
@@ -100,9 +142,16 @@ class Lock:
         self._key: str | None = None
         self._held_backend: LockBackend | None = None
         self._holder_thread: int | None = None
+        # Serialises the heartbeat's extend with the holder's release and extend.
+        self._guard = threading.Lock()
+        self._heartbeat: Heartbeat | None = None
+        self._deadline: float | None = None
+        self._held_expire: float = 0.0
         self.token: str | None = None
+        self.fence: int | None = None
         self.acquired_at: float | None = None
-        #: True once a release or extend found the lock gone or someone else's.
+        #: True once the heartbeat, a release or an extend found the lock gone or
+        #: someone else's.
         self.lost = False
 
     def __repr__(self) -> str:
@@ -116,6 +165,12 @@ class Lock:
         """The expiry in seconds: as passed in, else ``TASKLOCK['LOCK_EXPIRE']``."""
         return self._expire if self._expire is not None else settings.LOCK_EXPIRE
 
+    @property
+    def renewing(self) -> bool:
+        """True while a heartbeat keeps this lock alive."""
+        heartbeat = self._heartbeat
+        return heartbeat is not None and heartbeat.running
+
     def _backend(self) -> tuple[LockBackend, str]:
         """This thread's backend and the store key, for the alias of the hold."""
         if self._holder_thread == threading.get_ident() and self._held_backend:
@@ -126,8 +181,10 @@ class Lock:
         assert key is not None
         return backend, key
 
-    def _new_token(self) -> str:
-        return _tokens.new(self._oid or _HOSTNAME)
+    @property
+    def owner(self) -> str:
+        """Who this holder is, as written at the start of its tokens."""
+        return f"{self._oid}@{_HOSTNAME}" if self._oid else _HOSTNAME
 
     def _store_error(
         self, backend: LockBackend, key: str, doing: str, exc: BaseException
@@ -137,6 +194,12 @@ class Lock:
             lock_id=self.lock_id,
             store=backend.describe(key),
         )
+
+    def _capped(self, seconds: float) -> float:
+        """``seconds``, shortened so the lock ends by the max_hold deadline."""
+        if self._deadline is None:
+            return seconds
+        return max(min(seconds, self._deadline - time.monotonic()), 0.001)
 
     # -- acquire -----------------------------------------------------------------
 
@@ -155,37 +218,75 @@ class Lock:
             )
         if timeout is not None and not blocking:
             raise LockUsageError("timeout= needs blocking=True.")
-        default_expire, default_alias, protocol = settings.lock_defaults()
+        default_expire, default_alias, protocol, default_renew = (
+            settings.lock_defaults()
+        )
         expire = self._expire if self._expire is not None else default_expire
+        if self.max_hold is not None:
+            expire = min(expire, self.max_hold)
+        renew = self._renew_option if self._renew_option is not None else default_renew
         alias = self._cache or default_alias
         backend = backend_for(alias, protocol=protocol)
         key = backend.key_for(self.lock_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        counter_key = backend.key_for(fence_id(self.lock_id))
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         pause = POLL_MIN
+        owner = self.owner
         while True:
-            token = self._new_token()
+            token = _tokens.new(owner)
+            counter = FenceCounter(
+                counter_key, time.time_ns() // 1000, _fence_ttl(expire)
+            )
             try:
-                hold = backend.acquire(key, token, expire)
+                taken = backend.acquire(key, token, expire, counter)
             except backend.errors as exc:
                 raise self._store_error(backend, key, "take the lock", exc) from exc
-            if hold is not None:
-                self._hold, self._alias, self._key, self.token = hold, alias, key, token
+            if taken is not None:
+                now = time.monotonic()
+                self._hold, self.fence = taken
+                self._alias, self._key, self.token = alias, key, token
                 # Release and extend in this thread reuse this backend (the same
                 # connection); another thread looks its own up.
                 self._held_backend, self._holder_thread = backend, threading.get_ident()
-                self.acquired_at = time.monotonic()
-                self.lost = False
+                self.acquired_at, self.lost, self._held_expire = now, False, expire
+                self._deadline = None if self.max_hold is None else now + self.max_hold
+                if renew:
+                    self._heartbeat = Heartbeat(self, expire / 3)
+                    self._heartbeat.start()
+                if lock_acquired.receivers:
+                    lock_acquired.send_robust(
+                        Lock,
+                        lock=self,
+                        lock_id=self.lock_id,
+                        owner=token,
+                        fence=self.fence,
+                        waited=now - started,
+                    )
                 return True
-            if not blocking:
-                return False
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
+            if not blocking or (deadline is not None and now >= deadline):
+                if lock_contended.receivers:
+                    self._send_contended(backend, key, now - started)
                 return False
             sleep = random.uniform(pause / 2, pause)
             if deadline is not None:
                 sleep = min(sleep, deadline - now)
             time.sleep(sleep)
             pause = min(pause * 2, POLL_MAX)
+
+    def _send_contended(self, backend: LockBackend, key: str, waited: float) -> None:
+        try:
+            peek = backend.peek(key)
+        except backend.errors:
+            peek = None
+        lock_contended.send_robust(
+            Lock,
+            lock=self,
+            lock_id=self.lock_id,
+            owner=None if peek is None else peek.value,
+            waited=waited,
+        )
 
     # -- release and extend --------------------------------------------------------
 
@@ -196,62 +297,99 @@ class Lock:
                 "hold; call acquire() first."
             )
 
+    def _held_for(self) -> float:
+        return time.monotonic() - (self.acquired_at or time.monotonic())
+
     def _report_lost(self, doing: str) -> None:
-        held_for = time.monotonic() - (self.acquired_at or time.monotonic())
+        held_for = self._held_for()
         self._hold, self.lost = None, True
         logger.warning(
             "Lock %r was no longer held by this owner at %s, %.1fs after it was taken "
-            "with an expiry of %ss: it expired, was evicted, flushed or lost in a "
-            "restart, and may have been taken by another owner. The protected work "
-            "may have overlapped.",
+            "with an expiry of %ss: it expired, was evicted, flushed, released by "
+            "force or lost in a restart, and may have been taken by another owner. "
+            "The protected work may have overlapped; fenced writes (fence %s) are "
+            "refused once a newer holder has written.",
             self.lock_id,
             doing,
             held_for,
-            self.expire,
+            self._held_expire,
+            self.fence,
         )
+        if lock_lost.receivers:
+            lock_lost.send_robust(
+                Lock,
+                lock=self,
+                lock_id=self.lock_id,
+                owner=self.token,
+                fence=self.fence,
+                held=held_for,
+                during=doing,
+            )
+
+    def _stop_heartbeat(self) -> None:
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
 
     def release(self) -> bool:
         """Remove the lock if this object still owns it; True if it did.
 
-        A lock found gone or owned by someone else is left alone and logged at
-        WARNING (the protected work may have overlapped), and False is returned.
-        Raises ``LockBackendError`` if the store cannot be reached; the lock then
-        stays until it expires.
+        Stops the heartbeat first. A lock found gone or owned by someone else is
+        left alone and reported (WARNING, ``lock_lost``: the protected work may
+        have overlapped), and False is returned. Raises ``LockBackendError`` if
+        the store cannot be reached; the lock then stays until it expires.
         """
         self._require_hold("release()")
-        if self._hold is None:  # lost earlier, and reported then
-            return False
-        backend, key = self._backend()
-        hold, token = self._hold, self.token
-        assert token is not None
-        try:
-            released = backend.release(key, hold, token)
-        except backend.errors as exc:
+        self._stop_heartbeat()
+        with self._guard:
+            if self._hold is None:  # lost earlier, and reported then
+                return False
+            backend, key = self._backend()
+            hold, token = self._hold, self.token
+            assert token is not None
+            try:
+                released = backend.release(key, hold, token)
+            except backend.errors as exc:
+                self._hold = None
+                raise self._store_error(
+                    backend,
+                    key,
+                    "release the lock; it stays until it expires "
+                    f"(up to {self._held_expire}s)",
+                    exc,
+                ) from exc
+            if not released:
+                self._report_lost("release")
+                return False
             self._hold = None
-            raise self._store_error(
-                backend,
-                key,
-                f"release the lock; it stays until it expires (up to {self.expire}s)",
-                exc,
-            ) from exc
-        if not released:
-            self._report_lost("release")
-            return False
-        self._hold = None
+        if lock_released.receivers:
+            lock_released.send_robust(
+                Lock,
+                lock=self,
+                lock_id=self.lock_id,
+                owner=token,
+                fence=self.fence,
+                held=self._held_for(),
+            )
         return True
 
     def extend(self, seconds: float | None = None) -> bool:
-        """Reset the lock's expiry to ``seconds`` from now (default: ``expire``).
+        """Reset the lock's expiry to ``seconds`` from now (default: ``expire``),
+        never past ``max_hold`` after it was taken.
 
         Acts only while this object owns the lock: True if extended, False (and a
-        WARNING) if the lock was lost.
+        WARNING and ``lock_lost``) if the lock was lost.
         """
         self._require_hold("extend()")
+        if seconds is not None:
+            validate_expire(seconds, name="seconds")
+        with self._guard:
+            return self._extend(seconds, "extend")
+
+    def _extend(self, seconds: float | None, doing: str) -> bool:
         if self._hold is None:
             return False
-        expire = (
-            self.expire if seconds is None else validate_expire(seconds, name="seconds")
-        )
+        expire = self._capped(self._held_expire if seconds is None else seconds)
         backend, key = self._backend()
         assert self.token is not None
         try:
@@ -259,10 +397,44 @@ class Lock:
         except backend.errors as exc:
             raise self._store_error(backend, key, "extend the lock", exc) from exc
         if hold is None:
-            self._report_lost("extend")
+            self._report_lost(doing)
             return False
         self._hold = hold
         return True
+
+    def _renew(self, heartbeat: Heartbeat) -> bool:
+        """One heartbeat: extend the lock; False when renewal should stop."""
+        with self._guard:
+            if heartbeat.stopped or self._hold is None:
+                return False
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                logger.warning(
+                    "Lock %r reached its max_hold of %ss while its holder still runs; "
+                    "renewal stopped and the lock expires now.",
+                    self.lock_id,
+                    self.max_hold,
+                )
+                return False
+            try:
+                return self._extend(None, "renew")
+            except LockBackendError as exc:
+                # The lock keeps its current expiry; the next beat tries again,
+                # and reports it lost if it expired meanwhile.
+                logger.warning("Could not renew lock %r: %s", self.lock_id, exc)
+                return True
+
+    def check(self) -> bool:
+        """True while the lock is not known to be lost. Costs no round trip.
+
+        With ``on_lost="raise"``, a lost lock raises ``LockLost`` instead of
+        returning False. Call it between steps of long work, with ``renew=True``
+        (the heartbeat is what finds a lost lock while the body runs).
+        """
+        if not self.lost:
+            return True
+        if self.on_lost == "raise":
+            raise LockLost(self.lock_id, self._held_for())
+        return False
 
     # -- inspection ----------------------------------------------------------------
 
@@ -308,6 +480,7 @@ class Lock:
         code's own result or exception.
         """
         if self._hold is None:
+            self._stop_heartbeat()
             return
         try:
             self.release()
@@ -328,6 +501,12 @@ class Lock:
         self.release_quietly()
 
 
+def _fence_ttl(expire: float) -> int:
+    """How long a fencing counter lives after its last use: a day, or twice the
+    expiry if longer. A counter that expires starts again from the clock."""
+    return min(MAX_EXPIRE, max(FENCE_COUNTER_TTL, 2 * math.ceil(expire)))
+
+
 class memcache_lock:
     """The cookbook's ``memcache_lock``, made safe; yields True if the lock was taken.
 
@@ -341,8 +520,9 @@ class memcache_lock:
     Unlike the recipe, it releases on exit only a lock this call took and still
     owns (never one that expired and was taken by someone else), and a store that
     cannot be reached raises ``LockBackendError`` instead of looking like
-    contention. ``expire`` and ``cache`` default to ``TASKLOCK``; ``oid`` is kept
-    in the stored value for people reading the store.
+    contention. ``expire``, ``cache`` and ``renew`` default to ``TASKLOCK``; ``oid``
+    is kept in the stored value for people reading the store. The Lock is
+    ``.lock``: ``cm = memcache_lock(...)``, then ``cm.lock.fence`` in the block.
     """
 
     def __init__(
@@ -352,8 +532,18 @@ class memcache_lock:
         *,
         expire: float | None = None,
         cache: str | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
     ) -> None:
-        self.lock = Lock(lock_id, expire=expire, cache=cache, oid=oid)
+        #: The Lock underneath, for its ``fence`` and ``lost`` inside the block.
+        self.lock = Lock(
+            lock_id,
+            expire=expire,
+            cache=cache,
+            oid=oid,
+            renew=renew,
+            max_hold=max_hold,
+        )
 
     def __enter__(self) -> bool:
         return self.lock.acquire()

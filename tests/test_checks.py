@@ -142,9 +142,12 @@ class HomeMadeCache:
         ("WAIT_TIMEOUT", "60", "django_tasklock.E009"),
         ("RETRY_COUNTDOWN", -1, "django_tasklock.E010"),
         ("RETRY_COUNTDOWN", float("inf"), "django_tasklock.E010"),
+        ("RENEW", "yes", "django_tasklock.E011"),
+        ("RENEW", 1, "django_tasklock.E011"),
+        ("RENEW", None, "django_tasklock.E011"),
     ],
 )
-def test_e008_e010_decorator_defaults(settings, key, value, check_id):
+def test_e008_e011_decorator_defaults(settings, key, value, check_id):
     settings.TASKLOCK = {key: value}
     assert ids() == [check_id]
 
@@ -154,5 +157,6 @@ def test_decorator_defaults_quiet_when_valid(settings):
         "ON_CONTENTION": "wait",
         "WAIT_TIMEOUT": 5.5,
         "RETRY_COUNTDOWN": 0,
+        "RENEW": True,
     }
     assert ids() == []

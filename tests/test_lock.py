@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -136,7 +137,9 @@ def test_tokens_differ_per_acquisition(any_store):
     lock.release()
     lock.acquire()
     assert lock.token != first
-    assert lock.token is not None and lock.token.startswith("celery-oid:")
+    assert lock.token is not None and lock.token.startswith(
+        f"celery-oid@{socket.gethostname()}:"
+    )
     lock.release()
 
 

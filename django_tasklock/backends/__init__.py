@@ -17,14 +17,17 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from ..exceptions import LockConfigurationError
-from .base import Hold, LockBackend
+from .base import Acquired, FenceCounter, Hold, LockBackend, Peek
 from .locmem import LocMemBackend
 from .memcached import MemcachedBackend
 from .redis import RedisBackend
 
 __all__ = [
+    "Acquired",
+    "FenceCounter",
     "Hold",
     "LockBackend",
+    "Peek",
     "backend_for",
     "close_thread_connections",
     "unsafe_options",

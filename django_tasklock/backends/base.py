@@ -3,16 +3,45 @@
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
 
-__all__ = ["Hold", "LockBackend"]
+__all__ = ["Acquired", "FenceCounter", "Hold", "LockBackend", "Peek"]
 
 #: What a backend needs to prove ownership later: a CAS id on memcached, the
 #: stored token on Redis and LocMem. Opaque to everything but its backend.
 Hold = object
+
+
+class FenceCounter(NamedTuple):
+    """Where an acquisition draws its fencing token from.
+
+    ``key`` is the counter's store key; ``floor`` the value a missing counter
+    (never made, evicted, flushed, lost in a restart) starts again from, the
+    current time in microseconds, above anything it can have given out; ``ttl``
+    its lifetime in whole seconds, renewed on every acquisition.
+    """
+
+    key: str
+    floor: int
+    ttl: int
+
+
+class Acquired(NamedTuple):
+    """A lock taken: the proof of ownership, and the fencing token drawn for it."""
+
+    hold: Hold
+    fence: int
+
+
+class Peek(NamedTuple):
+    """What the store holds for a lock: the stored value and a hold on that very
+    item, which ``release()`` accepts to remove it only if it is still there."""
+
+    value: object
+    hold: Hold
 
 
 class LockBackend(abc.ABC):
@@ -44,8 +73,15 @@ class LockBackend(abc.ABC):
         return self.cache.make_key(lock_id)
 
     @abc.abstractmethod
-    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        """Take the lock if nobody holds it; return the hold, or None if held."""
+    def acquire(
+        self, key: str, token: str, expire: float, fence: FenceCounter
+    ) -> Acquired | None:
+        """Take the lock if nobody holds it, and draw its fencing token from the
+        counter after it: None if it is held.
+
+        The token is drawn while the lock is verifiably still this holder's, so
+        every later acquisition draws a larger one.
+        """
 
     @abc.abstractmethod
     def release(self, key: str, hold: Hold, token: str) -> bool:
@@ -66,3 +102,12 @@ class LockBackend(abc.ABC):
     @abc.abstractmethod
     def ttl(self, key: str) -> float | None:
         """Seconds left on the current hold, whoever owns it; None if not held."""
+
+    @abc.abstractmethod
+    def peek(self, key: str) -> Peek | None:
+        """The stored value and a hold on it, whoever owns it; None if not held."""
+
+    @abc.abstractmethod
+    def last_fence(self, key: str, fence_key: str) -> int | None:
+        """The last fencing token drawn for the lock at ``key``; None if none is
+        known (never taken, or the counter expired, was evicted or flushed)."""

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from ..keys import portable_id
-from .base import Hold, LockBackend
+from .base import Acquired, FenceCounter, Hold, LockBackend, Peek
 
 if TYPE_CHECKING:
     from django.core.cache.backends.locmem import LocMemCache
@@ -30,6 +30,7 @@ class LocMemBackend(LockBackend):
     """Owner-checked locks on LocMemCache, valid within one process only."""
 
     kind = "LocMem"
+    errors = (ValueError,)
     cache: LocMemCache
 
     def key_for(self, lock_id: str) -> str:
@@ -37,11 +38,22 @@ class LocMemBackend(LockBackend):
         # refuse so that tests on LocMem see the keys production sees.
         return portable_id(self.cache, lock_id)
 
-    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+    def acquire(
+        self, key: str, token: str, expire: float, fence: FenceCounter
+    ) -> Acquired | None:
         with _guard(self.alias):
-            if self.cache.add(key, token, expire):
-                return token
-        return None
+            last = self.cache.get(fence.key)
+            if last is not None and not isinstance(last, int):
+                raise ValueError(
+                    f"the fencing counter {fence.key!r} holds {last!r}, not a number; "
+                    "some other code wrote to that key. Delete it; the lock was not "
+                    "taken"
+                )
+            if not self.cache.add(key, token, expire):
+                return None
+            drawn = fence.floor if last is None else last + 1
+            self.cache.set(fence.key, drawn, fence.ttl)
+            return Acquired(token, drawn)
 
     def release(self, key: str, hold: Hold, token: str) -> bool:
         with _guard(self.alias):
@@ -68,3 +80,11 @@ class LocMemBackend(LockBackend):
         # LocMemCache keeps wall-clock deadlines (None: never) beside the values.
         deadline = cast(Any, self.cache)._expire_info.get(self.cache.make_key(key))
         return float("inf") if deadline is None else max(0.0, deadline - time.time())
+
+    def peek(self, key: str) -> Peek | None:
+        value = self.cache.get(key)
+        return None if value is None else Peek(value, value)
+
+    def last_fence(self, key: str, fence_key: str) -> int | None:
+        value = self.cache.get(fence_key)
+        return None if value is None else int(value)

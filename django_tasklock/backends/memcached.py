@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pymemcache.client.hash import HashClient
 from pymemcache.exceptions import (
+    MemcacheClientError,
     MemcacheError,
     MemcacheUnexpectedCloseError,
-    MemcacheUnknownCommandError,
 )
 
 from ..keys import memcached_key
-from .base import Hold, LockBackend
+from .base import Acquired, FenceCounter, Hold, LockBackend, Peek
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -46,7 +46,6 @@ __all__ = ["MemcachedBackend", "MemcachedHold"]
 # with it lets cache.get(lock_id) read the owner back as a str.
 _TEXT_FLAG = 16
 _T = TypeVar("_T")
-_POOLED = object()
 # What a server that went away since the last command looks like on its socket.
 _DROPPED = (MemcacheUnexpectedCloseError, BrokenPipeError, ConnectionResetError)
 # Servers that answered ERROR to a meta command; they get the classic commands.
@@ -73,6 +72,37 @@ def _wire_key(client: Any, key: str) -> bytes:
     """
     wire: bytes = client.key_prefix + key.encode("utf-8")
     return wire
+
+
+def _split_replies(buffer: bytes, count: int) -> list[bytes] | None:
+    """The first ``count`` replies in ``buffer``, or None if more must be read."""
+    replies: list[bytes] = []
+    start = 0
+    while len(replies) < count:
+        end = buffer.find(b"\r\n", start)
+        if end < 0:
+            return None
+        line = buffer[start:end]
+        start = end + 2
+        if line.startswith(b"VA "):
+            end = buffer.find(b"\r\n", start)
+            if end < 0:
+                return None
+            line += b" " + buffer[start:end]
+            start = end + 2
+        replies.append(line)
+        if line.startswith(b"ERROR"):
+            break
+    return replies
+
+
+def _bad_counter(fence: FenceCounter, reply: bytes) -> MemcacheError:
+    return MemcacheError(
+        f"the fencing counter {fence.key!r} holds something that is not a number "
+        f"({reply.decode(errors='replace')}); some other code wrote to that key. "
+        "Delete it (it restarts from the clock) and stop writing to it; the lock "
+        "was not taken"
+    )
 
 
 def _flag(reply: bytes, name: bytes) -> int | None:
@@ -152,43 +182,59 @@ class MemcachedBackend(LockBackend):
         _classic_servers.add(client.server)
 
     def _command(self, client: Any, command: bytes) -> bytes | None:
-        """Send one meta command and read its one-line reply.
+        """Send one meta command and read its one-line reply (see ``_exchange``)."""
+        replies = self._exchange(client, command, 1)
+        if replies is None:
+            return None
+        if replies[0].startswith(b"CLIENT_ERROR"):
+            raise MemcacheError(replies[0].decode(errors="replace"))
+        return replies[0]
 
-        None if the server does not know meta commands. On the client's own socket
-        where it has one (pymemcache's raw_command costs more than the lock's own
-        work); any error closes the connection, as pymemcache does.
+    def _exchange(self, client: Any, commands: bytes, count: int) -> list[bytes] | None:
+        """Send ``count`` pipelined meta commands and read their replies.
+
+        One round trip for all of them. A ``VA`` reply comes back as its header
+        and value joined by a space. None if the server does not know meta
+        commands. On the client's own socket (pymemcache's raw_command costs more
+        than the lock's own work, and reads one line only); a PooledClient lends
+        one of its clients. Any error closes the connection, as pymemcache does;
+        a ``CLIENT_ERROR`` reply (a bad value, the connection still in step) is
+        returned for the caller to judge.
         """
-        sock: Any = getattr(client, "sock", _POOLED)
-        if sock is _POOLED:  # PooledClient: its sockets are its pool's
-            try:
-                reply: bytes = client.raw_command(command, b"\r\n")
-            except MemcacheUnknownCommandError:
-                self._no_meta(client)
-                return None
-            return reply
+        pool = getattr(client, "client_pool", None)
+        if pool is not None:
+            with pool.get_and_release(destroy_on_fail=True) as pooled:
+                return self._exchange(pooled, commands, count)
+        sock: Any = client.sock
         if sock is None:
             client._connect()
             sock = client.sock
         try:
-            sock.sendall(command + b"\r\n")
-            reply = sock.recv(4096)
-            while not reply.endswith(b"\r\n"):
+            sock.sendall(commands + b"\r\n")
+            buffer = sock.recv(4096)
+            while True:
+                replies = _split_replies(buffer, count)
+                if replies is not None:
+                    break
                 chunk = sock.recv(4096)
                 if not chunk:
                     raise MemcacheUnexpectedCloseError()
-                reply += chunk
+                buffer += chunk
         except BaseException:
             client.close()
             raise
-        if reply.startswith((b"ERROR", b"CLIENT_ERROR", b"SERVER_ERROR")):
-            # Close: an old server also answers the rest of the command (its data
-            # line) with ERROR, which must not be read as the next reply.
+        first = replies[0]
+        if first.startswith(b"ERROR"):
+            # An old server also answers the rest (a data line, the other
+            # commands) with ERROR, which must not be read as the next reply.
             client.close()
-            if reply.startswith(b"ERROR"):
-                self._no_meta(client)
-                return None
-            raise MemcacheError(reply.strip().decode(errors="replace"))
-        return reply[:-2]
+            self._no_meta(client)
+            return None
+        for reply in replies:
+            if reply.startswith((b"ERROR", b"SERVER_ERROR")):
+                client.close()
+                raise MemcacheError(reply.strip().decode(errors="replace"))
+        return replies
 
     def _hold(self, client: Any, cas: object) -> MemcachedHold:
         cas_id = int(cast(Any, cas))
@@ -232,49 +278,101 @@ class MemcachedBackend(LockBackend):
 
     # -- acquire -----------------------------------------------------------------
 
-    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+    def acquire(
+        self, key: str, token: str, expire: float, fence: FenceCounter
+    ) -> Acquired | None:
+        # The counter lives on the lock's own server, whichever server its key
+        # would hash to: one round trip takes the lock and draws the token.
         client = self._client(key)
         ttl = math.ceil(expire)
         tries = 0
 
-        def attempt() -> MemcachedHold | None:
+        def attempt() -> Acquired | None:
             nonlocal tries
             tries += 1
-            hold = self._acquire(client, key, token, ttl)
-            if hold is None and tries > 1:
+            taken = self._acquire(client, key, token, ttl, fence)
+            if taken is None and tries > 1:
                 # The dropped first try may have stored our token before the
                 # connection went: then the lock is ours.
                 value, cas = client.gets(key)
                 if value == token:
-                    return self._hold(client, cas)
-            return hold
+                    return self._fenced(
+                        client, key, token, self._hold(client, cas), fence
+                    )
+            return taken
 
         return self._once_more(client, attempt)
 
     def _acquire(
-        self, client: Any, key: str, token: str, ttl: int
-    ) -> MemcachedHold | None:
+        self, client: Any, key: str, token: str, ttl: int, fence: FenceCounter
+    ) -> Acquired | None:
         if self._meta(client):
             data = token.encode()
             wire = _wire_key(client, key)
-            command = b"ms %s %d T%d F%d ME c\r\n%s" % (
+            # Take the lock (add mode), draw from the counter (made at the floor
+            # if missing), and read the lock's CAS id back: if it is still ours,
+            # the lock was held when the token was drawn, so any later holder
+            # draws after us and gets a larger one.
+            commands = (
+                b"ms %s %d T%d F%d ME c\r\n%s\r\n"
+                b"ma %s N%d J%d T%d v\r\n"
+                b"mg %s c"
+            ) % (
                 wire, len(data), ttl, _TEXT_FLAG, data,
+                _wire_key(client, fence.key), fence.ttl, fence.floor, fence.ttl,
+                wire,
             )  # fmt: skip
-            reply = self._command(client, command)
-            if reply is not None:
-                if reply.startswith(b"NS"):
+            replies = self._exchange(client, commands, 3)
+            if replies is not None:
+                taken, drawn, check = replies
+                if taken.startswith(b"NS"):
                     return None
-                if not reply.startswith(b"HD"):
-                    raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-                cas = _flag(reply, b"c")
+                if not taken.startswith(b"HD"):
+                    raise MemcacheError(f"unexpected reply to ms: {taken!r}")
+                cas = _flag(taken, b"c")
                 if not cas:
                     self._command(client, b"md %s" % wire)
-                return self._hold(client, cas)
+                hold = self._hold(client, cas)
+                if not drawn.startswith(b"VA "):
+                    self._command(client, b"md %s C%d" % (wire, hold.cas))
+                    raise _bad_counter(fence, drawn)
+                if _flag(check, b"c") != hold.cas:
+                    # Flushed or evicted in the very instant between: not ours.
+                    return None
+                return Acquired(hold, int(drawn.rsplit(b" ", 1)[1]))
         if not client.add(key, token, expire=ttl, noreply=False):
             return None
         value, cas = client.gets(key)
         # Someone else's value here means our item expired in between: not ours.
-        return self._hold(client, cas) if value == token else None
+        if value != token:
+            return None
+        return self._fenced(client, key, token, self._hold(client, cas), fence)
+
+    def _fenced(
+        self,
+        client: Any,
+        key: str,
+        token: str,
+        hold: MemcachedHold,
+        fence: FenceCounter,
+    ) -> Acquired | None:
+        """Draw a fencing token with classic commands, for a lock already taken."""
+        try:
+            drawn = client.incr(fence.key, 1, noreply=False)
+            if drawn is None:
+                if client.add(
+                    fence.key, str(fence.floor), expire=fence.ttl, noreply=False
+                ):
+                    drawn = fence.floor
+                else:  # made by another holder in between
+                    drawn = client.incr(fence.key, 1, noreply=False)
+        except MemcacheClientError as exc:
+            self._release(client, key, hold, token)
+            raise _bad_counter(fence, str(exc).encode()) from exc
+        value, cas = client.gets(key)
+        if value != token or cas is None or int(cas) != hold.cas or drawn is None:
+            return None
+        return Acquired(hold, int(drawn))
 
     # -- release -----------------------------------------------------------------
 
@@ -355,3 +453,14 @@ class MemcachedBackend(LockBackend):
             return None
         seconds = _flag(reply, b"t")
         return float("inf") if seconds is None or seconds < 0 else float(seconds)
+
+    def peek(self, key: str) -> Peek | None:
+        value, cas = self._client(key).gets(key)
+        if cas is None:
+            return None
+        # No socket: a release through this hold checks the value first.
+        return Peek(value, MemcachedHold(int(cas), None))
+
+    def last_fence(self, key: str, fence_key: str) -> int | None:
+        value = self._client(key).get(fence_key)
+        return None if value is None else int(value)

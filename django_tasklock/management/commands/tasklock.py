@@ -1,0 +1,216 @@
+"""``manage.py tasklock``: see a lock, clear a stale one, print a call's lock id.
+
+::
+
+    manage.py tasklock status <lock id>
+    manage.py tasklock status --task feeds.import_feed https://example.com/rss
+    manage.py tasklock release <lock id> [--force]
+    manage.py tasklock key --task feeds.import_feed https://example.com/rss
+
+Task arguments are read as JSON where they parse as JSON (``42``, ``true``,
+``[1, 2]``, ``'"42"'`` for the string) and as plain strings otherwise; keyword
+arguments are ``--kwarg name=value``. ``--task`` takes a registered Celery task
+name or the dotted path of a task or function.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils.module_loading import import_string
+
+from ...decorator import lock_cache_for, lock_id_for
+from ...exceptions import LockBackendError, LockConfigurationError
+from ...status import LockStatus, force_release, lock_status
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _celery_task(name: str) -> Any:
+    try:
+        from celery import current_app
+    except ImportError:  # Celery is optional
+        return None
+    app = current_app._get_current_object()
+    app.loader.import_default_modules()  # the project's autodiscovered tasks
+    return app.tasks.get(name)
+
+
+def _single_instance_tasks() -> list[str]:
+    try:
+        from celery import current_app
+    except ImportError:
+        return []
+    return sorted(
+        name
+        for name, task in current_app.tasks.items()
+        if hasattr(getattr(task.run, "__func__", task.run), "_tasklock_lock_id")
+    )
+
+
+def resolve_task(name: str) -> Any:
+    """The Celery task registered as ``name``, else the object at that dotted
+    path; CommandError if neither is a ``@single_instance`` task."""
+    target = _celery_task(name)
+    if target is None:
+        try:
+            target = import_string(name)
+        except ImportError:
+            known = ", ".join(_single_instance_tasks()) or "(none registered)"
+            raise CommandError(
+                f"No task {name!r}: it is neither a registered Celery task nor an "
+                f"importable dotted path. @single_instance Celery tasks: {known}."
+            ) from None
+    try:
+        lock_cache_for(target)
+    except TypeError as exc:
+        raise CommandError(
+            f"{name!r} is not decorated with @single_instance, so it takes no lock "
+            "id of its own; pass the lock id itself."
+        ) from exc
+    return target
+
+
+class Command(BaseCommand):
+    help = (
+        "Inspect and clear django_tasklock locks: status, release (a stale lock; "
+        "--force for any), key (the lock id a task call would use)."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        actions = parser.add_subparsers(dest="action", required=True, metavar="action")
+        status = actions.add_parser(
+            "status", help="Is a lock held, by whom, for how long; its last fence."
+        )
+        release = actions.add_parser(
+            "release",
+            help="Remove a lock whose holder on this host is gone; --force: any lock.",
+        )
+        key = actions.add_parser("key", help="Print the lock id a task call would use.")
+        for sub in (status, release, key):
+            sub.add_argument(
+                "values",
+                nargs="*",
+                metavar="lock_id | args",
+                help="The lock id, or with --task the call's arguments.",
+            )
+            sub.add_argument("--task", help="A @single_instance task: name or path.")
+            sub.add_argument(
+                "--kwarg",
+                action="append",
+                default=[],
+                metavar="NAME=VALUE",
+                help="A keyword argument of the call (with --task).",
+            )
+        for sub in (status, release):
+            sub.add_argument(
+                "--cache", help="The CACHES alias (default: the task's, or TASKLOCK's)."
+            )
+        status.add_argument("--json", action="store_true", help="Print JSON.")
+        release.add_argument(
+            "--force",
+            action="store_true",
+            help="Release even if the holder may still be running.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        lock_id, cache = self._lock_id(options)
+        action = options["action"]
+        if action == "key":
+            self.stdout.write(lock_id)
+            return
+        cache = options.get("cache") or cache
+        try:
+            if action == "status":
+                self._status(lock_status(lock_id, cache=cache), options["json"])
+            else:
+                self._release(lock_id, cache, options["force"])
+        except (LockBackendError, LockConfigurationError) as exc:
+            raise CommandError(str(exc)) from exc
+
+    def _lock_id(self, options: dict[str, Any]) -> tuple[str, str | None]:
+        values: list[str] = options["values"]
+        name = options["task"]
+        if name is None:
+            if options["action"] == "key":
+                raise CommandError("key needs --task <name> and the call's arguments.")
+            if len(values) != 1 or options["kwarg"]:
+                raise CommandError(
+                    "Give one lock id, or --task <name> with the call's arguments."
+                )
+            return values[0], None
+        kwargs = {}
+        for item in options["kwarg"]:
+            field, sep, text = item.partition("=")
+            if not sep or not field:
+                raise CommandError(f"--kwarg takes NAME=VALUE, not {item!r}.")
+            kwargs[field] = _value(text)
+        target = resolve_task(name)
+        try:
+            lock_id = lock_id_for(target, *map(_value, values), **kwargs)
+        except TypeError as exc:
+            raise CommandError(f"Arguments do not fit {name}: {exc}") from exc
+        return lock_id, lock_cache_for(target)
+
+    def _status(self, status: LockStatus, as_json: bool) -> None:
+        if as_json:
+            data = status.as_dict()
+            data["never_expires"] = status.ttl is not None and math.isinf(status.ttl)
+            if data["never_expires"]:
+                data["ttl"] = None
+            self.stdout.write(json.dumps(data, default=str))
+            return
+        owner = status.owner
+        lines = [
+            ("Lock", status.lock_id),
+            ("Store", f"{status.store}, key {status.key!r}"),
+            ("Held", "yes" if status.held else "no"),
+        ]
+        if status.held:
+            lines.append(("Owner", str(status.value)))
+            if owner is not None:
+                lines.append(("Holder", owner.describe()))
+            else:
+                lines.append(("Holder", "not a django_tasklock token (other code)"))
+            lines.append(("Expires", _expiry(status.ttl)))
+        fence = "none (the counter is gone)" if status.fence is None else status.fence
+        lines.append(("Last fence", str(fence)))
+        for label, text in lines:
+            self.stdout.write(f"{label + ':':<12}{text}")
+
+    def _release(self, lock_id: str, cache: str | None, force: bool) -> None:
+        status = lock_status(lock_id, cache=cache)
+        if not status.held:
+            raise CommandError(f"Lock {lock_id!r} is not held; nothing to release.")
+        owner = status.owner
+        if not force and not status.stale:
+            holder = owner.describe() if owner is not None else "unknown holder"
+            raise CommandError(
+                f"Lock {lock_id!r} is held by {status.value} ({holder}), "
+                f"expiring {_expiry(status.ttl)}. Its holder may still be running: "
+                "releasing it lets a second run start beside it. Pass --force to "
+                "release it anyway."
+            )
+        removed = force_release(lock_id, cache=cache)
+        if removed is None:
+            raise CommandError(
+                f"Lock {lock_id!r} was released meanwhile; nothing to do."
+            )
+        why = "stale: its holder is gone" if status.stale else "forced"
+        self.stdout.write(f"Released lock {lock_id!r} held by {removed.value} ({why}).")
+
+
+def _expiry(ttl: float | None) -> str:
+    if ttl is None:
+        return "unknown"
+    if math.isinf(ttl):
+        return "never (stored without a timeout by other code)"
+    return f"in {ttl:.0f}s" if ttl >= 1 else f"in {ttl:.2f}s"

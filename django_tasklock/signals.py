@@ -1,0 +1,36 @@
+"""Signals for every lock event, so that a project can count, time and alert.
+
+Each is sent once per event with ``sender=Lock`` (the class, also for locks taken
+by ``memcache_lock`` and ``@single_instance``) and these keyword arguments:
+
+``lock_acquired``
+    ``lock``, ``lock_id``, ``owner`` (the token stored for this holder), ``fence``
+    (its fencing token), ``waited`` (seconds the ``acquire()`` call took).
+``lock_contended``
+    ``lock``, ``lock_id``, ``owner`` (the token of the holder that kept the lock,
+    or None if it was gone by the time it was read), ``waited`` (seconds spent,
+    a blocking acquire's whole wait). Sent once per ``acquire()`` that returns
+    False, never for the intermediate tries of a blocking one.
+``lock_released``
+    ``lock``, ``lock_id``, ``owner``, ``fence``, ``held`` (seconds since it was
+    taken).
+``lock_lost``
+    ``lock``, ``lock_id``, ``owner``, ``fence``, ``held``, and ``during``: what
+    found it lost, ``"renew"`` (the heartbeat), ``"extend"`` or ``"release"``.
+
+The signals are sent with ``send_robust``: a receiver that raises is logged by
+Django and never breaks a lock (a metrics exporter that is down must not leave a
+lock held). ``lock_lost`` from the heartbeat is sent in the heartbeat's thread.
+``lock_contended`` reads the holder's token only when it has receivers.
+"""
+
+from __future__ import annotations
+
+from django.dispatch import Signal
+
+__all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released"]
+
+lock_acquired = Signal()
+lock_contended = Signal()
+lock_released = Signal()
+lock_lost = Signal()

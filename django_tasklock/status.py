@@ -1,0 +1,185 @@
+"""Reading a lock from outside its holder, and clearing a stale one.
+
+What ``python manage.py tasklock`` is built on; usable from a project's own admin
+views and health checks too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Any
+
+from .backends import backend_for
+from .conf import settings
+from .exceptions import LockBackendError
+from .keys import check_lock_id, fence_id
+
+__all__ = ["LockChanged", "LockStatus", "Owner", "force_release", "lock_status"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """Who a stored django_tasklock token says holds a lock.
+
+    ``alive`` is True or False when the holder's process is on this host (its pid
+    is looked up), None when it is elsewhere or unknown.
+    """
+
+    name: str
+    host: str
+    pid: int
+    alive: bool | None
+
+    @classmethod
+    def parse(cls, value: object) -> Owner | None:
+        """The owner in a token ``owner:pid:random:thread:count``, where owner is
+        ``oid@host`` or ``host``; None for any other value (the recipe's oid)."""
+        if not isinstance(value, str):
+            return None
+        parts = value.rsplit(":", 4)
+        if len(parts) != 5 or not parts[1].isdigit():
+            return None
+        name, pid = parts[0], int(parts[1])
+        host = name.rpartition("@")[2]
+        alive = _process_alive(pid) if host == socket.gethostname() else None
+        return cls(name=name, host=host, pid=pid, alive=alive)
+
+    def describe(self) -> str:
+        where = f"process {self.pid} on {self.host}"
+        if self.alive is None:
+            return f"{where} (another host: cannot tell whether it runs)"
+        return f"{where} (this host: {'running' if self.alive else 'not running'})"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class LockStatus:
+    """A lock as its store holds it now.
+
+    ``value`` is the stored token (or whatever other code stored under the key);
+    ``ttl`` the seconds left (memcached counts whole seconds; ``inf``: never
+    expires); ``fence`` the last fencing token drawn for the lock id (None when
+    its counter is gone; the next one then starts from the clock).
+    """
+
+    lock_id: str
+    store: str
+    key: str
+    held: bool
+    value: object
+    ttl: float | None
+    fence: int | None
+
+    @property
+    def owner(self) -> Owner | None:
+        return Owner.parse(self.value)
+
+    @property
+    def stale(self) -> bool:
+        """True if it is held by a process on this host that no longer runs."""
+        owner = self.owner
+        return self.held and owner is not None and owner.alive is False
+
+    def as_dict(self) -> dict[str, Any]:
+        owner = self.owner
+        return {
+            "lock_id": self.lock_id,
+            "store": self.store,
+            "key": self.key,
+            "held": self.held,
+            "owner": None if self.value is None else str(self.value),
+            "holder": None if owner is None else dataclasses.asdict(owner),
+            "stale": self.stale,
+            "ttl": self.ttl,
+            "fence": self.fence,
+        }
+
+
+class LockChanged(LockBackendError):
+    """The lock was released, expired or taken by another owner while a forced
+    release was about to remove it; nothing was removed."""
+
+
+def _backend(lock_id: str, cache: str | None) -> Any:
+    backend = backend_for(cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL)
+    return backend, backend.key_for(check_lock_id(lock_id))
+
+
+def lock_status(lock_id: str, *, cache: str | None = None) -> LockStatus:
+    """Read ``lock_id`` from the store (``cache`` alias, default TASKLOCK['CACHE']).
+
+    Raises ``LockBackendError`` when the store cannot be reached.
+    """
+    backend, key = _backend(lock_id, cache)
+    try:
+        peek = backend.peek(key)
+        try:
+            ttl = backend.ttl(key) if peek is not None else None
+        except backend.errors:
+            ttl = None  # memcached before 1.6 cannot tell
+        fence = backend.last_fence(key, backend.key_for(fence_id(lock_id)))
+    except backend.errors as exc:
+        raise LockBackendError(
+            f"Could not read the lock: {type(exc).__name__}: {exc}",
+            lock_id=lock_id,
+            store=backend.describe(key),
+        ) from exc
+    return LockStatus(
+        lock_id=lock_id,
+        store=backend.describe(key),
+        key=key,
+        held=peek is not None,
+        value=None if peek is None else peek.value,
+        ttl=ttl,
+        fence=fence,
+    )
+
+
+def force_release(lock_id: str, *, cache: str | None = None) -> LockStatus | None:
+    """Remove the lock whoever holds it; return what was removed, None if free.
+
+    Removes only the very item it read: if the lock changes hands in between,
+    nothing is removed and ``LockChanged`` is raised. A holder that still runs
+    finds its lock lost at its next renewal, extend or release (WARNING,
+    ``lock_lost``), and its fenced writes are refused once the next holder wrote.
+    """
+    backend, key = _backend(lock_id, cache)
+    store = backend.describe(key)
+    try:
+        peek = backend.peek(key)
+        if peek is None:
+            return None
+        removed = backend.release(key, peek.hold, peek.value)
+    except backend.errors as exc:
+        raise LockBackendError(
+            f"Could not release the lock: {type(exc).__name__}: {exc}",
+            lock_id=lock_id,
+            store=store,
+        ) from exc
+    if not removed:
+        raise LockChanged(
+            "The lock was released, expired or taken by another owner while it was "
+            "being released; nothing was removed. Look at its status again",
+            lock_id=lock_id,
+            store=store,
+        )
+    return LockStatus(
+        lock_id=lock_id,
+        store=store,
+        key=key,
+        held=True,
+        value=peek.value,
+        ttl=None,
+        fence=None,
+    )
