@@ -38,6 +38,8 @@ OnLost = Literal["warn", "raise"]
 ON_LOST_POLICIES: Final = ("warn", "raise")
 #: Shortest life of a fencing counter after its last acquisition, in seconds.
 FENCE_COUNTER_TTL: Final = 24 * 60 * 60
+#: The shortest heartbeat interval: renewing more often than this is refused.
+MIN_BEAT: Final = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,9 @@ class Lock:
 
     ``renew`` (default ``TASKLOCK['RENEW']``): while held, a heartbeat thread
     extends the lock, owner-checked, every third of its expiry, so a short expiry
-    frees the lock soon after a crash while a long holder keeps it. ``max_hold``
+    frees the lock soon after a crash while a long holder keeps it (a third of
+    the shortest time the store keeps it: ``expire - 1`` whole seconds on
+    memcached, so renewing there needs ``expire >= 2``). ``max_hold``
     (seconds): the lock never lasts longer than this after it was taken, renewed
     or not. When the lock is found lost (by the heartbeat, ``extend()`` or
     ``release()``), ``lost`` becomes True, a WARNING is logged and ``lock_lost`` is
@@ -229,6 +233,15 @@ class Lock:
         backend = backend_for(alias, protocol=protocol)
         key = backend.key_for(self.lock_id)
         counter_key = backend.key_for(fence_id(self.lock_id))
+        beat = backend.shortest_life(expire) / 3 if renew else 0.0
+        if renew and beat < MIN_BEAT:
+            raise LockUsageError(
+                f"renew=True needs a longer expiry than {expire}s on {backend.kind}: "
+                f"a lock stored for {expire}s may go after "
+                f"{backend.shortest_life(expire)}s there (memcached counts whole "
+                "seconds), too soon to renew in time. Use an expire (and max_hold) "
+                "of 2 seconds or more."
+            )
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         pause = POLL_MIN
@@ -252,7 +265,7 @@ class Lock:
                 self.acquired_at, self.lost, self._held_expire = now, False, expire
                 self._deadline = None if self.max_hold is None else now + self.max_hold
                 if renew:
-                    self._heartbeat = Heartbeat(self, expire / 3)
+                    self._heartbeat = Heartbeat(self, beat)
                     self._heartbeat.start()
                 if lock_acquired.receivers:
                     lock_acquired.send_robust(
@@ -407,21 +420,27 @@ class Lock:
         with self._guard:
             if heartbeat.stopped or self._hold is None:
                 return False
-            if self._deadline is not None and time.monotonic() >= self._deadline:
-                logger.warning(
-                    "Lock %r reached its max_hold of %ss while its holder still runs; "
-                    "renewal stopped and the lock expires now.",
-                    self.lock_id,
-                    self.max_hold,
-                )
-                return False
+            last = (
+                self._deadline is not None
+                and self._deadline - time.monotonic() <= self._held_expire
+            )
             try:
-                return self._extend(None, "renew")
+                renewed = self._extend(None, "renew")
             except LockBackendError as exc:
                 # The lock keeps its current expiry; the next beat tries again,
                 # and reports it lost if it expired meanwhile.
                 logger.warning("Could not renew lock %r: %s", self.lock_id, exc)
                 return True
+            if renewed and last:
+                logger.warning(
+                    "Lock %r reaches its max_hold of %ss in %.1fs while its holder "
+                    "still runs; renewal stops and the lock expires then.",
+                    self.lock_id,
+                    self.max_hold,
+                    max(0.0, (self._deadline or 0.0) - time.monotonic()),
+                )
+                return False
+            return renewed
 
     def check(self) -> bool:
         """True while the lock is not known to be lost. Costs no round trip.

@@ -68,3 +68,51 @@ def overlaps(holds: list[tuple[float, float]]) -> int:
             count += 1
         latest_end = max(latest_end, exited)
     return count
+
+
+def fenced_holds(
+    tasklock: dict[str, object], lock_id: str, start_at: float, seconds: float
+) -> list[tuple[float, float, int]]:
+    """Like ``hammer``, recording each hold's fencing token with its times."""
+    setup_django()
+    from django.conf import settings
+    from django.core.cache import close_caches
+
+    from django_tasklock import Lock
+
+    settings.TASKLOCK = tasklock
+    holds: list[tuple[float, float, int]] = []
+    while time.monotonic() < start_at:
+        time.sleep(0.001)
+    deadline = start_at + seconds
+    while time.monotonic() < deadline:
+        lock = Lock(lock_id, expire=30)
+        if lock.acquire():
+            entered = time.monotonic()
+            assert lock.fence is not None
+            while time.monotonic() - entered < 0.0002:
+                pass
+            exited = time.monotonic()
+            assert lock.release(), "lost a lock nobody else could take"
+            holds.append((entered, exited, lock.fence))
+        else:
+            time.sleep(0.0005)
+    close_caches()
+    return holds
+
+
+def renewing_holder(
+    tasklock: dict[str, object], lock_id: str, expire: float, queue: object
+) -> None:
+    """Take ``lock_id`` with renewal, report when, then run until killed."""
+    setup_django()
+    from django.conf import settings
+
+    from django_tasklock import Lock
+
+    settings.TASKLOCK = tasklock
+    lock = Lock(lock_id, expire=expire, renew=True)
+    assert lock.acquire()
+    queue.put((time.monotonic(), lock.fence))  # type: ignore[attr-defined]
+    while True:
+        time.sleep(1)

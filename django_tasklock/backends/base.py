@@ -68,6 +68,10 @@ class LockBackend(abc.ABC):
         """Name the store, for error messages: kind, alias and server."""
         return f"{self.kind} cache {self.alias!r}"
 
+    def shortest_life(self, expire: float) -> float:
+        """The least time a lock stored with ``expire`` is sure to live."""
+        return expire
+
     def key_for(self, lock_id: str) -> str:
         """The store key of ``lock_id``, the same one ``cache.add(lock_id)`` uses."""
         return self.cache.make_key(lock_id)

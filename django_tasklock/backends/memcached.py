@@ -162,6 +162,11 @@ class MemcachedBackend(LockBackend):
             server = "{}:{}".format(*server)
         return f"memcached cache {self.alias!r} at {server}"
 
+    def shortest_life(self, expire: float) -> float:
+        # memcached stores whole seconds on a clock that ticks once a second, so
+        # an item stored with T<n> just before a tick goes after n - 1 seconds.
+        return float(math.ceil(expire) - 1)
+
     def key_for(self, lock_id: str) -> str:
         reserved = len(getattr(self._hash_client, "key_prefix", b"") or b"")
         return memcached_key(self.cache, lock_id, reserved=reserved)

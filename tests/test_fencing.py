@@ -1,0 +1,141 @@
+"""Fencing tokens: every acquisition's is larger than every earlier one's, even
+after the counter is flushed, evicted, deleted or lost in a restart."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+from django.core.cache import caches
+
+from django_tasklock import Lock, LockBackendError
+from django_tasklock.keys import fence_id
+from tests.conftest import in_thread
+from tests.services import Memcached
+from tests.test_store_failures import use_memcached
+from tests.workers import fenced_holds, setup_django
+
+
+def take(lock_id: str = "fenced") -> int:
+    lock = Lock(lock_id)
+    assert lock.acquire()
+    assert lock.release()
+    assert lock.fence is not None
+    return lock.fence
+
+
+def test_fences_strictly_increase(any_store):
+    fences = [take() for _ in range(30)]
+    assert all(later > earlier for earlier, later in zip(fences, fences[1:]))
+    # The counter counts: no gaps without a reason.
+    assert fences[-1] - fences[0] == 29
+
+
+def test_fences_are_per_lock_id(any_store):
+    first, other, second = take("a"), take("b"), take("a")
+    assert second == first + 1
+    assert other != first + 1 or other < second
+
+
+def test_fence_starts_from_the_clock(any_store):
+    before = time.time_ns() // 1000
+    fence = take("fresh")
+    assert before <= fence <= time.time_ns() // 1000
+
+
+def test_failed_attempts_never_lower_a_later_fence(store):
+    holder = Lock("contended")
+    assert holder.acquire()
+    for _ in range(5):
+        assert in_thread(lambda: Lock("contended").acquire()) is False
+    first = holder.fence
+    assert holder.release()
+    assert first is not None and take("contended") > first
+
+
+def test_fences_increase_across_flush_and_restart(settings, own_memcached):
+    use_memcached(settings, own_memcached.address, "meta")
+    fences = [take()]
+    own_memcached.flush_all()
+    fences.append(take())
+    own_memcached.restart()
+    fences.append(take())
+    # The counter evicted (or deleted by hand) between two holders.
+    caches["own"].delete(fence_id("fenced"))
+    fences.append(take())
+    fences.append(take())
+    assert all(later > earlier for earlier, later in zip(fences, fences[1:])), fences
+
+
+@pytest.fixture
+def own_memcached():
+    server = Memcached().start()
+    yield server
+    server.stop()
+
+
+def test_fences_increase_across_redis_flush(settings, redis_server):
+    settings.TASKLOCK = {"CACHE": "redis"}
+    before = take()
+    caches["redis"]._cache.get_client(write=True).flushdb()
+    assert take() > before
+
+
+def test_classic_protocol_fences_across_restart(settings, own_memcached):
+    use_memcached(settings, own_memcached.address, "classic")
+    first = take()
+    assert take() == first + 1
+    own_memcached.restart()
+    assert take() > first + 1
+
+
+def test_corrupt_counter_is_a_clear_error_and_takes_no_lock(any_store):
+    alias = any_store.alias
+    caches[alias].set(fence_id("corrupt"), "not a number")
+    with pytest.raises(LockBackendError, match="fencing counter") as caught:
+        Lock("corrupt").acquire()
+    assert "Delete it" in str(caught.value)
+    assert not Lock("corrupt").locked(), "left the lock held without a fence"
+    caches[alias].delete(fence_id("corrupt"))
+    assert take("corrupt") > 0
+
+
+def test_pooled_memcached_client_locks_and_fences(settings, memcached):
+    config = {
+        "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+        "LOCATION": memcached.address,
+        "OPTIONS": {"use_pooling": True, "max_pool_size": 2},
+    }
+    settings.CACHES = {**settings.CACHES, "pooled": config}
+    settings.TASKLOCK = {"CACHE": "pooled"}
+    first = Lock("pooled")
+    assert first.acquire()
+    assert Lock("pooled").acquire() is False
+    assert first.extend(30)
+    ttl = first.ttl()
+    assert ttl is not None and 25 <= ttl <= 30
+    assert first.release()
+    # The refused attempt drew one too.
+    assert take("pooled") == first.fence + 2  # type: ignore[operator]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["default", "redis"])
+def test_fences_follow_hold_order_under_contention(alias):
+    """Many processes, one lock: sorted by when they held it, the fences rise."""
+    processes = 6
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(processes, initializer=setup_django) as pool:
+        pool.map(time.sleep, [0.05] * processes * 4)
+        start_at = time.monotonic() + 1.0
+        results = pool.starmap(
+            fenced_holds,
+            [({"CACHE": alias}, "fenced-storm", start_at, 2.0)] * processes,
+        )
+    holds = sorted(hold for process_holds in results for hold in process_holds)
+    assert len(holds) >= 100, f"only {len(holds)} holds"
+    assert sum(1 for process_holds in results if process_holds) >= processes // 2
+    fences = [fence for _, _, fence in holds]
+    assert len(set(fences)) == len(fences), "two holds shared a fence"
+    assert fences == sorted(fences), "a later hold drew a smaller fence"

@@ -1,0 +1,214 @@
+"""Renewal: a heartbeat keeps a short-expiry lock while its holder runs, stops with
+the holder, never outlives max_hold, and reports a lost lock within one beat."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+from django.core.cache import caches
+
+from django_tasklock import Lock, LockLost, LockUsageError, current_lock
+from django_tasklock.signals import lock_lost
+from tests.conftest import in_thread
+from tests.workers import renewing_holder, setup_django
+
+EXPIRE = 2
+
+
+def taken_by_other(lock_id: str) -> bool:
+    """Whether another owner (another thread, its own connection) can take it."""
+
+    def attempt() -> bool:
+        other = Lock(lock_id, expire=60)
+        if other.acquire():
+            other.release()
+            return True
+        return False
+
+    return bool(in_thread(attempt))
+
+
+def wait_for(condition, timeout: float, step: float = 0.02) -> float:
+    """Seconds until ``condition()`` is true; fails after ``timeout``."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, "condition never became true"
+        time.sleep(step)
+    return time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_renewal_keeps_lock_past_several_expiries(store):
+    lock = Lock("renewed", expire=EXPIRE, renew=True)
+    assert lock.acquire()
+    heartbeat = lock._heartbeat
+    assert heartbeat is not None and lock.renewing
+    started = time.monotonic()
+    checks = 0
+    while time.monotonic() - started < 3 * EXPIRE + 0.5:
+        assert not taken_by_other("renewed"), "another owner took a renewed lock"
+        checks += 1
+        time.sleep(0.2)
+    assert checks >= 15
+    assert lock.owned() and not lock.lost
+    assert lock.release() is True
+    heartbeat.join(timeout=2)
+    assert not heartbeat._thread.is_alive(), "the heartbeat outlived the release"
+    assert not lock.locked()
+    time.sleep(EXPIRE / 2)
+    assert not lock.locked(), "a stopped heartbeat wrote the lock back"
+
+
+@pytest.mark.slow
+def test_without_renewal_the_same_lock_expires(store):
+    """The control for the test above: the same lock, not renewed, is lost."""
+    lock = Lock("renewed", expire=EXPIRE)
+    assert lock.acquire()
+    wait_for(lambda: taken_by_other("renewed"), timeout=EXPIRE + 1.5, step=0.1)
+    assert lock.release() is False and lock.lost
+
+
+def test_heartbeat_stops_with_the_body(store):
+    with Lock("body", expire=EXPIRE, renew=True) as lock:
+        heartbeat = lock._heartbeat
+        assert heartbeat is not None and heartbeat.running
+    heartbeat.join(timeout=2)
+    assert not heartbeat._thread.is_alive()
+    assert not lock.renewing and not lock.locked()
+
+
+def test_heartbeat_stops_when_body_raises(store):
+    lock = Lock("raising", expire=EXPIRE, renew=True)
+    with pytest.raises(ZeroDivisionError), lock:
+        1 / 0  # noqa: B018
+    assert lock._heartbeat is None and not lock.locked()
+
+
+def test_renew_setting_is_the_default(settings, store):
+    settings.TASKLOCK = {**store.tasklock, "RENEW": True}
+    with Lock("by-setting", expire=EXPIRE) as lock:
+        assert lock.renewing
+    with Lock("by-setting", expire=EXPIRE, renew=False) as lock:
+        assert not lock.renewing
+
+
+def test_lost_lock_reported_within_one_heartbeat(store, caplog):
+    lost_events: list[dict[str, object]] = []
+
+    def on_lost(sender, **kwargs):
+        lost_events.append(kwargs)
+
+    lock_lost.connect(on_lost)
+    try:
+        lock = Lock("stolen", expire=EXPIRE, renew=True, on_lost="raise")
+        assert lock.acquire()
+        beat = lock._heartbeat.interval  # type: ignore[union-attr]
+        assert lock.check() is True
+        caches[store.alias].delete("stolen")  # flushed, evicted, forced...
+        thief = Lock("stolen")
+        assert thief.acquire()
+        with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
+            elapsed = wait_for(lambda: lock.lost, timeout=beat * 3)
+        assert elapsed <= beat + 0.3, f"reported after {elapsed:.2f}s, beat {beat}s"
+        assert "no longer held" in caplog.text
+        with pytest.raises(LockLost, match="stolen"):
+            lock.check()
+        assert lock.release() is False
+        assert len(lost_events) == 1, "reported more than once"
+        event = lost_events[0]
+        assert event["lock_id"] == "stolen" and event["during"] == "renew"
+        assert event["owner"] == lock.token and event["fence"] == lock.fence
+        assert thief.fence > lock.fence  # type: ignore[operator]
+        assert thief.owned(), "the lost holder touched the new holder's lock"
+        assert thief.release()
+    finally:
+        lock_lost.disconnect(on_lost)
+
+
+def test_check_warns_without_raising_by_default(store):
+    lock = Lock("soft", expire=EXPIRE, renew=True)
+    assert lock.acquire()
+    caches[store.alias].delete("soft")
+    wait_for(lambda: lock.lost, timeout=EXPIRE * 2)
+    assert lock.check() is False
+
+
+@pytest.mark.slow
+def test_max_hold_stops_renewal(store, caplog):
+    lock = Lock("capped", expire=EXPIRE, renew=True, max_hold=2 * EXPIRE)
+    assert lock.acquire()
+    started = time.monotonic()
+    time.sleep(EXPIRE + 0.3)
+    assert not taken_by_other("capped"), "renewal stopped before max_hold"
+    with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
+        wait_for(lambda: taken_by_other("capped"), timeout=4, step=0.1)
+    freed_after = time.monotonic() - started
+    # Held past its expiry, gone by max_hold. The last renewal asks for exactly
+    # the time left; memcached, counting whole seconds, may end it a second early.
+    assert EXPIRE + 0.3 < freed_after <= 2 * EXPIRE + 0.3, freed_after
+    assert "max_hold" in caplog.text
+    assert lock.release() is False
+
+
+def test_max_hold_caps_the_first_expiry(store):
+    lock = Lock("short", expire=60, max_hold=5)
+    assert lock.acquire()
+    ttl = lock.ttl()
+    assert ttl is not None and ttl <= 5
+    assert lock.extend(600)
+    ttl = lock.ttl()
+    assert ttl is not None and ttl <= 5
+    assert lock.release()
+
+
+def test_renewal_with_a_too_short_expiry_is_refused(settings, store):
+    if store.alias == "redis":
+        expire = 0.2
+    else:  # memcached counts whole seconds: a 1 s lock may go at once
+        expire = 1
+    with pytest.raises(LockUsageError, match="2 seconds or more"):
+        Lock("too-short", expire=expire, renew=True).acquire()
+    assert not Lock("too-short").locked()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("renew", "yes"), ("max_hold", 0), ("max_hold", -1), ("on_lost", "ignore")],
+)
+def test_bad_lifecycle_options_rejected(option, value):
+    with pytest.raises(ValueError, match=option):
+        Lock("bad", **{option: value})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["default", "redis"])
+def test_sigkill_of_renewing_holder_frees_lock_within_one_expiry(alias):
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    holder = context.Process(
+        target=renewing_holder, args=({"CACHE": alias}, "killed", EXPIRE, queue)
+    )
+    holder.start()
+    try:
+        queue.get(timeout=30)
+        setup_django()
+        started = time.monotonic()
+        while time.monotonic() - started < 2 * EXPIRE + 0.5:
+            assert not taken_by_other("killed"), "the renewing holder lost its lock"
+            time.sleep(0.2)
+        os.kill(holder.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        killed_at = time.monotonic()
+        freed = wait_for(lambda: taken_by_other("killed"), timeout=EXPIRE + 3)
+        assert time.monotonic() - killed_at <= EXPIRE + 0.2, f"free after {freed:.2f}s"
+    finally:
+        holder.kill()
+        holder.join()
+
+
+def test_current_lock_outside_a_body_is_none():
+    assert current_lock() is None
