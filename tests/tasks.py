@@ -12,7 +12,7 @@ import time
 
 import redis
 
-from django_tasklock import single_instance
+from django_tasklock import current_lock, single_instance
 from tests.celery_app import app
 
 
@@ -113,3 +113,24 @@ def hold_for(name, seconds):
     """Holds its lock for ``seconds``; the fault suite kills it midway."""
     record(name, time.monotonic())
     time.sleep(seconds)
+
+
+@app.task(bind=True, time_limit=30)
+@single_instance(key="name", expire=2, renew=True, on_lost="raise")
+def lifecycle(self, name, seconds=0.0):
+    """Reports what its lock looks like from inside the body."""
+    lock = current_lock()
+    assert lock is not None
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        lock.check()  # raises LockLost once the heartbeat found the lock gone
+        time.sleep(0.05)
+    record(name, started, renewing=lock.renewing, max_hold=lock.max_hold)
+    return lock.fence
+
+
+@app.task(bind=True)
+@single_instance(expire=60)
+def limited_by_app(self, name):
+    lock = current_lock()
+    return None if lock is None else lock.max_hold

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 from celery.exceptions import MaxRetriesExceededError
 
-from django_tasklock import Lock, LockNotAcquired, lock_id_for
+from django_tasklock import Lock, LockLost, LockNotAcquired, current_lock, lock_id_for
 from tests import tasks
+from tests.conftest import close_connections
 
 
 @pytest.fixture(autouse=True)
@@ -78,3 +80,53 @@ def test_retry_on_contention_runs_once_free():
     with Lock(lock_id_for(tasks.refresh_limited, url)):
         pass
     assert tasks.refresh_limited.apply(args=(url,)).get() == url
+
+
+def test_renewing_task_sees_its_lock_and_max_hold_from_time_limit():
+    fence = tasks.lifecycle("renewing", seconds=0)
+    (run,) = tasks.runs("renewing")
+    assert run["renewing"] is True
+    assert run["max_hold"] == 30  # the task's time_limit
+    later = tasks.lifecycle("renewing", seconds=0)
+    assert later > fence
+    assert current_lock() is None
+
+
+def test_max_hold_from_app_time_limit_and_none_without(settings):
+    assert tasks.limited_by_app("x") is None
+    tasks.app.conf.task_time_limit = 45
+    try:
+        assert tasks.limited_by_app("x") == 45
+    finally:
+        tasks.app.conf.task_time_limit = None
+
+
+@pytest.mark.slow
+def test_renewing_task_raises_lock_lost_at_check_after_a_steal():
+    import threading
+
+    from django.core.cache import caches
+
+    lock_id = lock_id_for(tasks.lifecycle, "stolen-run")
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            tasks.lifecycle("stolen-run", seconds=5)
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            close_connections()
+
+    body = threading.Thread(target=run)
+    body.start()
+    deadline = time.monotonic() + 5
+    while not Lock(lock_id).locked():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(2.5)  # past its 2 s expiry: the heartbeat kept it
+    assert Lock(lock_id).locked()
+    caches["default"].delete(lock_id)
+    body.join(timeout=10)
+    assert isinstance(outcome.get("error"), LockLost)
+    assert tasks.runs("stolen-run") == [], "the body went on after LockLost"

@@ -15,7 +15,13 @@ import uuid
 import pytest
 from django.core.serializers.json import DjangoJSONEncoder
 
-from django_tasklock import Lock, LockNotAcquired, lock_id_for, single_instance
+from django_tasklock import (
+    Lock,
+    LockNotAcquired,
+    current_lock,
+    lock_id_for,
+    single_instance,
+)
 from django_tasklock.exceptions import InvalidLockExpire
 from tests.conftest import in_thread
 
@@ -192,6 +198,9 @@ def test_key_bad_type_rejected_at_decoration(key):
         ({"timeout": -1}, ValueError, "greater than 0"),
         ({"countdown": -1}, ValueError, "0 or more"),
         ({"on_timeout": "retry"}, ValueError, "skip, raise"),
+        ({"renew": "yes"}, ValueError, "True or False"),
+        ({"max_hold": 0}, ValueError, "max_hold"),
+        ({"on_lost": "ignore"}, ValueError, "warn, raise"),
     ],
 )
 def test_bad_options_rejected_at_decoration(options, error, match):
@@ -351,3 +360,20 @@ def test_metadata_and_signature_kept():
     assert decorated.__wrapped__ is original
     assert inspect.signature(decorated) == inspect.signature(original)
     assert inspect.getfullargspec(decorated).args == ["feed_url", "force"]
+
+
+def test_plain_function_body_gets_its_renewing_lock_and_fence(settings):
+    settings.TASKLOCK = {"CACHE": "default", "RENEW": True}
+    seen = []
+
+    @single_instance(expire=3)
+    def work(n):
+        lock = current_lock()
+        seen.append((lock.lock_id, lock.renewing, lock.fence))
+        return n
+
+    assert work(1) == 1 and work(1) == 1
+    (first_id, renewing, first_fence), (second_id, _, second_fence) = seen
+    assert renewing and first_id == second_id
+    assert second_fence > first_fence
+    assert current_lock() is None

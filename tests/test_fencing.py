@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from itertools import pairwise
 
 import pytest
 from django.core.cache import caches
@@ -27,7 +28,7 @@ def take(lock_id: str = "fenced") -> int:
 
 def test_fences_strictly_increase(any_store):
     fences = [take() for _ in range(30)]
-    assert all(later > earlier for earlier, later in zip(fences, fences[1:]))
+    assert all(later > earlier for earlier, later in pairwise(fences))
     # The counter counts: no gaps without a reason.
     assert fences[-1] - fences[0] == 29
 
@@ -65,7 +66,7 @@ def test_fences_increase_across_flush_and_restart(settings, own_memcached):
     caches["own"].delete(fence_id("fenced"))
     fences.append(take())
     fences.append(take())
-    assert all(later > earlier for earlier, later in zip(fences, fences[1:])), fences
+    assert all(later > earlier for earlier, later in pairwise(fences)), fences
 
 
 @pytest.fixture

@@ -167,10 +167,8 @@ def test_max_hold_caps_the_first_expiry(store):
 
 
 def test_renewal_with_a_too_short_expiry_is_refused(settings, store):
-    if store.alias == "redis":
-        expire = 0.2
-    else:  # memcached counts whole seconds: a 1 s lock may go at once
-        expire = 1
+    # memcached counts whole seconds: a 1 s lock there may go at once.
+    expire = 0.2 if store.alias == "redis" else 1
     with pytest.raises(LockUsageError, match="2 seconds or more"):
         Lock("too-short", expire=expire, renew=True).acquire()
     assert not Lock("too-short").locked()
@@ -187,7 +185,8 @@ def test_bad_lifecycle_options_rejected(option, value):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("alias", ["default", "redis"])
-def test_sigkill_of_renewing_holder_frees_lock_within_one_expiry(alias):
+def test_sigkill_of_renewing_holder_frees_lock_within_one_expiry(settings, alias):
+    settings.TASKLOCK = {"CACHE": alias}
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     holder = context.Process(

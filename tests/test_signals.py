@@ -1,0 +1,153 @@
+"""Every lock signal fires once per event, with the lock id, owner and timings,
+and a receiver that raises never breaks a lock."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from django.core.cache import caches
+
+from django_tasklock import Lock, memcache_lock
+from django_tasklock.signals import (
+    lock_acquired,
+    lock_contended,
+    lock_lost,
+    lock_released,
+)
+from example_project.feeds.metrics import LockMetrics
+
+SIGNALS = {
+    "acquired": lock_acquired,
+    "contended": lock_contended,
+    "released": lock_released,
+    "lost": lock_lost,
+}
+
+
+@pytest.fixture
+def events() -> Iterator[list[tuple[str, dict[str, object]]]]:
+    seen: list[tuple[str, dict[str, object]]] = []
+    receivers = {}
+    for name, signal in SIGNALS.items():
+
+        def receiver(sender, signal=None, _name=name, **kwargs):
+            assert sender is Lock
+            seen.append((_name, kwargs))
+
+        receivers[name] = receiver
+        signal.connect(receiver)
+    yield seen
+    for name, signal in SIGNALS.items():
+        signal.disconnect(receivers[name])
+
+
+def names(events) -> list[str]:
+    return [name for name, _ in events]
+
+
+def test_acquire_and_release_once_each(any_store, events):
+    lock = Lock("signalled")
+    assert lock.acquire()
+    assert lock.release()
+    assert names(events) == ["acquired", "released"]
+    acquired, released = events[0][1], events[1][1]
+    assert acquired["lock_id"] == released["lock_id"] == "signalled"
+    assert acquired["owner"] == released["owner"] == lock.token
+    assert acquired["fence"] == released["fence"] == lock.fence
+    assert acquired["lock"] is lock
+    assert 0 <= acquired["waited"] < 1  # type: ignore[operator]
+    assert 0 <= released["held"] < 1  # type: ignore[operator]
+
+
+def test_contended_once_per_refused_acquire_with_the_holder(any_store, events):
+    holder = Lock("busy")
+    assert holder.acquire()
+    assert Lock("busy").acquire() is False
+    waiting = Lock("busy")
+    assert waiting.acquire(blocking=True, timeout=0.3) is False
+    assert names(events) == ["acquired", "contended", "contended"]
+    first, second = events[1][1], events[2][1]
+    assert first["owner"] == second["owner"] == holder.token
+    assert first["lock_id"] == "busy"
+    assert second["waited"] >= 0.3 > first["waited"]  # type: ignore[operator]
+    assert holder.release()
+
+
+def test_blocking_acquire_that_succeeds_is_one_acquired(any_store, events):
+    holder = Lock("handover", expire=1)
+    assert holder.acquire()
+    caches[any_store.alias].delete("handover")  # freed while the other waits
+    assert Lock("handover").acquire(blocking=True, timeout=2)
+    assert names(events) == ["acquired", "acquired"]
+
+
+def test_lost_once_though_release_finds_it_lost_again(any_store, events):
+    lock = Lock("lost")
+    assert lock.acquire()
+    caches[any_store.alias].delete("lost")
+    assert lock.extend() is False
+    assert lock.release() is False
+    assert names(events) == ["acquired", "lost"]
+    lost = events[1][1]
+    assert lost["during"] == "extend" and lost["owner"] == lock.token
+    assert lost["fence"] == lock.fence and lost["held"] >= 0  # type: ignore[operator]
+
+
+def test_memcache_lock_sends_the_same_signals(any_store, events):
+    with memcache_lock("recipe", "oid") as acquired:
+        assert acquired
+        with memcache_lock("recipe", "oid") as again:
+            assert not again
+    assert names(events) == ["acquired", "contended", "released"]
+
+
+def test_raising_receiver_never_breaks_a_lock(any_store, caplog):
+    def broken(sender, **kwargs):
+        raise RuntimeError("metrics exporter is down")
+
+    for signal in SIGNALS.values():
+        signal.connect(broken)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
+            lock = Lock("robust")
+            assert lock.acquire()
+            assert Lock("robust").acquire() is False
+            assert lock.release()
+        assert not Lock("robust").locked(), "a raising receiver leaked the lock"
+        assert "metrics exporter is down" in caplog.text
+    finally:
+        for signal in SIGNALS.values():
+            signal.disconnect(broken)
+
+
+def test_metrics_recipe_counts_and_times(any_store):
+    """The README's recipe (example_project/feeds/metrics.py) over real events."""
+    metrics = LockMetrics().connect()
+    try:
+        for _ in range(3):
+            with Lock("feeds.import_feed-lock-abc"):
+                assert Lock("feeds.import_feed-lock-abc").acquire() is False
+        lost = Lock("other-lock")
+        assert lost.acquire()
+        caches[any_store.alias].delete("other-lock")
+        assert lost.release() is False
+    finally:
+        metrics.disconnect()
+    assert metrics.events == Counter(
+        {
+            ("acquired", "feeds.import_feed"): 3,
+            ("contended", "feeds.import_feed"): 3,
+            ("released", "feeds.import_feed"): 3,
+            ("acquired", "other-lock"): 1,
+            ("lost", "other-lock"): 1,
+        }
+    )
+    assert len(metrics.held_seconds["feeds.import_feed"]) == 3
+    assert all(0 <= held < 1 for held in metrics.held_seconds["feeds.import_feed"])
+    # Disconnected: nothing more is counted.
+    with Lock("feeds.import_feed-lock-abc"):
+        pass
+    assert metrics.events[("acquired", "feeds.import_feed")] == 3
