@@ -116,3 +116,15 @@ def renewing_holder(
     queue.put((time.monotonic(), lock.fence))  # type: ignore[attr-defined]
     while True:
         time.sleep(1)
+
+
+def crashing_holder(tasklock: dict[str, object], lock_id: str) -> None:
+    """Take ``lock_id`` and die without releasing it, as a killed worker does."""
+    setup_django()
+    from django.conf import settings
+
+    from django_tasklock import Lock
+
+    settings.TASKLOCK = tasklock
+    assert Lock(lock_id, expire=60).acquire()
+    os._exit(1)
