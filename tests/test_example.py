@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from hashlib import md5
 from pathlib import Path
 
@@ -18,7 +19,12 @@ from django.db import connections
 from django_tasklock import Lock, lock_id_for
 from example_project.celery import app as example_app
 from example_project.feeds import tasks
-from example_project.feeds.importer import FeedImportError
+from example_project.feeds.importer import (
+    FeedImportError,
+    StaleFence,
+    fetch_and_parse,
+    store,
+)
 from example_project.feeds.models import Entry, Feed, ImportRun, TaskOutcome
 from example_project.feedserver import FeedServer
 from tests.conftest import forget_backend
@@ -231,3 +237,45 @@ def test_demo_end_to_end():
         assert int(at_once) == 1, name
         assert int(entries) >= 2, name
     assert "Stopped every process the demo started" in out
+
+
+def test_paused_holders_late_write_is_refused(feeds, settings):
+    """A holder stalls (GC pause, SIGSTOP, swapped out) between fetching and
+    writing, past its expiry; a newer holder imports meanwhile. The database
+    refuses the stalled holder's write, by its older fencing token."""
+    settings.TASKLOCK = {"CACHE": "default"}
+    url = feeds.url("feeds/python-news.rss")
+    lock_id = lock_id_for(tasks.import_feed_single, url)
+    # Not renewed: a paused process runs no heartbeat either.
+    paused = Lock(lock_id, expire=2)
+    assert paused.acquire()
+    parsed = fetch_and_parse(url)
+    deadline = time.monotonic() + 5
+    while paused.owned():
+        assert time.monotonic() < deadline, "the lock never expired"
+        time.sleep(0.05)
+    assert tasks.import_feed_single(url) == url  # the newer holder, fenced
+    feed = Feed.objects.get(url=url)
+    assert feed.fence is not None and paused.fence is not None
+    assert feed.fence > paused.fence
+    before = (feed.imports, feed.last_imported_at, Entry.objects.count())
+    with pytest.raises(StaleFence, match="Refused a stale write") as refused:
+        store(url, parsed, paused.fence)
+    assert (refused.value.fence, refused.value.newer) == (paused.fence, feed.fence)
+    feed.refresh_from_db()
+    assert (feed.imports, feed.last_imported_at, Entry.objects.count()) == before
+    assert feed.fence > paused.fence
+    # The paused holder finds its lock lost, and leaves the new one alone.
+    assert paused.release() is False and paused.lost
+
+
+def test_fenced_writes_in_order_are_accepted(feeds):
+    url = feeds.url("feeds/python-news.rss")
+    parsed = fetch_and_parse(url)
+    assert store(url, parsed, 10).feed.fence == 10
+    assert store(url, parsed, 10).feed.fence == 10  # the same holder again
+    assert store(url, parsed, 11).feed.fence == 11
+    with pytest.raises(StaleFence):
+        store(url, parsed, 9)
+    # Unfenced writes (other code paths) are not checked.
+    assert store(url, parsed).feed.fence == 11

@@ -28,6 +28,20 @@ class FeedImportError(Exception):
     """The feed could not be fetched or is not RSS/Atom; nothing was changed."""
 
 
+class StaleFence(FeedImportError):
+    """A write carried an older fencing token than the feed's last import: its
+    lock was lost (paused, expired, released by force) and a newer holder has
+    written since. Nothing was changed."""
+
+    def __init__(self, url: str, fence: int, newer: int) -> None:
+        self.url, self.fence, self.newer = url, fence, newer
+        super().__init__(
+            f"Refused a stale write to {url}: fence {fence} is older than {newer}, "
+            "the fence of the import that wrote it last. This import's lock was "
+            "lost while it ran; its data is dropped, the newer import's kept."
+        )
+
+
 @dataclass(frozen=True)
 class ImportResult:
     feed: Feed
@@ -83,12 +97,32 @@ def guid_of(entry: Any, link: str) -> str:
     return "sha1:" + hashlib.sha1(basis.encode()).hexdigest()
 
 
-def import_feed(url: str) -> ImportResult:
+def import_feed(url: str, fence: int | None = None) -> ImportResult:
+    """Fetch, parse and store the feed at ``url`` (see ``store`` for ``fence``)."""
+    return store(url, fetch_and_parse(url), fence)
+
+
+def fetch_and_parse(url: str) -> Any:
     body, headers = fetch(url)
-    parsed = parse(url, body, headers)
+    return parse(url, body, headers)
+
+
+def store(url: str, parsed: Any, fence: int | None = None) -> ImportResult:
+    """Upsert a parsed feed in one transaction.
+
+    ``fence`` is the fencing token of the lock this import holds. The feed row
+    keeps the largest fence that wrote it; a write with a smaller one is refused
+    (``StaleFence``) before anything changes. The check and the writes share one
+    transaction that locks the row (SQLite: the database), so a newer holder
+    cannot write in between.
+    """
     created = updated = 0
     with transaction.atomic():
         feed, _ = Feed.objects.select_for_update().get_or_create(url=url)
+        if fence is not None:
+            if feed.fence is not None and fence < feed.fence:
+                raise StaleFence(url, fence, feed.fence)
+            feed.fence = fence
         feed.title = text(parsed.feed.get("title"))[:300]
         feed.link = urljoin(url, parsed.feed.get("link", ""))[:500]
         for item in parsed.entries:

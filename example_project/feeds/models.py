@@ -11,16 +11,18 @@ if TYPE_CHECKING:
 
 
 class FeedManager(models.Manager["Feed"]):
-    def import_feed(self, url: str) -> ImportResult:
+    def import_feed(self, url: str, fence: int | None = None) -> ImportResult:
         """Download, parse and upsert the RSS 2.0 or Atom feed at ``url``.
 
         Idempotent: entries are matched on their guid (or a stand-in for feeds
         without one), so importing twice stores nothing twice. A feed that cannot
-        be fetched or parsed raises ``FeedImportError`` and changes nothing.
+        be fetched or parsed raises ``FeedImportError`` and changes nothing; so does
+        one whose ``fence`` (its lock's fencing token) is older than the last
+        import's (``StaleFence``).
         """
         from .importer import import_feed
 
-        return import_feed(url)
+        return import_feed(url, fence)
 
 
 class Feed(models.Model):
@@ -31,6 +33,12 @@ class Feed(models.Model):
     imports = models.PositiveIntegerField(default=0)
     entries_created = models.PositiveIntegerField(default=0)
     entries_updated = models.PositiveIntegerField(default=0)
+    fence = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="the fencing token of the lock held by the last import that wrote "
+        "this feed; imports with an older one are refused",
+    )
 
     objects: ClassVar[FeedManager] = FeedManager()
 

@@ -14,19 +14,20 @@ from hashlib import md5
 from celery import shared_task
 from celery.utils.log import get_task_logger
 
-from django_tasklock import memcache_lock, single_instance
+from django_tasklock import current_lock, memcache_lock, single_instance
 
 from .models import ImportRun
 
 logger = get_task_logger(__name__)
 
 
-def _import_and_record(feed_url: str, task_name: str) -> str:
-    """Import, and record when the import ran, so overlaps can be measured."""
+def _import_and_record(feed_url: str, task_name: str, fence: int | None) -> str:
+    """Import with the lock's fencing token, and record when the import ran, so
+    overlaps can be measured."""
     from .models import Feed
 
     started = time.monotonic()
-    result = Feed.objects.import_feed(feed_url)
+    result = Feed.objects.import_feed(feed_url, fence)
     ImportRun.objects.create(
         feed_url=feed_url,
         task_name=task_name,
@@ -44,14 +45,19 @@ def import_feed(self, feed_url: str) -> str | None:  # type: ignore[no-untyped-d
     feed_url_hexdigest = md5(feed_url.encode("utf-8")).hexdigest()
     lock_id = f"{self.name}-lock-{feed_url_hexdigest}"
     logger.debug("Importing feed: %s", feed_url)
-    with memcache_lock(lock_id, self.app.oid) as acquired:
+    lock = memcache_lock(lock_id, self.app.oid)
+    with lock as acquired:
         if acquired:
-            return _import_and_record(feed_url, self.name)
+            return _import_and_record(feed_url, self.name, lock.lock.fence)
     logger.info("Feed %s is already being imported by another worker", feed_url)
     return None
 
 
 @shared_task(bind=True)
-@single_instance(key="feed_url")
+@single_instance(key="feed_url", expire=30, renew=True)
 def import_feed_single(self, feed_url: str) -> str:  # type: ignore[no-untyped-def]
-    return _import_and_record(feed_url, self.name)
+    # A short expiry, renewed while the import runs: a crashed worker's lock goes
+    # within 30 s, and a slow feed keeps its lock however long it takes.
+    lock = current_lock()
+    assert lock is not None
+    return _import_and_record(feed_url, self.name, lock.fence)
