@@ -25,7 +25,7 @@ def test_fault_suite_quick():
     assert result.returncode == 0, out + result.stderr
     rows = re.findall(r"^    (\d\. .+?)\s+(\d+)\s+(\d+)\s+(\d+)  (.*)$", out, re.M)
     cases = {row[0].split(" ", 1)[0] for row in rows}
-    assert cases == {f"{n}." for n in range(1, 8)}, out
+    assert cases == {f"{n}." for n in range(1, 10)}, out
     for case, attempts, overlapping, lost, notes in rows:
         assert int(attempts) > 0, case
         assert int(overlapping) == 0, f"{case}: {notes}"
@@ -40,3 +40,7 @@ def test_fault_suite_quick():
     assert "unclear errors: 0; resumed without restart 2/2" in out
     assert "without a clear error or check message: 0" in out
     assert "keys left behind: 0" in out
+    assert "fencing counters kept: 1000" in out
+    renewed = re.search(r"kept 3 expiries by renewal; lock free (\d+\.\d)", out)
+    assert renewed and float(renewed.group(1)) <= 2 + 0.3, out
+    assert "older fence every time" in out
