@@ -146,8 +146,9 @@ class Lock:
         self._key: str | None = None
         self._held_backend: LockBackend | None = None
         self._holder_thread: int | None = None
-        # Serialises the heartbeat's extend with the holder's release and extend.
-        self._guard = threading.Lock()
+        # Serialises the heartbeat's extend with the holder's release and extend;
+        # reentrant, so a lock_lost receiver may call release() on this lock.
+        self._guard = threading.RLock()
         self._heartbeat: Heartbeat | None = None
         self._deadline: float | None = None
         self._held_expire: float = 0.0

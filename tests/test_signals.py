@@ -151,3 +151,26 @@ def test_metrics_recipe_counts_and_times(any_store):
     with Lock("feeds.import_feed-lock-abc"):
         pass
     assert metrics.events[("acquired", "feeds.import_feed")] == 3
+
+
+def test_lost_receiver_may_release_the_lock_it_is_told_about(any_store):
+    """A receiver that cleans up (release_quietly) from the heartbeat's thread
+    must not deadlock on the lock's own guard."""
+    calls = []
+
+    def clean_up(sender, lock, **kwargs):
+        lock.release_quietly()
+        calls.append(lock.lock_id)
+
+    lock_lost.connect(clean_up)
+    try:
+        lock = Lock("cleaned", expire=2, renew=True)
+        assert lock.acquire()
+        caches[any_store.alias].delete("cleaned")
+        heartbeat = lock._heartbeat
+        assert heartbeat is not None
+        heartbeat.join(timeout=3)
+        assert not heartbeat._thread.is_alive(), "the heartbeat hung in its receiver"
+        assert calls == ["cleaned"] and lock.lost
+    finally:
+        lock_lost.disconnect(clean_up)
