@@ -119,6 +119,47 @@ def measure_cycles(port: int, rounds: int, per_round: int) -> dict[str, list[int
     return samples
 
 
+def measure_fence_wire(port: int, rounds: int, per_round: int) -> dict[str, list[int]]:
+    """What the fencing token costs on the wire: the acquire's ``ms`` alone, and
+    pipelined with the counter's ``ma`` and the check's ``mg``, as the memcached
+    backend sends them; each followed by an untimed ``md``, in random order."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    floor = time.time_ns() // 1000
+    requests = {
+        "ms (take the lock)": (b"ms bench-wire 5 T60 F16 ME c\r\ntoken\r\n", 1),
+        "ms + ma + mg (lock, fence, check)": (
+            b"ms bench-wire 5 T60 F16 ME c\r\ntoken\r\n"
+            b"ma bench-wire-fence N86400 J%d T86400 v\r\nmg bench-wire c\r\n" % floor,
+            4,  # HD, VA header and value, HD
+        ),
+    }
+
+    def exchange(request: bytes, lines: int) -> None:
+        sock.sendall(request)
+        buffer = b""
+        while buffer.count(b"\r\n") < lines:
+            buffer += sock.recv(4096)
+
+    samples: dict[str, list[int]] = {name: [] for name in requests}
+    clock = time.perf_counter_ns
+    try:
+        for _ in range(rounds):
+            order = list(requests.items())
+            random.shuffle(order)
+            for name, (request, lines) in order:
+                for _ in range(per_round):
+                    started = clock()
+                    exchange(request, lines)
+                    samples[name].append(clock() - started)
+                    exchange(b"md bench-wire\r\n", 1)
+    finally:
+        sock.close()
+    return samples
+
+
 def p99(values: list[int]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
@@ -234,6 +275,7 @@ def versions(memcached: Memcached) -> str:
 
 def render(
     samples: dict[str, list[int]],
+    wire: dict[str, list[int]],
     contended: dict[str, float],
     storm: dict[str, float] | None,
     about: str,
@@ -260,6 +302,17 @@ def render(
         lines.append(
             f"    {name:<36} {median / 1000:>7.1f}us {p99(values) / 1000:>7.1f}us "
             f"{ratio:>7.2f}x  {verdict}"
+        )
+    plain = statistics.median(next(iter(wire.values())))
+    lines += [
+        "",
+        f"    {'on the wire: one acquire':<36} {'median':>9} {'p99':>9} {'change':>8}",
+    ]
+    for index, (name, values) in enumerate(wire.items()):
+        median = statistics.median(values)
+        change = f"{(median - plain) / 1000:>+6.1f}us" if index else ""
+        lines.append(
+            f"    {name:<36} {median / 1000:>7.1f}us {p99(values) / 1000:>7.1f}us {change:>8}"
         )
     ratio = contended["Lock"] / contended["floor"]
     if ratio < 0.9:
@@ -307,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         samples = measure_cycles(
             memcached.port, rounds=3 if quick else 20, per_round=50 if quick else 250
         )
+        wire = measure_fence_wire(
+            memcached.port, rounds=3 if quick else 20, per_round=50 if quick else 250
+        )
         print("contended...", flush=True)
         contended = measure_contended(
             memcached.address,
@@ -331,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                 rounds=1 if quick else 3,
             )
         command = "python -m benchmarks.bench" + (" --quick" if quick else "")
-        table, misses = render(samples, contended, storm, versions(memcached), command)
+        table, misses = render(
+            samples, wire, contended, storm, versions(memcached), command
+        )
         print()
         print(table)
         for miss in misses:

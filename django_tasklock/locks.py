@@ -23,7 +23,7 @@ from .conf import (
     validate_seconds,
 )
 from .exceptions import LockBackendError, LockLost, LockNotAcquired, LockUsageError
-from .keys import check_lock_id, fence_id
+from .keys import check_lock_id
 from .renewal import Heartbeat
 from .signals import lock_acquired, lock_contended, lock_lost, lock_released
 
@@ -232,8 +232,7 @@ class Lock:
         renew = self._renew_option if self._renew_option is not None else default_renew
         alias = self._cache or default_alias
         backend = backend_for(alias, protocol=protocol)
-        key = backend.key_for(self.lock_id)
-        counter_key = backend.key_for(fence_id(self.lock_id))
+        key, counter_key = backend.keys_for(self.lock_id)
         beat = backend.shortest_life(expire) / 3 if renew else 0.0
         if renew and beat < MIN_BEAT:
             raise LockUsageError(

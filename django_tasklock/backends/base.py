@@ -5,10 +5,15 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
+from ..keys import fence_id
+
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
 
 __all__ = ["Acquired", "FenceCounter", "Hold", "LockBackend", "Peek"]
+
+#: How many lock ids' keys a backend remembers before it starts over.
+_KEYS_REMEMBERED = 4096
 
 #: What a backend needs to prove ownership later: a CAS id on memcached, the
 #: stored token on Redis and LocMem. Opaque to everything but its backend.
@@ -60,6 +65,20 @@ class LockBackend(abc.ABC):
     def __init__(self, cache: BaseCache, alias: str) -> None:
         self.cache = cache
         self.alias = alias
+        self._keys: dict[str, tuple[str, str]] = {}
+
+    def keys_for(self, lock_id: str) -> tuple[str, str]:
+        """The store keys of ``lock_id`` and of its fencing counter, remembered:
+        deriving them costs more than the rest of an acquire's Python."""
+        keys = self._keys.get(lock_id)
+        if keys is None:
+            if len(self._keys) >= _KEYS_REMEMBERED:
+                self._keys.clear()
+            keys = self._keys[lock_id] = (
+                self.key_for(lock_id),
+                self.key_for(fence_id(lock_id)),
+            )
+        return keys
 
     def close(self) -> None:  # noqa: B027 - most backends use Django's connections
         """Close connections this backend opened itself (not Django's)."""

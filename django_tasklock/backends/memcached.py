@@ -76,6 +76,12 @@ def _wire_key(client: Any, key: str) -> bytes:
 
 def _split_replies(buffer: bytes, count: int) -> list[bytes] | None:
     """The first ``count`` replies in ``buffer``, or None if more must be read."""
+    if (
+        count == 1
+        and buffer.endswith(b"\r\n")
+        and buffer.find(b"\r\n") == len(buffer) - 2
+    ):
+        return [buffer[:-2]]  # the common case: one reply line, read whole
     replies: list[bytes] = []
     start = 0
     while len(replies) < count:
@@ -228,8 +234,9 @@ class MemcachedBackend(LockBackend):
         except BaseException:
             client.close()
             raise
-        first = replies[0]
-        if first.startswith(b"ERROR"):
+        if b"ERROR" not in buffer:  # no reply of ours carries text of its own
+            return replies
+        if replies[0].startswith(b"ERROR"):
             # An old server also answers the rest (a data line, the other
             # commands) with ERROR, which must not be read as the next reply.
             client.close()
