@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 Policy = Literal["skip", "raise", "retry", "wait"]
 
+#: Seconds a lock capped by a Celery time limit lasts beyond that limit.
+TIME_LIMIT_MARGIN = 1.0
+
 # Locks held by single_instance bodies running in this thread, innermost last, so
 # that a task's self.retry() can release its lock before the retry is sent.
 _held = threading.local()
@@ -150,8 +153,8 @@ def single_instance(
     ``renew`` (default ``TASKLOCK["RENEW"]``) keeps the lock alive with a
     heartbeat while the body runs, so ``expire`` can be short. ``max_hold``
     (seconds) caps how long the lock lasts; for a Celery task it defaults to the
-    task's hard ``time_limit`` (from the call, the task or ``task_time_limit``),
-    so a lock never outlives the run the worker kills. ``on_lost="raise"`` makes
+    task's hard ``time_limit`` (from the call, the task or ``task_time_limit``)
+    plus a second, so a lock ends about when the worker kills the run. ``on_lost="raise"`` makes
     ``current_lock().check()`` raise ``LockLost`` once the lock is found lost;
     ``current_lock().fence`` is the run's fencing token.
 
@@ -316,7 +319,10 @@ def _time_limit(task: Any) -> float | None:
         hard = getattr(conf, "task_time_limit", None)
     if isinstance(hard, bool) or not isinstance(hard, (int, float)) or hard <= 0:
         return None
-    return float(hard)
+    # A second more: the worker kills the run at the limit, counted from before
+    # the lock was taken, and memcached (whole seconds) may end a lock up to a
+    # second early; the lock must not go while the run may still be writing.
+    return float(hard) + TIME_LIMIT_MARGIN
 
 
 def lock_id_for(target: Callable[..., Any], /, *args: Any, **kwargs: Any) -> str:

@@ -134,3 +134,23 @@ def lifecycle(self, name, seconds=0.0):
 def limited_by_app(self, name):
     lock = current_lock()
     return None if lock is None else lock.max_hold
+
+
+@app.task
+@single_instance(key="name", expire=2, renew=True)
+def long_renewed(name, seconds, call):
+    """Runs well past its 2 s expiry; renewal keeps its lock."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    record(name, started, call=call)
+    return call
+
+
+@app.task
+@single_instance(key="name", expire=2)
+def long_unrenewed(name, seconds, call):
+    """The same without renewal: the control of the test that uses both."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    record(name, started, call=call)
+    return call

@@ -194,3 +194,37 @@ def test_prefork_hard_time_limit_leaves_lock_no_longer_than_expiry(prefork_worke
     while lock.locked():
         assert time.monotonic() - started < 3 + 1.5, "lock outlived its expiry"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("task_name", "renewed"), [("long_renewed", True), ("long_unrenewed", False)]
+)
+def test_prefork_long_task_keeps_its_lock_only_when_renewed(
+    prefork_workers, task_name, renewed
+):
+    """A 5 s task with a 2 s lock; duplicates arrive after the expiry. Renewed, they
+    are skipped; not renewed (the control), they run beside it."""
+    from django_tasklock import Lock, lock_id_for
+
+    task = getattr(tasks, task_name)
+    name = f"long-{task_name}"
+    lock = Lock(lock_id_for(task, name, 5, 0), expire=60)
+    first = task.delay(name, 5, 0)
+    deadline = time.monotonic() + 30
+    while not lock.locked():
+        assert time.monotonic() < deadline, "the long task never took its lock"
+        time.sleep(0.05)
+    time.sleep(3)  # past the 2 s expiry (and its whole-second rounding)
+    duplicates = [task.delay(name, 0.2, n) for n in range(1, 4)]
+    outcomes = [result.get(timeout=60) for result in duplicates]
+    assert first.get(timeout=60) == 0
+    holds = intervals(name)
+    if renewed:
+        assert outcomes == [None, None, None], "a duplicate ran while the lock was kept"
+        assert len(holds) == 1
+        assert not lock.locked(), "the lock outlived the task"
+    else:
+        assert any(outcome is not None for outcome in outcomes)
+        assert overlaps(holds) > 0, (
+            "the control shows no overlap: the test proves nothing"
+        )
