@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
-import os
 import random
-import secrets
 import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Final, Literal
 
-from .backends import FenceCounter, backend_for
+from .backends import backend_for
 from .conf import (
-    MAX_EXPIRE,
     settings,
     validate_bool,
     validate_choice,
@@ -26,6 +21,7 @@ from .exceptions import LockBackendError, LockLost, LockNotAcquired, LockUsageEr
 from .keys import check_lock_id
 from .renewal import Heartbeat
 from .signals import lock_acquired, lock_contended, lock_lost, lock_released
+from .tokens import fence_counter, new_token
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -36,8 +32,6 @@ __all__ = ["Lock", "OnLost", "memcache_lock"]
 
 OnLost = Literal["warn", "raise"]
 ON_LOST_POLICIES: Final = ("warn", "raise")
-#: Shortest life of a fencing counter after its last acquisition, in seconds.
-FENCE_COUNTER_TTL: Final = 24 * 60 * 60
 #: The shortest heartbeat interval: renewing more often than this is refused.
 MIN_BEAT: Final = 0.1
 
@@ -46,25 +40,6 @@ logger = logging.getLogger(__name__)
 _HOSTNAME = socket.gethostname()
 
 
-class _Tokens:
-    """Unique tokens without a system call per acquisition: a random 64-bit prefix
-    per process (drawn again in a forked child) and a counter."""
-
-    def __init__(self) -> None:
-        self.reseed()
-        os.register_at_fork(after_in_child=self.reseed)
-
-    def reseed(self) -> None:
-        self.prefix = f"{os.getpid()}:{secrets.token_hex(8)}"
-        self.counter = itertools.count()
-
-    def new(self, owner: str) -> str:
-        """``owner:pid:random:thread:count``; owner is ``oid@host`` or ``host``."""
-        # next() on itertools.count is atomic under the GIL: threads never share one.
-        return f"{owner}:{self.prefix}:{threading.get_ident()}:{next(self.counter)}"
-
-
-_tokens = _Tokens()
 #: Shortest and longest pause between two tries of a blocking acquire.
 POLL_MIN = 0.01
 POLL_MAX = 0.5
@@ -247,10 +222,8 @@ class Lock:
         pause = POLL_MIN
         owner = self.owner
         while True:
-            token = _tokens.new(owner)
-            counter = FenceCounter(
-                counter_key, time.time_ns() // 1000, _fence_ttl(expire)
-            )
+            token = new_token(owner)
+            counter = fence_counter(counter_key, expire)
             try:
                 taken = backend.acquire(key, token, expire, counter)
             except backend.errors as exc:
@@ -518,12 +491,6 @@ class Lock:
         tb: TracebackType | None,
     ) -> None:
         self.release_quietly()
-
-
-def _fence_ttl(expire: float) -> int:
-    """How long a fencing counter lives after its last use: a day, or twice the
-    expiry if longer. A counter that expires starts again from the clock."""
-    return min(MAX_EXPIRE, max(FENCE_COUNTER_TTL, 2 * math.ceil(expire)))
 
 
 class memcache_lock:
