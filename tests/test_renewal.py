@@ -203,7 +203,8 @@ def test_sigkill_of_renewing_holder_frees_lock_within_one_expiry(settings, alias
         os.kill(holder.pid, signal.SIGKILL)  # type: ignore[arg-type]
         killed_at = time.monotonic()
         freed = wait_for(lambda: taken_by_other("killed"), timeout=EXPIRE + 3)
-        assert time.monotonic() - killed_at <= EXPIRE + 0.2, f"free after {freed:.2f}s"
+        # Within one expiry of the last renewal; a little slack for a loaded machine.
+        assert time.monotonic() - killed_at <= EXPIRE + 0.5, f"free after {freed:.2f}s"
     finally:
         holder.kill()
         holder.join()

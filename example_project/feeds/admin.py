@@ -14,8 +14,16 @@ class EntryInline(admin.TabularInline):  # type: ignore[type-arg]
 
 @admin.register(Feed)
 class FeedAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    list_display = ("url", "title", "last_imported_at", "imports", "entries_created")
+    list_display = (
+        "url",
+        "title",
+        "last_imported_at",
+        "imports",
+        "entries_created",
+        "fence",
+    )
     search_fields = ("url", "title")
+    readonly_fields = ("fence",)
     inlines = (EntryInline,)
 
 
