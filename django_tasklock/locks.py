@@ -26,6 +26,8 @@ from .tokens import fence_counter, new_token
 if TYPE_CHECKING:
     from types import TracebackType
 
+    from django.dispatch import Signal
+
     from .backends import Hold, LockBackend
 
 __all__ = ["Lock", "OnLost", "memcache_lock"]
@@ -115,7 +117,8 @@ class Lock:
             on_lost, name="on_lost", choices=ON_LOST_POLICIES
         )
         self._cache = cache
-        self._oid = oid
+        #: Who this holder is, as written at the start of its tokens.
+        self.owner = f"{oid}@{_HOSTNAME}" if oid else _HOSTNAME
         self._hold: Hold | None = None
         self._alias: str | None = None
         self._key: str | None = None
@@ -160,11 +163,6 @@ class Lock:
         key = self._key if self._alias is not None else backend.key_for(self.lock_id)
         assert key is not None
         return backend, key
-
-    @property
-    def owner(self) -> str:
-        """Who this holder is, as written at the start of its tokens."""
-        return f"{self._oid}@{_HOSTNAME}" if self._oid else _HOSTNAME
 
     def _store_error(
         self, backend: LockBackend, key: str, doing: str, exc: BaseException
@@ -220,9 +218,8 @@ class Lock:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         pause = POLL_MIN
-        owner = self.owner
         while True:
-            token = new_token(owner)
+            token = new_token(self.owner)
             counter = fence_counter(counter_key, expire)
             try:
                 taken = backend.acquire(key, token, expire, counter)
@@ -241,13 +238,8 @@ class Lock:
                     self._heartbeat = Heartbeat(self, beat)
                     self._heartbeat.start()
                 if lock_acquired.receivers:
-                    lock_acquired.send_robust(
-                        Lock,
-                        lock=self,
-                        lock_id=self.lock_id,
-                        owner=token,
-                        fence=self.fence,
-                        waited=now - started,
+                    self._send(
+                        lock_acquired, token, fence=self.fence, waited=now - started
                     )
                 return True
             now = time.monotonic()
@@ -266,12 +258,13 @@ class Lock:
             peek = backend.peek(key)
         except backend.errors:
             peek = None
-        lock_contended.send_robust(
-            Lock,
-            lock=self,
-            lock_id=self.lock_id,
-            owner=None if peek is None else peek.value,
-            waited=waited,
+        self._send(lock_contended, None if peek is None else peek.value, waited=waited)
+
+    def _send(self, signal: Signal, owner: object, **details: object) -> None:
+        """Send ``signal`` about this lock; a receiver that raises is logged by
+        Django and never breaks the lock."""
+        signal.send_robust(
+            Lock, lock=self, lock_id=self.lock_id, owner=owner, **details
         )
 
     # -- release and extend --------------------------------------------------------
@@ -302,14 +295,8 @@ class Lock:
             self.fence,
         )
         if lock_lost.receivers:
-            lock_lost.send_robust(
-                Lock,
-                lock=self,
-                lock_id=self.lock_id,
-                owner=self.token,
-                fence=self.fence,
-                held=held_for,
-                during=doing,
+            self._send(
+                lock_lost, self.token, fence=self.fence, held=held_for, during=doing
             )
 
     def _stop_heartbeat(self) -> None:
@@ -349,14 +336,7 @@ class Lock:
                 return False
             self._hold = None
         if lock_released.receivers:
-            lock_released.send_robust(
-                Lock,
-                lock=self,
-                lock_id=self.lock_id,
-                owner=token,
-                fence=self.fence,
-                held=self._held_for(),
-            )
+            self._send(lock_released, token, fence=self.fence, held=self._held_for())
         return True
 
     def extend(self, seconds: float | None = None) -> bool:
