@@ -11,7 +11,7 @@ import os
 import socket
 from typing import Any
 
-from .backends import backend_for
+from .backends import LockBackend, backend_for
 from .conf import settings
 from .exceptions import LockBackendError
 from .keys import check_lock_id, fence_id
@@ -111,7 +111,7 @@ class LockChanged(LockBackendError):
     release was about to remove it; nothing was removed."""
 
 
-def _backend(lock_id: str, cache: str | None) -> Any:
+def _backend(lock_id: str, cache: str | None) -> tuple[LockBackend, str]:
     backend = backend_for(cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL)
     return backend, backend.key_for(check_lock_id(lock_id))
 

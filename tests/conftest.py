@@ -134,12 +134,15 @@ def any_store(request: pytest.FixtureRequest, settings: object) -> Store:
     return chosen
 
 
-def in_thread(function, *args):
-    """Run ``function`` in a new thread and return its result (or raise its error).
+def background(function, *args):
+    """Start ``function`` in a new thread; return the thread and a dict that gets
+    its ``result`` or ``error`` when it ends.
 
     Django's caches are per thread; the thread closes its own connections before
     it ends, as a Celery thread pool or a request handler would.
     """
+    import threading
+
     outcome: dict[str, object] = {}
 
     def run() -> None:
@@ -150,10 +153,14 @@ def in_thread(function, *args):
         finally:
             close_connections()
 
-    import threading
-
     thread = threading.Thread(target=run)
     thread.start()
+    return thread, outcome
+
+
+def in_thread(function, *args):
+    """Run ``function`` in a new thread and return its result (or raise its error)."""
+    thread, outcome = background(function, *args)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]

@@ -10,7 +10,7 @@ from celery.exceptions import MaxRetriesExceededError
 
 from django_tasklock import Lock, LockLost, LockNotAcquired, current_lock, lock_id_for
 from tests import tasks
-from tests.conftest import close_connections
+from tests.conftest import background
 
 
 @pytest.fixture(autouse=True)
@@ -103,23 +103,10 @@ def test_max_hold_from_app_time_limit_and_none_without(settings):
 
 @pytest.mark.slow
 def test_renewing_task_raises_lock_lost_at_check_after_a_steal():
-    import threading
-
     from django.core.cache import caches
 
     lock_id = lock_id_for(tasks.lifecycle, "stolen-run")
-    outcome: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            tasks.lifecycle("stolen-run", seconds=5)
-        except BaseException as exc:
-            outcome["error"] = exc
-        finally:
-            close_connections()
-
-    body = threading.Thread(target=run)
-    body.start()
+    body, outcome = background(tasks.lifecycle, "stolen-run", 5)
     deadline = time.monotonic() + 5
     while not Lock(lock_id).locked():
         assert time.monotonic() < deadline

@@ -222,20 +222,20 @@ def test_manage_py_finds_the_example_projects_celery_task(memcached):
         "DJANGO_SETTINGS_MODULE": "example_project.settings",
         "EXAMPLE_LOCK_STORE": f"memcached://{memcached.address}",
     }
+    task = "example_project.feeds.tasks.import_feed_single"
     url = "https://example.com/feed.xml"
-    result = subprocess.run(
-        [sys.executable, "manage.py", "tasklock", "key", "--task",
-         "example_project.feeds.tasks.import_feed_single", url],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+
+    def manage(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "manage.py", "tasklock", *args],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
     from example_project.feeds.tasks import import_feed_single
 
-    assert result.stdout.strip() == lock_id_for(import_feed_single, url)
-    status = subprocess.run(
-        [sys.executable, "manage.py", "tasklock", "status", "--task",
-         "example_project.feeds.tasks.import_feed_single", url],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert status.returncode == 0, status.stderr
-    assert "Held:       no" in status.stdout
+    assert manage("key", "--task", task, url).strip() == lock_id_for(
+        import_feed_single, url
+    )
+    assert "Held:       no" in manage("status", "--task", task, url)

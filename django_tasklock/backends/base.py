@@ -107,8 +107,12 @@ class LockBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def release(self, key: str, hold: Hold, token: str) -> bool:
-        """Remove the lock only if ``hold`` still owns it; True if it was removed."""
+    def release(self, key: str, hold: Hold, token: object) -> bool:
+        """Remove the lock only if ``hold`` still owns it; True if it was removed.
+
+        ``token`` is the value stored with ``hold``: this holder's token, or for a
+        forced release whatever value was read (other code may store anything).
+        """
 
     @abc.abstractmethod
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:

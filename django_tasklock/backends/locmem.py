@@ -55,7 +55,7 @@ class LocMemBackend(LockBackend):
             self.cache.set(fence.key, drawn, fence.ttl)
             return Acquired(token, drawn)
 
-    def release(self, key: str, hold: Hold, token: str) -> bool:
+    def release(self, key: str, hold: Hold, token: object) -> bool:
         with _guard(self.alias):
             if self.cache.get(key) != hold:
                 return False

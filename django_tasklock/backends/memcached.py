@@ -259,7 +259,7 @@ class MemcachedBackend(LockBackend):
         return MemcachedHold(cas_id, getattr(client, "sock", None))
 
     def _owner_cas(
-        self, client: Any, key: str, hold: MemcachedHold, token: str
+        self, client: Any, key: str, hold: MemcachedHold, token: object
     ) -> int | None:
         """The CAS id to act on if this holder still owns the lock, else None.
 
@@ -388,12 +388,14 @@ class MemcachedBackend(LockBackend):
 
     # -- release -----------------------------------------------------------------
 
-    def release(self, key: str, hold: Hold, token: str) -> bool:
+    def release(self, key: str, hold: Hold, token: object) -> bool:
         assert isinstance(hold, MemcachedHold)
         client = self._client(key)
         return self._once_more(client, lambda: self._release(client, key, hold, token))
 
-    def _release(self, client: Any, key: str, hold: MemcachedHold, token: str) -> bool:
+    def _release(
+        self, client: Any, key: str, hold: MemcachedHold, token: object
+    ) -> bool:
         cas = self._owner_cas(client, key, hold, token)
         if cas is None:
             return False

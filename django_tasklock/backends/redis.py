@@ -112,7 +112,7 @@ class RedisBackend(LockBackend):
         )
         return None if drawn is None else Acquired(value, int(drawn))
 
-    def release(self, key: str, hold: Hold, token: str) -> bool:
+    def release(self, key: str, hold: Hold, token: object) -> bool:
         return bool(self._script(_RELEASE, (key,), hold))
 
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
