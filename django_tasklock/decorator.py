@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -178,9 +179,17 @@ def single_instance(
         validate_seconds(max_hold, name="max_hold")
     validate_choice(on_lost, name="on_lost", choices=ON_LOST_POLICIES)
     options = _Options(
-        key, expire, on_contention, timeout, on_timeout, countdown, cache
+        key=key,
+        expire=expire,
+        on_contention=on_contention,
+        timeout=timeout,
+        on_timeout=on_timeout,
+        countdown=countdown,
+        cache=cache,
+        renew=renew,
+        max_hold=max_hold,
+        on_lost=on_lost,
     )
-    options.renew, options.max_hold, options.on_lost = renew, max_hold, on_lost
     if func is None:
         return lambda function: _decorate(function, options)
     if not callable(func):
@@ -191,36 +200,20 @@ def single_instance(
     return _decorate(func, options)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Options:
-    __slots__ = (
-        "cache",
-        "countdown",
-        "expire",
-        "key",
-        "max_hold",
-        "on_contention",
-        "on_lost",
-        "on_timeout",
-        "renew",
-        "timeout",
-    )
+    """The decorator's options, validated, as given (None: read TASKLOCK)."""
 
-    def __init__(
-        self,
-        key: KeySpec,
-        expire: float | None,
-        on_contention: Policy | None,
-        timeout: float | None,
-        on_timeout: str,
-        countdown: float | None,
-        cache: str | None,
-    ) -> None:
-        self.key, self.expire, self.on_contention = key, expire, on_contention
-        self.timeout, self.on_timeout, self.countdown = timeout, on_timeout, countdown
-        self.cache = cache
-        self.renew: bool | None = None
-        self.max_hold: float | None = None
-        self.on_lost: OnLost = "warn"
+    key: KeySpec
+    expire: float | None
+    on_contention: Policy | None
+    timeout: float | None
+    on_timeout: str
+    countdown: float | None
+    cache: str | None
+    renew: bool | None
+    max_hold: float | None
+    on_lost: OnLost
 
 
 def _decorate(func: F, options: _Options) -> F:

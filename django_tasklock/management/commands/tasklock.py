@@ -50,10 +50,16 @@ def _single_instance_tasks() -> list[str]:
     except ImportError:
         return []
     return sorted(
-        name
-        for name, task in current_app.tasks.items()
-        if hasattr(getattr(task.run, "__func__", task.run), "_tasklock_lock_id")
+        name for name, task in current_app.tasks.items() if _is_single_instance(task)
     )
+
+
+def _is_single_instance(target: Any) -> bool:
+    try:
+        lock_cache_for(target)
+    except TypeError:
+        return False
+    return True
 
 
 def resolve_task(name: str) -> Any:
@@ -69,13 +75,11 @@ def resolve_task(name: str) -> Any:
                 f"No task {name!r}: it is neither a registered Celery task nor an "
                 f"importable dotted path. @single_instance Celery tasks: {known}."
             ) from None
-    try:
-        lock_cache_for(target)
-    except TypeError as exc:
+    if not _is_single_instance(target):
         raise CommandError(
             f"{name!r} is not decorated with @single_instance, so it takes no lock "
             "id of its own; pass the lock id itself."
-        ) from exc
+        )
     return target
 
 
