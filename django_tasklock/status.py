@@ -14,7 +14,7 @@ from typing import Any
 from .backends import LockBackend, backend_for
 from .conf import settings
 from .exceptions import LockBackendError
-from .keys import check_lock_id, fence_id
+from .keys import check_lock_id
 
 __all__ = ["LockChanged", "LockStatus", "Owner", "force_release", "lock_status"]
 
@@ -113,7 +113,7 @@ class LockChanged(LockBackendError):
 
 def _backend(lock_id: str, cache: str | None) -> tuple[LockBackend, str]:
     backend = backend_for(cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL)
-    return backend, backend.key_for(check_lock_id(lock_id))
+    return backend, backend.keys_for(check_lock_id(lock_id))[0]
 
 
 def lock_status(lock_id: str, *, cache: str | None = None) -> LockStatus:
@@ -128,7 +128,7 @@ def lock_status(lock_id: str, *, cache: str | None = None) -> LockStatus:
             ttl = backend.ttl(key) if peek is not None else None
         except backend.errors:
             ttl = None  # memcached before 1.6 cannot tell
-        fence = backend.last_fence(key, backend.key_for(fence_id(lock_id)))
+        fence = backend.last_fence(key, backend.keys_for(lock_id)[1])
     except backend.errors as exc:
         raise LockBackendError(
             f"Could not read the lock: {type(exc).__name__}: {exc}",
