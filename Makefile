@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lock-demo bench faults test lint typecheck matrix pytest services venv clean
+.PHONY: demo lock-demo bench bench-cpu faults test lint typecheck matrix pytest services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -34,6 +34,11 @@ pytest: services $(STAMP)
 # The benchmark (see README.rst, Performance); BENCH_ARGS="--write-readme" updates it.
 bench: services $(STAMP)
 	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS)
+
+# Client CPU per operation in instructions (valgrind's callgrind; see README.rst,
+# Performance); BENCH_ARGS="--write-readme" updates its table.
+bench-cpu: services $(STAMP)
+	$(BIN)/python -m benchmarks.cpu $(BENCH_ARGS)
 
 # The fault suite at full size (see README.rst, Reliability).
 faults: services $(STAMP)

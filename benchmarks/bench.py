@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 TARGETS = {"memcache_lock": 1.3, "Lock": 1.3, "@single_instance": 1.6}
 README_START = ".. benchmark-table-start"
 README_END = ".. benchmark-table-end"
+PEERS_START = ".. peers-table-start"
+PEERS_END = ".. peers-table-end"
 
 
 def setup_django(memcached: str) -> None:
@@ -62,7 +64,7 @@ def cycle_variants(port: int) -> dict[str, Callable[[], object]]:
     from django.core.cache import caches
     from pymemcache.client.base import Client
 
-    from django_tasklock import Lock, memcache_lock, single_instance
+    from django_tasklock import Lock, Semaphore, memcache_lock, single_instance
 
     raw = Client(("127.0.0.1", port), default_noreply=False)
     cache = caches["default"]
@@ -84,6 +86,11 @@ def cycle_variants(port: int) -> dict[str, Callable[[], object]]:
         lock.acquire()
         lock.release()
 
+    def with_semaphore() -> None:
+        semaphore = Semaphore("bench-semaphore", 3)
+        semaphore.acquire()
+        semaphore.release()
+
     @single_instance(on_contention="raise")
     def decorated(feed_url: str, force: bool = False) -> None:
         pass
@@ -96,6 +103,7 @@ def cycle_variants(port: int) -> dict[str, Callable[[], object]]:
         "cookbook recipe (cache.add+delete)": recipe,
         "memcache_lock": with_memcache_lock,
         "Lock": with_lock,
+        "Semaphore (limit 3)": with_semaphore,
         "@single_instance": with_single_instance,
     }
 
@@ -120,20 +128,22 @@ def measure_cycles(port: int, rounds: int, per_round: int) -> dict[str, list[int
 
 
 def measure_fence_wire(port: int, rounds: int, per_round: int) -> dict[str, list[int]]:
-    """What the fencing token costs on the wire: the acquire's ``ms`` alone, and
-    pipelined with the counter's ``ma`` and the check's ``mg``, as the memcached
-    backend sends them; each followed by an untimed ``md``, in random order."""
+    """What a lock and its fencing token cost on the wire: the acquire's ``ms``,
+    and the fence's ``ma`` with the check's ``mg`` pipelined as the memcached
+    backend sends them when a holder first reads ``fence`` (after an untimed
+    ``ms``); each followed by an untimed ``md``, in random order."""
     import socket
 
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     floor = time.time_ns() // 1000
+    take = b"ms bench-wire 5 T60 F16 ME c\r\ntoken\r\n"
     requests = {
-        "ms (take the lock)": (b"ms bench-wire 5 T60 F16 ME c\r\ntoken\r\n", 1),
-        "ms + ma + mg (lock, fence, check)": (
-            b"ms bench-wire 5 T60 F16 ME c\r\ntoken\r\n"
-            b"ma bench-wire-fence N86400 J%d T86400 v\r\nmg bench-wire c\r\n" % floor,
-            4,  # HD, VA header and value, HD
+        "ms (take the lock)": (b"", take, 1),
+        "ma + mg (fence, on first read)": (
+            take,
+            b"ma bench-wire-fence N86400 J%d T86400 v\r\nmg bench-wire c v\r\n" % floor,
+            4,  # VA header and value, twice
         ),
     }
 
@@ -149,8 +159,10 @@ def measure_fence_wire(port: int, rounds: int, per_round: int) -> dict[str, list
         for _ in range(rounds):
             order = list(requests.items())
             random.shuffle(order)
-            for name, (request, lines) in order:
+            for name, (setup, request, lines) in order:
                 for _ in range(per_round):
+                    if setup:
+                        exchange(setup, 1)
                     started = clock()
                     exchange(request, lines)
                     samples[name].append(clock() - started)
@@ -257,6 +269,112 @@ def measure_storm(
     return {variant: statistics.median(values) for variant, values in times.items()}
 
 
+def measure_scale(counts: tuple[int, ...]) -> list[str]:
+    """What the store keeps per lock id: memcached's ``bytes`` and ``curr_items``
+    while N distinct locks are held, after they are released, and after they are
+    taken, their fence read and released again; each on a fresh server."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    from django_tasklock import Lock
+
+    lines = [f"    {'store: distinct lock ids':<36} {'bytes/id':>9} {'items/id':>9}"]
+    for count in counts:
+        for phase in ("held", "released", "fenced, released"):
+            server = Memcached().start()
+            default = {**settings.CACHES["default"], "LOCATION": server.address}
+            try:
+                with override_settings(CACHES={**settings.CACHES, "default": default}):
+                    before = server.stat("bytes"), server.stat("curr_items")
+                    locks = [Lock(f"scale-{n}", expire=600) for n in range(count)]
+                    for lock in locks:
+                        assert lock.acquire()
+                        if phase == "fenced, released":
+                            assert lock.fence is not None
+                    if phase != "held":
+                        for lock in locks:
+                            assert lock.release()
+                    after = server.stat("bytes"), server.stat("curr_items")
+                    for lock in locks:
+                        lock.release_quietly()
+            finally:
+                server.stop()
+            per_id = [(a - b) / count for a, b in zip(after, before, strict=True)]
+            label = f"{count:,} ids, {phase}"
+            lines.append(f"    {label:<36} {per_id[0]:>9.1f} {per_id[1]:>9.2f}")
+    return lines
+
+
+def measure_peers(
+    redis_url: str, tasks: int, spreads: tuple[int, ...], rounds: int
+) -> dict[int, dict[str, list[float]]]:
+    """Drain time of ``tasks`` sends over each number of distinct arguments, for
+    each variant, as ratios to no lock in the same round, rounds interleaved in
+    random order. Peers that refuse a duplicate at ``.delay()`` publish fewer
+    messages; the drain waits for those they did publish."""
+    import redis
+    from celery.result import EagerResult
+
+    from benchmarks import celery_bench
+
+    variants = {
+        "without lock": celery_bench.plain,
+        "@single_instance (memcached)": celery_bench.locked,
+        "@single_instance (Redis)": celery_bench.locked_redis,
+        "celery_once QueueOnce": celery_bench.once,
+        "celery-singleton Singleton": celery_bench.singleton,
+    }
+    counter = redis.Redis.from_url(redis_url)
+    peers = redis.Redis.from_url(redis_url[:-2] + "/5")
+    ratios: dict[int, dict[str, list[float]]] = {
+        spread: {name: [] for name in variants} for spread in spreads
+    }
+    for _ in range(rounds):
+        for spread in spreads:
+            took: dict[str, float] = {}
+            for name in random.sample(list(variants), len(variants)):
+                peers.flushdb()
+                counter.delete(celery_bench.DONE)
+                started = time.monotonic()
+                results = [variants[name].delay(n % spread) for n in range(tasks)]
+                published = len(
+                    {r.id for r in results if not isinstance(r, EagerResult)}
+                )
+                while int(counter.get(celery_bench.DONE) or 0) < published:
+                    if time.monotonic() - started > 300:
+                        raise SystemExit(f"{name}: the queue did not drain in 300 s")
+                    time.sleep(0.002)
+                took[name] = time.monotonic() - started
+            for name in variants:
+                ratios[spread][name].append(took[name] / took["without lock"])
+    return ratios
+
+
+def render_peers(
+    ratios: dict[int, dict[str, list[float]]], tasks: int, command: str
+) -> str:
+    spreads = list(ratios)
+    header = "".join(f"{f'{s} distinct':>22}" for s in spreads)
+    lines = [
+        f"``{command}``: {tasks} sends, 5 ms bodies, two prefork workers (2 "
+        "processes each) on a private Redis broker; drain time as a ratio to no "
+        f"lock in the same round, median of {len(next(iter(ratios.values()))['without lock'])} "
+        "rounds [lowest-highest]:",
+        "",
+        ".. code-block:: text",
+        "",
+        f"    {'variant':<30}{header}",
+    ]
+    for name in ratios[spreads[0]]:
+        cells = ""
+        for spread in spreads:
+            values = ratios[spread][name]
+            cell = f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
+            cells += f"{cell:>22}"
+        lines.append(f"    {name:<30}{cells}")
+    return "\n".join(lines) + "\n"
+
+
 # -- report ------------------------------------------------------------------------
 
 
@@ -306,7 +424,7 @@ def render(
     plain = statistics.median(next(iter(wire.values())))
     lines += [
         "",
-        f"    {'on the wire: one acquire':<36} {'median':>9} {'p99':>9} {'change':>8}",
+        f"    {'on the wire: one round trip':<36} {'median':>9} {'p99':>9} {'change':>8}",
     ]
     for index, (name, values) in enumerate(wire.items()):
         median = statistics.median(values)
@@ -370,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
             seconds=0.5 if quick else 3.0,
             rounds=1 if quick else 2,
         )
-        storm = None
+        print("what the store keeps per lock id...", flush=True)
+        scale = measure_scale((1_000,) if quick else (10_000, 100_000))
+        storm = peers = None
         if redis_server is not None:
             print("end to end storm over celery workers...", flush=True)
             env = {
@@ -386,16 +506,30 @@ def main(argv: list[str] | None = None) -> int:
                 distinct=10,
                 rounds=1 if quick else 3,
             )
+            print("end to end beside celery_once and celery-singleton...", flush=True)
+            peers = measure_peers(
+                f"{redis_server.url[:-2]}/2",
+                tasks=40 if quick else 400,
+                spreads=(10, 40 if quick else 400),
+                rounds=1 if quick else 3,
+            )
         command = "python -m benchmarks.bench" + (" --quick" if quick else "")
         table, misses = render(
             samples, wire, contended, storm, versions(memcached), command
         )
+        table += "\n" + "\n".join(scale) + "\n"
         print()
         print(table)
+        peer_table = ""
+        if peers is not None:
+            peer_table = render_peers(peers, 40 if quick else 400, command)
+            print(peer_table)
         for miss in misses:
             print(f"target missed: {miss}")
         if options.write_readme:
             write_readme(table)
+            if peer_table:
+                write_section(PEERS_START, PEERS_END, peer_table)
             print("README.rst updated.")
     finally:
         for worker in workers:

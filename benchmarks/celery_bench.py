@@ -1,4 +1,6 @@
-"""Tasks of the end-to-end benchmark: the same body with and without the lock.
+"""Tasks of the end-to-end benchmark: the same body with and without a lock, and
+under the libraries users would pick instead (celery_once's ``QueueOnce`` and
+celery-singleton's ``Singleton``, both deduplicating at ``.delay()``).
 
 Every finished task (run or skipped) counts itself in Redis, so the benchmark
 knows when the queue has drained.
@@ -18,10 +20,13 @@ django.setup()
 import redis  # noqa: E402
 from celery import Celery  # noqa: E402
 from celery.signals import task_postrun  # noqa: E402
+from celery_once import QueueOnce  # noqa: E402
+from celery_singleton import Singleton  # noqa: E402
 
 from django_tasklock import single_instance  # noqa: E402
 
 DONE = "bench:done"
+_PEERS = os.environ.get("TASKLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0")[:-2] + "/5"
 app = Celery("bench", set_as_current=False)
 app.conf.update(
     broker_url=os.environ.get("TASKLOCK_BENCH_BROKER", "memory://"),
@@ -29,6 +34,12 @@ app.conf.update(
     worker_prefetch_multiplier=4,
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
+    # celery_once and celery-singleton keep their locks in Redis (database 5).
+    ONCE={
+        "backend": "celery_once.backends.Redis",
+        "settings": {"url": _PEERS, "default_timeout": 600},
+    },
+    singleton_backend_url=_PEERS,
 )
 _counter: redis.Redis | None = None
 
@@ -45,6 +56,22 @@ def plain(n: int) -> None:
 @app.task
 @single_instance
 def locked(n: int) -> None:
+    work()
+
+
+@app.task
+@single_instance(cache="redis")
+def locked_redis(n: int) -> None:
+    work()
+
+
+@app.task(base=QueueOnce, once={"graceful": True})
+def once(n: int) -> None:
+    work()
+
+
+@app.task(base=Singleton)
+def singleton(n: int) -> None:
     work()
 
 

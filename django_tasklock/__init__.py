@@ -13,6 +13,7 @@ from .exceptions import (
     TaskLockError,
 )
 from .locks import Lock, memcache_lock
+from .semaphores import Semaphore
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockUsageError",
+    "Semaphore",
     "TaskLockError",
     "__version__",
     "current_lock",

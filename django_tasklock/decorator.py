@@ -7,11 +7,11 @@ import functools
 import inspect
 import logging
 import sys
-import threading
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, Literal, TypeVar, cast, overload
 
-from .arguments import KeySpec, bind_arguments, call_digest
+from .arguments import KeySpec, binder, call_digest
 from .conf import (
     CONTENTION_POLICIES,
     TIMEOUT_POLICIES,
@@ -23,6 +23,7 @@ from .conf import (
 )
 from .exceptions import LockNotAcquired
 from .locks import ON_LOST_POLICIES, Lock, OnLost
+from .semaphores import Semaphore, validate_limit
 
 __all__ = ["current_lock", "lock_id_for", "single_instance"]
 
@@ -34,9 +35,12 @@ Policy = Literal["skip", "raise", "retry", "wait"]
 #: Seconds a lock capped by a Celery time limit lasts beyond that limit.
 TIME_LIMIT_MARGIN = 1.0
 
-# Locks held by single_instance bodies running in this thread, innermost last, so
-# that a task's self.retry() can release its lock before the retry is sent.
-_held = threading.local()
+# The locks of the single_instance runs in progress in this context (thread,
+# greenlet or asyncio task), innermost last: current_lock() is the last, and a
+# task's self.retry() releases the innermost run of that task, the one calling it.
+_held: ContextVar[tuple[Lock | Semaphore, ...]] = ContextVar(
+    "tasklock_held", default=()
+)
 
 
 def _celery_task_class() -> type | None:
@@ -70,9 +74,12 @@ def _releasing_retry(task: Any) -> None:
 
     @functools.wraps(original)
     def retry(*args: Any, **kwargs: Any) -> Any:
-        for lock in reversed(getattr(_held, "locks", [])):
-            if lock.task is task:
+        # Only the run that retries: an outer run of the same task in this thread
+        # (it called the task directly, or apply()) keeps its lock.
+        for lock in reversed(_held.get()):
+            if getattr(lock, "task", None) is task:
                 lock.release_quietly()
+                break
         return original(*args, **kwargs)
 
     retry._tasklock_releases = True  # type: ignore[attr-defined]
@@ -81,6 +88,12 @@ def _releasing_retry(task: Any) -> None:
 
 class _TaskLock(Lock):
     """A Lock that remembers which task instance holds it."""
+
+    task: Any = None
+
+
+class _TaskSemaphore(Semaphore):
+    """A Semaphore that remembers which task instance holds a slot."""
 
     task: Any = None
 
@@ -104,6 +117,7 @@ def single_instance(
     renew: bool | None = None,
     max_hold: float | None = None,
     on_lost: OnLost = "warn",
+    limit: int | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -121,6 +135,7 @@ def single_instance(
     renew: bool | None = None,
     max_hold: float | None = None,
     on_lost: OnLost = "warn",
+    limit: int | None = None,
 ) -> F | Callable[[F], F]:
     """Run the decorated task (or function) at most once at a time per arguments.
 
@@ -159,6 +174,10 @@ def single_instance(
     ``current_lock().check()`` raise ``LockLost`` once the lock is found lost;
     ``current_lock().fence`` is the run's fencing token.
 
+    ``limit`` (an int): at most that many runs at once per lock id instead of
+    one, through a ``Semaphore`` of that many slots (``current_lock()`` is then
+    the Semaphore); the contention policies apply when every slot is held.
+
     A body that raises, or calls ``self.retry()``, has released the lock before
     the retry is sent, so a retry never meets its own lock.
     """
@@ -177,6 +196,8 @@ def single_instance(
         validate_bool(renew, name="renew")
     if max_hold is not None:
         validate_seconds(max_hold, name="max_hold")
+    if limit is not None:
+        validate_limit(limit)
     validate_choice(on_lost, name="on_lost", choices=ON_LOST_POLICIES)
     options = _Options(
         key=key,
@@ -189,6 +210,7 @@ def single_instance(
         renew=renew,
         max_hold=max_hold,
         on_lost=on_lost,
+        limit=limit,
     )
     if func is None:
         return lambda function: _decorate(function, options)
@@ -214,6 +236,7 @@ class _Options:
     renew: bool | None
     max_hold: float | None
     on_lost: OnLost
+    limit: int | None
 
 
 def _decorate(func: F, options: _Options) -> F:
@@ -228,6 +251,7 @@ def _decorate(func: F, options: _Options) -> F:
         signature.replace(parameters=parameters[1:]) if takes_self else signature
     )
     _check_key(func, options.key, signature)
+    bind_plain, bind_unbound = binder(signature), binder(unbound_signature)
     if options.on_contention == "retry" and not takes_self:
         raise TypeError(
             f"on_contention='retry' needs a bound Celery task, but {func.__qualname__} "
@@ -239,9 +263,7 @@ def _decorate(func: F, options: _Options) -> F:
     def lock_id(
         name: str, bound: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> str:
-        arguments = bind_arguments(
-            unbound_signature if bound else signature, args, kwargs
-        )
+        arguments = (bind_unbound if bound else bind_plain)(args, kwargs)
         return f"{name}-lock-{call_digest(name, arguments, options.key)}"
 
     @functools.wraps(func)
@@ -255,29 +277,33 @@ def _decorate(func: F, options: _Options) -> F:
         if not bound and args and _is_django_task_context(args[0]):
             # Django's @task(takes_context=True) passes its TaskContext first.
             bound, name = True, args[0].task_result.task.module_path
-        lock = _TaskLock(
-            lock_id(name, bound, args[1:] if bound else args, kwargs),
-            expire=options.expire,
-            cache=options.cache,
-            oid=getattr(getattr(task, "app", None), "oid", None),
-            renew=options.renew,
-            max_hold=options.max_hold
+        the_id = lock_id(name, bound, args[1:] if bound else args, kwargs)
+        lock_options: dict[str, Any] = {
+            "expire": options.expire,
+            "cache": options.cache,
+            "oid": getattr(getattr(task, "app", None), "oid", None),
+            "renew": options.renew,
+            "max_hold": options.max_hold
             if options.max_hold is not None
             else _time_limit(task),
-            on_lost=options.on_lost,
-        )
+            "on_lost": options.on_lost,
+        }
+        lock: Lock | Semaphore
+        if options.limit is None or options.limit == 1:
+            lock = _TaskLock(the_id, **lock_options)
+        else:
+            lock = _TaskSemaphore(the_id, options.limit, **lock_options)
         lock.task = task
         policy = options.on_contention or settings.ON_CONTENTION
         if not _acquire(lock, policy, options):
             return _contended(lock, policy, options, name, task if bound else None)
         if task is not None:
             _releasing_retry(task)
-        stack = _held.__dict__.setdefault("locks", [])
-        stack.append(lock)
+        reset = _held.set((*_held.get(), lock))
         try:
             return func(*args, **kwargs)
         finally:
-            stack.remove(lock)
+            _held.reset(reset)
             lock.release_quietly()
 
     # Celery reads the signature (getfullargspec) to check a call's arguments
@@ -289,13 +315,13 @@ def _decorate(func: F, options: _Options) -> F:
     return cast(F, wrapper)
 
 
-def current_lock() -> Lock | None:
+def current_lock() -> Lock | Semaphore | None:
     """The lock of the innermost ``@single_instance`` body running in this thread.
 
     For its ``fence`` (pass it with writes) and ``check()`` (between steps of
     long work); None outside such a body.
     """
-    locks: list[Lock] = getattr(_held, "locks", None) or []
+    locks = _held.get()
     return locks[-1] if locks else None
 
 
@@ -378,7 +404,7 @@ def _check_key(
             )
 
 
-def _acquire(lock: Lock, policy: str, options: _Options) -> bool:
+def _acquire(lock: Lock | Semaphore, policy: str, options: _Options) -> bool:
     if policy != "wait":
         return lock.acquire()
     timeout = options.timeout if options.timeout is not None else settings.WAIT_TIMEOUT
@@ -386,7 +412,11 @@ def _acquire(lock: Lock, policy: str, options: _Options) -> bool:
 
 
 def _contended(
-    lock: Lock, policy: str, options: _Options, name: str, bound_task: Any
+    lock: Lock | Semaphore,
+    policy: str,
+    options: _Options,
+    name: str,
+    bound_task: Any,
 ) -> Any:
     if policy == "wait":
         policy = options.on_timeout

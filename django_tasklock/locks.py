@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, TypeVar
 
-from .backends import backend_for
+from . import pending
+from .backends import backend_for, fork_generation
 from .conf import (
     settings,
     validate_bool,
@@ -21,7 +23,7 @@ from .exceptions import LockBackendError, LockLost, LockNotAcquired, LockUsageEr
 from .keys import check_lock_id
 from .renewal import Heartbeat
 from .signals import lock_acquired, lock_contended, lock_lost, lock_released
-from .tokens import fence_counter, new_token
+from .tokens import fence_counter, new_token, token_owner
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -42,12 +44,64 @@ logger = logging.getLogger(__name__)
 _HOSTNAME = socket.gethostname()
 
 
+# Orders the flags of a loss report (rare) between a holder's threads; one for
+# every lock, rather than one more allocation per Lock.
+_REPORT_GUARD = threading.Lock()
+
+
+def _new_report_guard() -> None:
+    global _REPORT_GUARD
+    _REPORT_GUARD = threading.Lock()  # it may have been held at the fork
+
+
+os.register_at_fork(after_in_child=_new_report_guard)
+
 #: Shortest and longest pause between two tries of a blocking acquire.
 POLL_MIN = 0.01
 POLL_MAX = 0.5
 
 
-class Lock:
+def backoff(pause: float, deadline: float | None, now: float) -> float | None:
+    """Wait before a blocking acquire's next try: a random time up to ``pause``,
+    never past ``deadline``. The next try's pause, or None (without waiting) once
+    the deadline has passed."""
+    if deadline is not None and now >= deadline:
+        return None
+    sleep = random.uniform(pause / 2, pause)
+    time.sleep(sleep if deadline is None else min(sleep, deadline - now))
+    return min(pause * 2, POLL_MAX)
+
+
+_Holder = TypeVar("_Holder", bound="Holding")
+
+
+class Holding:
+    """The ``with`` statement of Lock and Semaphore: acquire without waiting or
+    raise ``LockNotAcquired``; release quietly on the way out."""
+
+    lock_id: str
+
+    def acquire(self, *, blocking: bool = False, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+    def release_quietly(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Holder) -> _Holder:
+        if not self.acquire():
+            raise LockNotAcquired(self.lock_id)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release_quietly()
+
+
+class Lock(Holding):
     """An owner-checked lock on one lock id, in the cache ``TASKLOCK['CACHE']`` names.
 
     Each acquisition stores a fresh random token, so two Lock objects (two threads,
@@ -82,12 +136,20 @@ class Lock:
     ``release()``), ``lost`` becomes True, a WARNING is logged and ``lock_lost`` is
     sent; with ``on_lost="raise"``, ``check()`` then raises ``LockLost``.
 
-    Every acquisition draws ``fence``, an integer larger than that of every
-    earlier acquisition of the same lock id: pass it with writes so the protected
-    resource can refuse a holder that lost the lock (see README, Fencing).
+    ``fence`` is this acquisition's fencing token, an integer larger than that of
+    every earlier acquisition of the same lock id whose token was read, drawn on
+    first read: pass it with writes so the protected resource can refuse a
+    holder that lost the lock (see README, Fencing).
+
+    A lock is lost, too, once the least time the store is sure to keep it has
+    passed since it was taken or last extended: a renewing holder whose store
+    stayed unreachable that long is told so then, not when the store is back.
 
     A Lock object belongs to one holder: do not share it between threads (its own
-    heartbeat aside).
+    heartbeat aside). A process forked while it holds the lock is not its owner:
+    there ``release()`` and ``extend()`` raise ``LockUsageError``, a ``with`` block
+    unwinding leaves the lock to the parent, and reads (``owned()``, ``ttl()``,
+    ``locked()``, ``check()``, ``fence``) use the child's own connections.
     """
 
     def __init__(
@@ -113,8 +175,12 @@ class Lock:
         self.max_hold = (
             None if max_hold is None else validate_seconds(max_hold, name="max_hold")
         )
-        self.on_lost: OnLost = validate_choice(  # type: ignore[assignment]
-            on_lost, name="on_lost", choices=ON_LOST_POLICIES
+        self.on_lost: OnLost = (
+            on_lost
+            if on_lost == "warn"
+            else validate_choice(  # type: ignore[assignment]
+                on_lost, name="on_lost", choices=ON_LOST_POLICIES
+            )
         )
         self._cache = cache
         #: Who this holder is, as written at the start of its tokens.
@@ -124,6 +190,10 @@ class Lock:
         self._key: str | None = None
         self._held_backend: LockBackend | None = None
         self._holder_thread: int | None = None
+        self._held_fork = -1
+        # When the store may drop the lock unless renewed before (monotonic).
+        self._valid_until: float | None = None
+        self._life = 0.0
         # Serialises the heartbeat's extend with the holder's release and extend;
         # reentrant, so a lock_lost receiver may call release() on this lock.
         self._guard = threading.RLock()
@@ -131,15 +201,78 @@ class Lock:
         self._deadline: float | None = None
         self._held_expire: float = 0.0
         self.token: str | None = None
-        self.fence: int | None = None
+        self._fence: int | None = None
         self.acquired_at: float | None = None
-        #: True once the heartbeat, a release or an extend found the lock gone or
-        #: someone else's.
-        self.lost = False
+        self._lost = self._reported = False
 
     def __repr__(self) -> str:
-        state = "held" if self._hold is not None else "lost" if self.lost else "free"
+        state = "lost" if self.lost else "held" if self._hold is not None else "free"
         return f"<Lock {self.lock_id!r} {state}>"
+
+    @property
+    def fence(self) -> int | None:
+        """This acquisition's fencing token: larger than that of every earlier
+        acquisition of this lock id whose token was read, smaller than every
+        later one's. Pass it with writes (see README, Fencing tokens).
+
+        Drawn from the lock's counter on first read, while the store confirms the
+        lock is still this holder's (one round trip; a lock whose fence is never
+        read leaves no counter behind). None if this object never held the lock;
+        raises ``LockLost`` if the lock was lost before a token was drawn (a
+        write must not go out unfenced then), and ``LockBackendError`` if the
+        store cannot be reached.
+        """
+        if self._fence is not None:
+            return self._fence
+        with self._guard:
+            if self._fence is not None:
+                return self._fence
+            if self._hold is None:
+                if self._reported:
+                    raise LockLost(self.lock_id, self._held_for())
+                return None
+            backend, key = self._backend()
+            assert self.token is not None
+            counter = fence_counter(
+                backend.keys_for(self.lock_id)[1], self._held_expire
+            )
+            try:
+                drawn = backend.draw_fence(key, self._hold, self.token, counter)
+            except backend.errors as exc:
+                raise self._store_error(
+                    backend, key, "draw the fencing token", exc
+                ) from exc
+            if drawn is None:
+                self._report_lost("fence")
+                raise LockLost(self.lock_id, self._held_for())
+            self._fence = drawn
+            return drawn
+
+    @property
+    def lost(self) -> bool:
+        """True once the lock is known lost: the heartbeat, a release or an extend
+        found it gone or someone else's, or the least time the store keeps it ran
+        out with no extension since (the store unreachable, or no renewal)."""
+        if not self._reported and self._lapsed():
+            self._report_lost(
+                "check",
+                "no extension reached the store within the "
+                f"{self._life:.0f}s it is sure to keep the lock",
+                clear=False,
+            )
+        return self._lost
+
+    def _lapsed(self) -> bool:
+        valid_until = self._valid_until
+        return (
+            valid_until is not None
+            and self._hold is not None
+            and time.monotonic() >= valid_until
+        )
+
+    def _forked(self) -> bool:
+        """True in a process forked while this object held the lock."""
+        return self._held_fork != fork_generation[0]
 
     # -- settings read on every use -----------------------------------------------
 
@@ -156,7 +289,11 @@ class Lock:
 
     def _backend(self) -> tuple[LockBackend, str]:
         """This thread's backend and the store key, for the alias of the hold."""
-        if self._holder_thread == threading.get_ident() and self._held_backend:
+        if (
+            self._holder_thread == threading.get_ident()
+            and self._held_backend
+            and self._held_fork == fork_generation[0]
+        ):
             return self._held_backend, self._key  # type: ignore[return-value]
         alias = self._alias or self._cache or settings.CACHE
         backend = backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL)
@@ -205,7 +342,7 @@ class Lock:
         renew = self._renew_option if self._renew_option is not None else default_renew
         alias = self._cache or default_alias
         backend = backend_for(alias, protocol=protocol)
-        key, counter_key = backend.keys_for(self.lock_id)
+        key = backend.keys_for(self.lock_id)[0]
         beat = backend.shortest_life(expire) / 3 if renew else 0.0
         if renew and beat < MIN_BEAT:
             raise LockUsageError(
@@ -218,40 +355,43 @@ class Lock:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         pause = POLL_MIN
+        tried_at = started
         while True:
             token = new_token(self.owner)
-            counter = fence_counter(counter_key, expire)
             try:
-                taken = backend.acquire(key, token, expire, counter)
+                hold = backend.acquire(key, token, expire)
             except backend.errors as exc:
+                if not backend.lost_with_store(exc):
+                    # Sent, perhaps carried out, reply unknown: the token may be
+                    # stored with no holder. Removed once the store answers.
+                    pending.watch(self.lock_id, alias, protocol, key, token)
                 raise self._store_error(backend, key, "take the lock", exc) from exc
-            if taken is not None:
+            if hold is not None:
                 now = time.monotonic()
-                self._hold, self.fence = taken
+                self._hold, self._fence = hold, None
                 self._alias, self._key, self.token = alias, key, token
                 # Release and extend in this thread reuse this backend (the same
                 # connection); another thread looks its own up.
                 self._held_backend, self._holder_thread = backend, threading.get_ident()
-                self.acquired_at, self.lost, self._held_expire = now, False, expire
+                self._held_fork = fork_generation[0]
+                self.acquired_at, self._held_expire = now, expire
+                self._lost = self._reported = False
+                self._life = backend.shortest_life(expire)
+                self._valid_until = tried_at + self._life
                 self._deadline = None if self.max_hold is None else now + self.max_hold
                 if renew:
                     self._heartbeat = Heartbeat(self, beat)
                     self._heartbeat.start()
                 if lock_acquired.receivers:
-                    self._send(
-                        lock_acquired, token, fence=self.fence, waited=now - started
-                    )
+                    self._send(lock_acquired, token, fence=None, waited=now - started)
                 return True
             now = time.monotonic()
-            if not blocking or (deadline is not None and now >= deadline):
+            next_pause = backoff(pause, deadline, now) if blocking else None
+            if next_pause is None:
                 if lock_contended.receivers:
                     self._send_contended(backend, key, now - started)
                 return False
-            sleep = random.uniform(pause / 2, pause)
-            if deadline is not None:
-                sleep = min(sleep, deadline - now)
-            time.sleep(sleep)
-            pause = min(pause * 2, POLL_MAX)
+            pause, tried_at = next_pause, time.monotonic()
 
     def _send_contended(self, backend: LockBackend, key: str, waited: float) -> None:
         try:
@@ -270,33 +410,68 @@ class Lock:
     # -- release and extend --------------------------------------------------------
 
     def _require_hold(self, doing: str) -> None:
-        if self._hold is None and not self.lost:
+        if self._hold is None and not self._reported:
             raise LockUsageError(
                 f"{doing} called on Lock {self.lock_id!r}, which this object does not "
                 "hold; call acquire() first."
             )
+        if self._forked():
+            raise LockUsageError(
+                f"{doing} called on Lock {self.lock_id!r} in process {os.getpid()}, "
+                f"a fork of process {self._pid_of_holder()} that holds it. A forked "
+                "child is not the lock's owner and may not release or extend it; do "
+                "that in the parent (the child may read owned(), ttl() and fence)."
+            )
+
+    def _pid_of_holder(self) -> str:
+        owner = token_owner(self.token)
+        return "(unknown)" if owner is None else str(owner[1])
 
     def _held_for(self) -> float:
         return time.monotonic() - (self.acquired_at or time.monotonic())
 
-    def _report_lost(self, doing: str) -> None:
+    def _report_lost(
+        self,
+        doing: str,
+        reason: str = "it expired, was evicted, flushed, released by force or lost "
+        "in a restart",
+        *,
+        clear: bool = True,
+    ) -> None:
+        """Mark the lock lost and tell (WARNING, ``lock_lost``) once per hold.
+
+        ``clear``: forget the hold (the store no longer has it). A loss judged by
+        the clock keeps it, so a release still removes the lock if it survived.
+        """
+        with _REPORT_GUARD:
+            if clear:
+                self._hold = None
+            if self._reported:
+                return
+            self._reported = True
         held_for = self._held_for()
-        self._hold, self.lost = None, True
         logger.warning(
             "Lock %r was no longer held by this owner at %s, %.1fs after it was taken "
-            "with an expiry of %ss: it expired, was evicted, flushed, released by "
-            "force or lost in a restart, and may have been taken by another owner. "
+            "with an expiry of %ss: %s, and another owner may have taken it. "
             "The protected work may have overlapped; fenced writes (fence %s) are "
             "refused once a newer holder has written.",
             self.lock_id,
             doing,
             held_for,
             self._held_expire,
-            self.fence,
+            reason,
+            self._fence,
         )
+        # Only now: whoever sees ``lost`` also finds the WARNING logged.
+        self._lost = True
         if lock_lost.receivers:
             self._send(
-                lock_lost, self.token, fence=self.fence, held=held_for, during=doing
+                lock_lost,
+                self.token,
+                fence=self._fence,
+                held=held_for,
+                during=doing,
+                reason=reason,
             )
 
     def _stop_heartbeat(self) -> None:
@@ -325,19 +500,33 @@ class Lock:
             except backend.errors as exc:
                 self._hold = None
                 raise self._store_error(
-                    backend,
-                    key,
-                    "release the lock; it stays until it expires "
-                    f"(up to {self._held_expire}s)",
-                    exc,
+                    backend, key, self._release_failed(backend, key, token, exc), exc
                 ) from exc
             if not released:
                 self._report_lost("release")
                 return False
             self._hold = None
         if lock_released.receivers:
-            self._send(lock_released, token, fence=self.fence, held=self._held_for())
+            self._send(lock_released, token, fence=self._fence, held=self._held_for())
         return True
+
+    def _release_failed(
+        self, backend: LockBackend, key: str, token: str, exc: BaseException
+    ) -> str:
+        """What became of the lock after a release failed with ``exc``."""
+        if backend.lost_with_store(exc):
+            return (
+                "release the lock: the server is not running, and the lock went "
+                "with it (a stopped memcached keeps nothing)"
+            )
+        assert self._alias is not None
+        pending.watch(self.lock_id, self._alias, backend.protocol, key, token)
+        left = max(0.0, (self._valid_until or 0.0) - time.monotonic()) + 1
+        return (
+            "release the lock: it is removed in the background as soon as the "
+            f"store answers again, and expires by itself within {left:.0f}s at the "
+            "latest"
+        )
 
     def extend(self, seconds: float | None = None) -> bool:
         """Reset the lock's expiry to ``seconds`` from now (default: ``expire``),
@@ -358,6 +547,7 @@ class Lock:
         expire = self._capped(self._held_expire if seconds is None else seconds)
         backend, key = self._backend()
         assert self.token is not None
+        sent_at = time.monotonic()
         try:
             hold = backend.extend(key, self._hold, self.token, expire)
         except backend.errors as exc:
@@ -366,13 +556,16 @@ class Lock:
             self._report_lost(doing)
             return False
         self._hold = hold
+        self._life = backend.shortest_life(expire)
+        self._valid_until = sent_at + self._life
         return True
 
-    def _renew(self, heartbeat: Heartbeat) -> bool:
-        """One heartbeat: extend the lock; False when renewal should stop."""
+    def _renew(self, heartbeat: Heartbeat) -> float | None:
+        """One heartbeat: extend the lock; the pause before the next beat, or None
+        when renewal should stop."""
         with self._guard:
-            if heartbeat.stopped or self._hold is None:
-                return False
+            if heartbeat.stopped or self._hold is None or self._reported:
+                return None
             last = (
                 self._deadline is not None
                 and self._deadline - time.monotonic() <= self._held_expire
@@ -380,10 +573,26 @@ class Lock:
             try:
                 renewed = self._extend(None, "renew")
             except LockBackendError as exc:
-                # The lock keeps its current expiry; the next beat tries again,
-                # and reports it lost if it expired meanwhile.
+                if exc.__cause__ is not None and self._backend()[0].lost_with_store(
+                    exc.__cause__
+                ):
+                    self._report_lost(
+                        "renew", f"the store stopped and the lock went with it ({exc})"
+                    )
+                    return None
+                # The lock keeps its current expiry: try again, and at the latest
+                # when the store may drop it; past that, it is lost.
+                left = (self._valid_until or 0.0) - time.monotonic()
+                if left <= 0:
+                    self._report_lost(
+                        "renew",
+                        f"the store could not be reached for longer than the "
+                        f"{self._life:.0f}s it is sure to keep the lock ({exc})",
+                        clear=False,
+                    )
+                    return None
                 logger.warning("Could not renew lock %r: %s", self.lock_id, exc)
-                return True
+                return min(heartbeat.interval, left)
             if renewed and last:
                 logger.warning(
                     "Lock %r reaches its max_hold of %ss in %.1fs while its holder "
@@ -392,15 +601,18 @@ class Lock:
                     self.max_hold,
                     max(0.0, (self._deadline or 0.0) - time.monotonic()),
                 )
-                return False
-            return renewed
+                return None
+            return heartbeat.interval if renewed else None
 
     def check(self) -> bool:
         """True while the lock is not known to be lost. Costs no round trip.
 
-        With ``on_lost="raise"``, a lost lock raises ``LockLost`` instead of
-        returning False. Call it between steps of long work, with ``renew=True``
-        (the heartbeat is what finds a lost lock while the body runs).
+        Lost means found gone or someone else's (by the heartbeat, an extend or a
+        release), or past the least time the store keeps it since it was taken or
+        last extended (a store that stayed unreachable, or a lock that does not
+        renew), judged by the clock here. With ``on_lost="raise"``, a lost lock
+        raises ``LockLost`` instead of returning False. Call it between steps of
+        long work, with ``renew=True``.
         """
         if not self.lost:
             return True
@@ -449,8 +661,15 @@ class Lock:
         """Release, logging instead of raising if the store fails.
 
         For ``finally`` blocks: a failed release must not hide the protected
-        code's own result or exception.
+        code's own result or exception. In a forked child it leaves the lock to
+        the parent that holds it.
         """
+        if self._hold is not None and self._forked():
+            logger.debug(
+                "Lock %r is left to the process that holds it (this is a fork)",
+                self.lock_id,
+            )
+            return
         if self._hold is None:
             self._stop_heartbeat()
             return
@@ -458,19 +677,6 @@ class Lock:
             self.release()
         except LockBackendError:
             logger.exception("Could not release lock %r", self.lock_id)
-
-    def __enter__(self) -> Lock:
-        if not self.acquire():
-            raise LockNotAcquired(self.lock_id)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release_quietly()
 
 
 class memcache_lock:

@@ -52,8 +52,8 @@ class Heartbeat:
 
     def _run(self) -> None:
         try:
-            while not self._stop.wait(self.interval):
-                if not self.lock._renew(self):
-                    break
+            pause: float | None = self.interval
+            while pause is not None and not self._stop.wait(pause):
+                pause = self.lock._renew(self)
         finally:
             close_thread_connections()

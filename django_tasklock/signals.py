@@ -5,7 +5,9 @@ by ``memcache_lock`` and ``@single_instance``) and these keyword arguments:
 
 ``lock_acquired``
     ``lock``, ``lock_id``, ``owner`` (the token stored for this holder), ``fence``
-    (its fencing token), ``waited`` (seconds the ``acquire()`` call took).
+    (None: a fencing token is drawn when ``lock.fence`` is first read), ``waited``
+    (seconds the ``acquire()`` call took). In the other signals ``fence`` is the
+    token drawn, or None if it was never read.
 ``lock_contended``
     ``lock``, ``lock_id``, ``owner`` (the token of the holder that kept the lock,
     or None if it was gone by the time it was read), ``waited`` (seconds spent,
@@ -15,12 +17,15 @@ by ``memcache_lock`` and ``@single_instance``) and these keyword arguments:
     ``lock``, ``lock_id``, ``owner``, ``fence``, ``held`` (seconds since it was
     taken).
 ``lock_lost``
-    ``lock``, ``lock_id``, ``owner``, ``fence``, ``held``, and ``during``: what
-    found it lost, ``"renew"`` (the heartbeat), ``"extend"`` or ``"release"``.
+    ``lock``, ``lock_id``, ``owner``, ``fence``, ``held``, ``during``: what
+    found it lost, ``"renew"`` (the heartbeat), ``"extend"``, ``"release"`` or
+    ``"check"`` (``check()`` or ``lost`` judging by the clock that the lock's
+    life ran out with no extension), and ``reason``: what was found.
 
 The signals are sent with ``send_robust``: a receiver that raises is logged by
 Django and never breaks a lock (a metrics exporter that is down must not leave a
-lock held). ``lock_lost`` from the heartbeat is sent in the heartbeat's thread.
+lock held). ``lock_lost`` from the heartbeat is sent in the heartbeat's thread, from
+``check()`` in the caller's.
 ``lock_contended`` reads the holder's token only when it has receivers.
 """
 

@@ -15,8 +15,17 @@ from .backends import LockBackend, backend_for
 from .conf import settings
 from .exceptions import LockBackendError
 from .keys import check_lock_id
+from .tokens import token_owner
 
-__all__ = ["LockChanged", "LockStatus", "Owner", "force_release", "lock_status"]
+__all__ = [
+    "LockChanged",
+    "LockStatus",
+    "Owner",
+    "force_release",
+    "lock_status",
+    "remove",
+    "semaphore_status",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +45,10 @@ class Owner:
     def parse(cls, value: object) -> Owner | None:
         """The owner in a token ``owner:pid:random:thread:count``, where owner is
         ``oid@host`` or ``host``; None for any other value (the recipe's oid)."""
-        if not isinstance(value, str):
+        parsed = token_owner(value)
+        if parsed is None:
             return None
-        parts = value.rsplit(":", 4)
-        if len(parts) != 5 or not parts[1].isdigit():
-            return None
-        name, pid = parts[0], int(parts[1])
+        name, pid = parsed
         host = name.rpartition("@")[2]
         alive = _process_alive(pid) if host == socket.gethostname() else None
         return cls(name=name, host=host, pid=pid, alive=alive)
@@ -70,7 +77,8 @@ class LockStatus:
     ``value`` is the stored token (or whatever other code stored under the key);
     ``ttl`` the seconds left (memcached counts whole seconds; ``inf``: never
     expires); ``fence`` the last fencing token drawn for the lock id (None when
-    its counter is gone; the next one then starts from the clock).
+    its counter is gone; the next one then starts from the clock). ``remove()``
+    takes it to remove the very item that was read, and nothing else.
     """
 
     lock_id: str
@@ -80,6 +88,9 @@ class LockStatus:
     value: object
     ttl: float | None
     fence: int | None
+    cache: str | None = None
+    #: The backend's hold on the item read (its CAS id on memcached).
+    hold: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def owner(self) -> Owner | None:
@@ -143,7 +154,33 @@ def lock_status(lock_id: str, *, cache: str | None = None) -> LockStatus:
         value=None if peek is None else peek.value,
         ttl=ttl,
         fence=fence,
+        cache=cache,
+        hold=None if peek is None else peek.hold,
     )
+
+
+def remove(status: LockStatus) -> bool:
+    """Remove the lock ``status`` read, only if the store still holds that very
+    item; True if it was removed, False if it was released, expired or taken by
+    another owner since (then nothing is removed).
+
+    So a decision made on ``status`` (say, that its holder is gone) and the
+    removal act on one item. On memcached both the stored value and the item's
+    CAS id must still match; on Redis and LocMem the stored value must (a
+    django_tasklock token is unique per acquisition; a value other code stores
+    every time, such as the recipe's oid, is told apart on memcached only).
+    """
+    if not status.held:
+        return False
+    backend, key = _backend(status.lock_id, status.cache)
+    try:
+        return backend.release(key, status.hold, status.value)
+    except backend.errors as exc:
+        raise LockBackendError(
+            f"Could not release the lock: {type(exc).__name__}: {exc}",
+            lock_id=status.lock_id,
+            store=backend.describe(key),
+        ) from exc
 
 
 def force_release(lock_id: str, *, cache: str | None = None) -> LockStatus | None:
@@ -154,32 +191,28 @@ def force_release(lock_id: str, *, cache: str | None = None) -> LockStatus | Non
     finds its lock lost at its next renewal, extend or release (WARNING,
     ``lock_lost``), and its fenced writes are refused once the next holder wrote.
     """
-    backend, key = _backend(lock_id, cache)
-    store = backend.describe(key)
-    try:
-        peek = backend.peek(key)
-        if peek is None:
-            return None
-        removed = backend.release(key, peek.hold, peek.value)
-    except backend.errors as exc:
-        raise LockBackendError(
-            f"Could not release the lock: {type(exc).__name__}: {exc}",
-            lock_id=lock_id,
-            store=store,
-        ) from exc
-    if not removed:
+    status = lock_status(lock_id, cache=cache)
+    if not status.held:
+        return None
+    if not remove(status):
         raise LockChanged(
             "The lock was released, expired or taken by another owner while it was "
             "being released; nothing was removed. Look at its status again",
             lock_id=lock_id,
-            store=store,
+            store=status.store,
         )
-    return LockStatus(
-        lock_id=lock_id,
-        store=store,
-        key=key,
-        held=True,
-        value=peek.value,
-        ttl=None,
-        fence=None,
-    )
+    return status
+
+
+def semaphore_status(
+    name: str, limit: int, *, cache: str | None = None
+) -> list[LockStatus]:
+    """The status of each of the ``limit`` slots of the semaphore ``name``.
+
+    A held slot's status names its holder, token, time left and last fence;
+    ``remove()`` takes it like a lock's.
+    """
+    from .semaphores import slot_id, validate_limit
+
+    validate_limit(limit)
+    return [lock_status(slot_id(name, slot), cache=cache) for slot in range(limit)]

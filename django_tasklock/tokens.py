@@ -1,4 +1,4 @@
-"""What each acquisition is given: an owner token and a fencing token.
+"""What each acquisition is given: an owner token, and a fencing token if asked.
 
 The owner token is the value stored under the lock: unique per acquisition, so
 release and extend can tell this holder from every other, and readable, so a
@@ -20,7 +20,7 @@ from typing import Final
 from .backends import FenceCounter
 from .conf import MAX_EXPIRE
 
-__all__ = ["FENCE_COUNTER_TTL", "fence_counter", "new_token"]
+__all__ = ["FENCE_COUNTER_TTL", "fence_counter", "new_token", "token_owner"]
 
 #: Shortest life of a fencing counter after its last acquisition, in seconds.
 FENCE_COUNTER_TTL: Final = 24 * 60 * 60
@@ -51,6 +51,17 @@ def new_token(owner: str) -> str:
     return _tokens.new(owner)
 
 
+def token_owner(value: object) -> tuple[str, int] | None:
+    """The owner (``oid@host`` or ``host``) and the pid in a token ``new_token``
+    made; None for any other value (other code's, such as the recipe's oid)."""
+    if not isinstance(value, str):
+        return None
+    parts = value.rsplit(":", 4)
+    if len(parts) != 5 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
 def fence_counter(key: str, expire: float) -> FenceCounter:
     """The counter at ``key`` for a lock stored for ``expire`` seconds.
 
@@ -59,5 +70,8 @@ def fence_counter(key: str, expire: float) -> FenceCounter:
     token it gave out is below that. It lives a day after its last use, or twice
     the lock's expiry if longer.
     """
-    ttl = min(MAX_EXPIRE, max(FENCE_COUNTER_TTL, 2 * math.ceil(expire)))
+    if expire <= FENCE_COUNTER_TTL / 2:
+        ttl = FENCE_COUNTER_TTL
+    else:
+        ttl = min(MAX_EXPIRE, 2 * math.ceil(expire))
     return FenceCounter(key, time.time_ns() // 1000, ttl)

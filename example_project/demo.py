@@ -252,7 +252,16 @@ def main(argv: list[str] | None = None) -> int:
             wait_for(task_name, sent)
             ok = report(task_name, urls) and ok
         say()
-        say(f"Feed server answered {server.requests} requests.")
+        from django.conf import settings
+
+        per_host = settings.FEED_FETCHES_PER_HOST
+        say(
+            f"Feed server answered {server.requests} requests, at most {server.peak} "
+            f"at once (the importer allows {per_host} fetches per host at once)."
+        )
+        if server.peak > per_host:
+            say("   <- MORE FETCHES AT ONCE THAN THE SEMAPHORE ALLOWS")
+            ok = False
     say(
         f"Stopped every process the demo started ({time.monotonic() - started:.1f}s in all)."
     )

@@ -22,11 +22,24 @@ class FeedServer:
     def __init__(self, delay: float = 0.3) -> None:
         self.delay = delay
         self.requests = 0
+        #: Requests being answered now, and the most at one moment.
+        self.in_flight = self.peak = 0
+        self._count = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                server.requests += 1
+                with server._count:
+                    server.requests += 1
+                    server.in_flight += 1
+                    server.peak = max(server.peak, server.in_flight)
+                try:
+                    self._answer()
+                finally:
+                    with server._count:
+                        server.in_flight -= 1
+
+            def _answer(self) -> None:
                 time.sleep(server.delay)
                 path = (FIXTURES / self.path.lstrip("/")).resolve()
                 if FIXTURES not in path.parents or not path.is_file():

@@ -113,6 +113,9 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
 #: Where the demo's local feed server lives; the importer fetches from here.
 FEED_TIMEOUT = 10
+#: At most this many feeds are fetched at once from one host, across every worker
+#: (a django_tasklock Semaphore per host; see feeds/importer.py).
+FEED_FETCHES_PER_HOST = 2
 
 LOGGING = {
     "version": 1,

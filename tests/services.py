@@ -253,6 +253,45 @@ def celery_worker(
     )
 
 
+def stop_and_wait(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    The signal takes effect asynchronously: on a busy machine a server can still
+    answer a request sent right after ``kill()`` returned, unless one waits for
+    the kernel to report each thread stopped ("T" in /proc).
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    tasks = Path(f"/proc/{pid}/task")
+    while True:
+        states = []
+        for task in tasks.iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:  # a thread that just ended
+                continue
+            states.append(stat.rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} did not stop: thread states {states}")
+        time.sleep(0.001)
+
+
+def run_module(module: str, *args: str, timeout: float) -> str:
+    """Run ``python -m module args`` from the repository's root, as README says;
+    its output, or a failure with what it printed."""
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
     """SIGTERM (a Celery worker's warm shutdown), then SIGKILL if it hangs."""
     if process.poll() is None:

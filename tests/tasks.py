@@ -12,7 +12,7 @@ import time
 
 import redis
 
-from django_tasklock import current_lock, single_instance
+from django_tasklock import Lock, current_lock, single_instance
 from tests.celery_app import app
 
 
@@ -153,4 +153,43 @@ def long_unrenewed(name, seconds, call):
     started = time.monotonic()
     time.sleep(seconds)
     record(name, started, call=call)
+    return call
+
+
+@app.task(bind=True, max_retries=0)
+@single_instance(key="item", expire=60)
+def process_tree(self, item, children=(), how="direct"):
+    """Processes ``item``: a leaf retries; a parent runs each child in this thread
+    (a direct call, or eager ``apply()``) and then reports whether its own lock
+    is still held, as another worker would find it."""
+    from celery.exceptions import MaxRetriesExceededError, Retry
+
+    if not children:
+        raise self.retry(countdown=0)
+    for child in children:
+        try:
+            if how == "direct":
+                process_tree(child)
+            else:
+                process_tree.apply(args=(child,))
+        except (Retry, MaxRetriesExceededError):
+            pass
+    lock = current_lock()
+    assert lock is not None
+    rival = Lock(lock.lock_id)
+    taken_by_rival = rival.acquire()
+    if taken_by_rival:
+        rival.release()
+    return {"owned": lock.owned(), "taken_by_rival": taken_by_rival}
+
+
+@app.task(bind=True, max_retries=500)
+@single_instance(
+    key="tenant", limit=2, expire=60, on_contention="retry", countdown=0.05
+)
+def export_for(self, tenant, call, seconds=0.3):
+    """At most two exports per tenant at once; every call runs once, later."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    record(tenant, started, call=call, retries=self.request.retries)
     return call

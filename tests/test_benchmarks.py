@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.services import run_module
 
 
 @pytest.mark.slow
 def test_benchmark_quick_run_reports_every_variant():
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr
+    out = run_module("benchmarks.bench", "--quick", timeout=300)
     for variant in (
         "floor (raw add+delete)",
         "cookbook recipe (cache.add+delete)",
@@ -35,3 +24,29 @@ def test_benchmark_quick_run_reports_every_variant():
     assert re.search(r"Python 3\.\d+\.\d+, Django \d", out)
     assert re.search(r"memcached 1\.\d+\.\d+", out)
     assert re.search(r"^\s+Lock\s+\d+\s+\d\.\d\dx", out, re.M), "contended row"
+    # A released lock whose fence was never read leaves nothing in the store.
+    released = re.search(r"1,000 ids, released\s+(-?[\d.]+)\s+(-?[\d.]+)", out)
+    held = re.search(r"1,000 ids, held\s+([\d.]+)\s+([\d.]+)", out)
+    assert released and held, out
+    assert float(released.group(2)) == 0 and float(held.group(2)) == 1
+    for peer in (
+        "@single_instance (memcached)",
+        "@single_instance (Redis)",
+        "celery_once QueueOnce",
+        "celery-singleton Singleton",
+    ):
+        row = re.search(rf"^\s+{re.escape(peer)}\s+(\d+\.\d\d)x \[", out, re.M)
+        assert row and float(row.group(1)) > 0, peer
+
+
+@pytest.mark.slow
+def test_instruction_count_quick_run_reports_the_floor_and_a_lock():
+    out = run_module("benchmarks.cpu", "--quick", timeout=600)
+    floor = re.search(r"floor: raw add \+ delete\s+([\d,]+)\s+1\.00x", out)
+    lock = re.search(r"Lock cycle\s+([\d,]+)\s+(\d+\.\d\d)x", out)
+    assert floor and lock, out
+    # Counted, not made up: a lock cycle does more than the two raw commands.
+    floor_count = int(floor.group(1).replace(",", ""))
+    lock_count = int(lock.group(1).replace(",", ""))
+    assert 1_000 < floor_count < lock_count
+    assert float(lock.group(2)) == pytest.approx(lock_count / floor_count, abs=0.01)

@@ -117,3 +117,13 @@ def test_renewing_task_raises_lock_lost_at_check_after_a_steal():
     body.join(timeout=10)
     assert isinstance(outcome.get("error"), LockLost)
     assert tasks.runs("stolen-run") == [], "the body went on after LockLost"
+
+
+@pytest.mark.parametrize("how", ["direct", "apply"])
+def test_inner_retry_releases_only_its_own_runs_lock(how):
+    # The outer run processes two children in this thread; each retries, which
+    # must release the child's lock and leave the outer run's alone.
+    outcome = tasks.process_tree("root", ["leaf-a", "leaf-b"], how)
+    assert outcome == {"owned": True, "taken_by_rival": False}
+    for item in ("root", "leaf-a", "leaf-b"):
+        assert not Lock(lock_id_for(tasks.process_tree, item)).locked()

@@ -14,7 +14,7 @@ from django.core.cache import caches
 from django.core.management import CommandError, call_command
 
 from django_tasklock import Lock, lock_id_for
-from django_tasklock.status import Owner
+from django_tasklock.status import Owner, lock_status, remove
 from tests import tasks
 from tests.services import ROOT, free_port
 from tests.workers import crashing_holder
@@ -96,13 +96,15 @@ def test_status_of_a_free_lock(store):
 def test_status_of_a_held_lock(store):
     lock = Lock("held-lock", expire=60, oid="celery-oid")
     assert lock.acquire()
+    assert fields(run("status", "held-lock"))["Last fence"].startswith("none")
+    fence = lock.fence  # drawn when read
     shown = fields(run("status", "held-lock"))
     assert shown["Held"] == "yes"
     assert shown["Owner"] == lock.token
     assert shown["Holder"] == f"process {os.getpid()} on {HOST} (this host: running)"
     seconds = int(shown["Expires"].removeprefix("in ").removesuffix("s"))
     assert 55 <= seconds <= 60
-    assert shown["Last fence"] == str(lock.fence)
+    assert shown["Last fence"] == str(fence)
     assert lock.release()
 
 
@@ -110,6 +112,7 @@ def test_status_by_task_and_json(store):
     url = "https://example.com/status.xml"
     lock = Lock(lock_id_for(tasks.import_feed, url), expire=30)
     assert lock.acquire()
+    assert lock.fence is not None
     data = json.loads(run("status", "--json", "--task", "tests.tasks.import_feed", url))
     assert data["lock_id"] == lock.lock_id
     assert data["held"] is True and data["stale"] is False
@@ -192,6 +195,45 @@ def test_release_clears_a_crashed_holders_lock_without_force(store):
     out = run("release", "crashed")
     assert "stale: its holder is gone" in out
     assert Lock("crashed").acquire()
+
+
+def test_release_removes_only_the_item_it_judged_stale(store):
+    process = multiprocessing.get_context("spawn").Process(
+        target=crashing_holder, args=(store.tasklock, "handover")
+    )
+    process.start()
+    process.join(30)
+    judged = lock_status("handover")
+    assert judged.stale
+    # Between the read and the removal the stale lock expires (deleted here, as
+    # its expiry would) and a live worker takes the id.
+    caches[store.alias].delete("handover")
+    live = Lock("handover")
+    assert live.acquire()
+    assert remove(judged) is False, "removed a live holder's lock"
+    assert live.owned()
+    # Read afresh, the command sees the live holder and leaves it alone.
+    with pytest.raises(CommandError, match="may still be running"):
+        run("release", "handover")
+    assert live.release()
+
+
+@pytest.mark.parametrize("protocol", ["meta", "classic"])
+def test_forced_removal_on_memcached_spares_a_newer_item_with_the_same_value(
+    settings, protocol
+):
+    # The recipe stores one value ("true", its oid) every time: only the item's
+    # CAS id tells the lock that was read from the one taken since.
+    settings.TASKLOCK = {"CACHE": "default", "MEMCACHED_PROTOCOL": protocol}
+    cache = caches["default"]
+    assert cache.add("recipe", "true", 60)
+    judged = lock_status("recipe")
+    cache.delete("recipe")
+    assert cache.add("recipe", "true", 60)
+    assert remove(judged) is False
+    assert cache.get("recipe") == "true"
+    assert remove(lock_status("recipe")) is True
+    assert cache.get("recipe") is None
 
 
 def test_release_refuses_other_code_values_without_force(store):

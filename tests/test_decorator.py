@@ -149,6 +149,38 @@ def test_key_non_str_single_argument_is_hashed_canonically():
     assert plain_id(f, [1, 2]) != plain_id(f, [2, 1])
 
 
+def test_key_name_ids_follow_the_value_as_the_worker_receives_it():
+    @single_instance(key="value")
+    def f(value):
+        return value
+
+    # One id for a str and the non-str value JSON writes as that text: the
+    # cookbook's ids stay as they were (documented in README).
+    assert plain_id(f, 1) == plain_id(f, "1")
+    assert plain_id(f, None) == plain_id(f, "null")
+    # A UUID (datetime, Decimal...) and its string are one value too.
+    ident = uuid.uuid4()
+    assert plain_id(f, ident) == plain_id(f, str(ident))
+    moment = datetime.datetime(
+        2026, 11, 22, 17, 5, 13, 123456, tzinfo=datetime.timezone.utc
+    )
+    assert plain_id(f, moment) == plain_id(f, "2026-11-22T17:05:13.123456Z")
+    # Values of other types never collide with one another.
+    values = [1, 1.5, True, False, None, 0, [1], [1, 2], {"a": 1}, {"a": "1"}, ""]
+    ids = {plain_id(f, value) for value in values}
+    assert len(ids) == len(values)
+
+
+def test_default_key_keeps_types_apart():
+    @single_instance
+    def f(value):
+        return value
+
+    assert plain_id(f, 1) != plain_id(f, "1")
+    assert plain_id(f, None) != plain_id(f, "null")
+    assert plain_id(f, True) != plain_id(f, "true") != plain_id(f, 1)
+
+
 def test_key_callable():
     @single_instance(key=lambda account, **rest: f"account:{account.lower()}")
     def sync(account, full=False):
@@ -282,7 +314,6 @@ def test_wait_gets_the_lock_when_released(any_store):
 
     holder = Lock(plain_id(job, 1))
     holder.acquire()
-    timer = threading.Timer(0.3, lambda: None)
     started = time.monotonic()
 
     def release_later():
@@ -294,7 +325,6 @@ def test_wait_gets_the_lock_when_released(any_store):
     assert job(1) == ("ran", True)
     assert time.monotonic() - started >= 0.25
     thread.join()
-    timer.cancel()
 
 
 @pytest.mark.parametrize(

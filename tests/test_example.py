@@ -249,6 +249,7 @@ def test_paused_holders_late_write_is_refused(feeds, settings):
     # Not renewed: a paused process runs no heartbeat either.
     paused = Lock(lock_id, expire=2)
     assert paused.acquire()
+    assert paused.fence is not None  # drawn before the work, as the tasks do
     parsed = fetch_and_parse(url)
     deadline = time.monotonic() + 5
     while paused.owned():
@@ -279,3 +280,29 @@ def test_fenced_writes_in_order_are_accepted(feeds):
         store(url, parsed, 9)
     # Unfenced writes (other code paths) are not checked.
     assert store(url, parsed).feed.fence == 11
+
+
+def test_at_most_two_fetches_at_once_from_one_host():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from example_project.feeds.importer import fetch
+    from tests.conftest import close_connections
+
+    slow = FeedServer(delay=0.3).start()
+    try:
+        urls = slow.feed_urls()
+
+        def fetch_in_thread(url):
+            try:
+                return len(fetch(url)[0])
+            finally:
+                close_connections()
+
+        with ThreadPoolExecutor(6) as pool:
+            sizes = list(pool.map(fetch_in_thread, urls))
+    finally:
+        slow.stop()
+    assert all(size > 0 for size in sizes) and len(sizes) == len(urls) >= 5
+    # Six fetchers at once, one host: the semaphore lets two through at a time.
+    assert slow.peak == 2, slow.peak
+    assert slow.requests == len(urls)

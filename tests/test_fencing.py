@@ -1,5 +1,6 @@
-"""Fencing tokens: every acquisition's is larger than every earlier one's, even
-after the counter is flushed, evicted, deleted or lost in a restart."""
+"""Fencing tokens: every acquisition's, drawn when read, is larger than every
+earlier one's, even after the counter is flushed, evicted, deleted or lost in a
+restart; a lock whose fence is never read leaves no counter."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from itertools import pairwise
 import pytest
 from django.core.cache import caches
 
-from django_tasklock import Lock, LockBackendError
+from django_tasklock import Lock, LockBackendError, LockLost
 from django_tasklock.keys import fence_id
 from tests.conftest import in_thread
 from tests.services import Memcached
@@ -21,9 +22,34 @@ from tests.workers import fenced_holds, setup_django
 def take(lock_id: str = "fenced") -> int:
     lock = Lock(lock_id)
     assert lock.acquire()
+    fence = lock.fence  # drawn now, while held
     assert lock.release()
-    assert lock.fence is not None
-    return lock.fence
+    assert fence is not None and lock.fence == fence  # kept after the release
+    return fence
+
+
+def test_a_fence_never_read_leaves_no_counter(any_store):
+    lock = Lock("unfenced")
+    assert lock.acquire()
+    assert lock.release()
+    assert lock.fence is None
+    assert caches[any_store.alias].get(fence_id("unfenced")) is None
+    assert take("unfenced") > 0
+    assert caches[any_store.alias].get(fence_id("unfenced")) is not None
+
+
+def test_a_fence_read_after_the_lock_was_lost_raises(any_store):
+    lock = Lock("lost-before-read")
+    assert lock.acquire()
+    caches[any_store.alias].delete("lost-before-read")
+    thief = Lock("lost-before-read")
+    assert thief.acquire()
+    with pytest.raises(LockLost):
+        lock.fence  # noqa: B018 - reading it is the test
+    assert lock.lost
+    with pytest.raises(LockLost):
+        lock.fence  # noqa: B018 - still lost, still no unfenced write
+    assert thief.fence is not None and thief.release()
 
 
 def test_fences_strictly_increase(any_store):
@@ -34,9 +60,16 @@ def test_fences_strictly_increase(any_store):
 
 
 def test_fences_are_per_lock_id(any_store):
-    first, other, second = take("a"), take("b"), take("a")
+    first = take("a")
+    others = [take("b") for _ in range(5)]
+    second = take("a")
+    # Five acquisitions of "b" in between did not move "a"'s counter...
     assert second == first + 1
-    assert other != first + 1 or other < second
+    # ...and "b" counts on its own counter, from its own start.
+    assert others == list(range(others[0], others[0] + 5))
+    assert caches[any_store.alias].get(fence_id("a")) != caches[any_store.alias].get(
+        fence_id("b")
+    )
 
 
 def test_fence_starts_from_the_clock(any_store):
@@ -48,11 +81,11 @@ def test_fence_starts_from_the_clock(any_store):
 def test_failed_attempts_never_lower_a_later_fence(store):
     holder = Lock("contended")
     assert holder.acquire()
+    first = holder.fence
     for _ in range(5):
         assert in_thread(lambda: Lock("contended").acquire()) is False
-    first = holder.fence
     assert holder.release()
-    assert first is not None and take("contended") > first
+    assert first is not None and take("contended") == first + 1
 
 
 def test_fences_increase_across_flush_and_restart(settings, own_memcached):
@@ -91,13 +124,17 @@ def test_classic_protocol_fences_across_restart(settings, own_memcached):
     assert take() > first + 1
 
 
-def test_corrupt_counter_is_a_clear_error_and_takes_no_lock(any_store):
+def test_corrupt_counter_is_a_clear_error_and_draws_no_fence(any_store):
     alias = any_store.alias
     caches[alias].set(fence_id("corrupt"), "not a number")
+    lock = Lock("corrupt")
+    assert lock.acquire()
     with pytest.raises(LockBackendError, match="fencing counter") as caught:
-        Lock("corrupt").acquire()
+        lock.fence  # noqa: B018 - reading it draws
     assert "Delete it" in str(caught.value)
-    assert not Lock("corrupt").locked(), "left the lock held without a fence"
+    assert "no fence was drawn" in str(caught.value)
+    assert caches[alias].get(fence_id("corrupt")) == "not a number"
+    assert lock.owned() and lock.release()  # still held, released as usual
     caches[alias].delete(fence_id("corrupt"))
     assert take("corrupt") > 0
 
@@ -116,9 +153,10 @@ def test_pooled_memcached_client_locks_and_fences(settings, memcached):
     assert first.extend(30)
     ttl = first.ttl()
     assert ttl is not None and 25 <= ttl <= 30
+    fence = first.fence  # drawn over a pooled client, after the extend
     assert first.release()
-    # The refused attempt drew one too.
-    assert take("pooled") == first.fence + 2  # type: ignore[operator]
+    # A refused attempt draws nothing.
+    assert take("pooled") == fence + 1  # type: ignore[operator]
 
 
 @pytest.mark.slow

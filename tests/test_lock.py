@@ -242,7 +242,12 @@ def test_blocking_acquire_waits_for_release(any_store):
 def test_blocking_acquire_times_out(any_store):
     holder = Lock("busy")
     holder.acquire()
-    assert Lock("busy").acquire(blocking=True, timeout=0.2) is False
+    started = time.monotonic()
+    assert Lock("busy").acquire(blocking=True, timeout=0.3) is False
+    waited = time.monotonic() - started
+    # It tried until the timeout, not once; not far past it either.
+    assert 0.3 <= waited < 0.3 + 2.0, waited
+    assert holder.owned()
     holder.release()
 
 

@@ -12,9 +12,16 @@ import time
 import pytest
 from django.core.cache import caches
 
-from django_tasklock import Lock, LockLost, LockUsageError, current_lock
+from django_tasklock import (
+    Lock,
+    LockBackendError,
+    LockLost,
+    LockUsageError,
+    current_lock,
+)
 from django_tasklock.signals import lock_lost
 from tests.conftest import in_thread
+from tests.services import stop_and_wait
 from tests.workers import renewing_holder, setup_django
 
 EXPIRE = 2
@@ -107,6 +114,7 @@ def test_lost_lock_reported_within_one_heartbeat(store, caplog):
     try:
         lock = Lock("stolen", expire=EXPIRE, renew=True, on_lost="raise")
         assert lock.acquire()
+        fence = lock.fence
         beat = lock._heartbeat.interval  # type: ignore[union-attr]
         assert lock.check() is True
         caches[store.alias].delete("stolen")  # flushed, evicted, forced...
@@ -114,7 +122,9 @@ def test_lost_lock_reported_within_one_heartbeat(store, caplog):
         assert thief.acquire()
         with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
             elapsed = wait_for(lambda: lock.lost, timeout=beat * 3)
-        assert elapsed <= beat + 0.3, f"reported after {elapsed:.2f}s, beat {beat}s"
+        # The first beat after the theft finds it (a beat either renews or finds
+        # the lock gone); a second of slack is for a busy machine's scheduler.
+        assert elapsed <= beat + 1.0, f"reported after {elapsed:.2f}s, beat {beat}s"
         assert "no longer held" in caplog.text
         with pytest.raises(LockLost, match="stolen"):
             lock.check()
@@ -122,8 +132,8 @@ def test_lost_lock_reported_within_one_heartbeat(store, caplog):
         assert len(lost_events) == 1, "reported more than once"
         event = lost_events[0]
         assert event["lock_id"] == "stolen" and event["during"] == "renew"
-        assert event["owner"] == lock.token and event["fence"] == lock.fence
-        assert thief.fence > lock.fence  # type: ignore[operator]
+        assert event["owner"] == lock.token and event["fence"] == fence == lock.fence
+        assert thief.fence > fence  # type: ignore[operator]
         assert thief.owned(), "the lost holder touched the new holder's lock"
         assert thief.release()
     finally:
@@ -212,3 +222,102 @@ def test_sigkill_of_renewing_holder_frees_lock_within_one_expiry(settings, alias
 
 def test_current_lock_outside_a_body_is_none():
     assert current_lock() is None
+
+
+@pytest.fixture(params=["memcached", "redis"])
+def private_store(request, settings):
+    """A server of this test's own that it may stop or pause, as TASKLOCK's cache;
+    no socket timeouts (Django's defaults)."""
+    from tests.services import Memcached, Redis
+
+    if request.param == "memcached":
+        server = Memcached().start()
+        config = {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": server.address,
+        }
+    else:
+        server = Redis().start()
+        config = {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": server.url,
+        }
+    settings.CACHES = {**settings.CACHES, "private": config}
+    settings.TASKLOCK = {"CACHE": "private"}
+    yield request.param, server
+    if server.process is not None:
+        server.process.send_signal(signal.SIGCONT)
+    server.stop()
+    from tests.conftest import close_connections
+
+    close_connections()
+
+
+@pytest.fixture
+def lost_events():
+    events: list[dict[str, object]] = []
+
+    def on_lost(sender, **kwargs):
+        events.append({**kwargs, "at": time.monotonic()})
+
+    lock_lost.connect(on_lost)
+    yield events
+    lock_lost.disconnect(on_lost)
+
+
+def test_store_down_longer_than_the_lock_lives_is_a_loss(private_store, lost_events):
+    kind, server = private_store
+    lock = Lock("outage", expire=EXPIRE, renew=True, on_lost="raise")
+    assert lock.acquire()
+    acquired_at = lock.acquired_at
+    life = lock._life
+    beat = lock._heartbeat.interval  # type: ignore[union-attr]
+    server.stop()
+    stopped_at = time.monotonic()
+    # The heartbeat itself tells (lost_events, not lock.lost, which would judge
+    # the clock from this thread).
+    wait_for(lambda: lost_events, timeout=life + 10)
+    (event,) = lost_events
+    assert event["during"] == "renew"
+    if kind == "memcached":
+        # A stopped memcached kept nothing: lost at the first beat that finds it.
+        assert "the store stopped and the lock went with it" in str(event["reason"])
+        assert event["at"] - stopped_at <= beat + 1.0  # type: ignore[operator]
+    else:
+        # Redis may come back with the lock: lost once it is past its life.
+        assert "could not be reached for longer than" in str(event["reason"])
+        assert event["at"] - acquired_at >= life - 0.05  # type: ignore[operator]
+        assert event["at"] - acquired_at <= life + 1.0  # type: ignore[operator]
+    with pytest.raises(LockLost):
+        lock.check()
+    assert lock.lost and not lock.renewing
+    if kind == "memcached":
+        assert lock.release() is False  # nothing left to release
+    else:
+        with pytest.raises(LockBackendError, match="removed in the background"):
+            lock.release()
+
+
+def test_store_paused_past_the_locks_life_is_a_loss_by_the_clock(
+    private_store, lost_events
+):
+    # With no socket timeout the heartbeat hangs on the paused store; the holder
+    # still learns from check() once the lock may have expired.
+    _kind, server = private_store
+    lock = Lock("paused", expire=EXPIRE, renew=True)
+    assert lock.acquire()
+    life = lock._life
+    stop_and_wait(server.process.pid)
+    assert lock.check() is True
+    lapse = wait_for(lambda: not lock.check(), timeout=life + 10)
+    assert lapse >= life - 0.1 - (time.monotonic() - lock.acquired_at - lapse)
+    (event,) = lost_events
+    assert event["during"] == "check" and "sure to keep the lock" in str(
+        event["reason"]
+    )
+    assert lock.check() is False and len(lost_events) == 1, "told more than once"
+    server.process.send_signal(signal.SIGCONT)
+    # Whatever the resumed store says, the holder was told and stays told; its
+    # release is owner-checked either way.
+    lock.release()
+    assert lock.lost

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from django.core.cache import caches
 
-from django_tasklock import Lock, memcache_lock
+from django_tasklock import Lock, LockLost, memcache_lock
 from django_tasklock.signals import (
     lock_acquired,
     lock_contended,
@@ -51,12 +51,16 @@ def names(events) -> list[str]:
 def test_acquire_and_release_once_each(any_store, events):
     lock = Lock("signalled")
     assert lock.acquire()
+    fence = lock.fence
     assert lock.release()
     assert names(events) == ["acquired", "released"]
     acquired, released = events[0][1], events[1][1]
     assert acquired["lock_id"] == released["lock_id"] == "signalled"
     assert acquired["owner"] == released["owner"] == lock.token
-    assert acquired["fence"] == released["fence"] == lock.fence
+    # Not drawn yet when acquired (fences are drawn when read); the release
+    # carries the one the holder read.
+    assert acquired["fence"] is None
+    assert released["fence"] == fence == lock.fence and fence is not None
     assert acquired["lock"] is lock
     assert 0 <= acquired["waited"] < 1  # type: ignore[operator]
     assert 0 <= released["held"] < 1  # type: ignore[operator]
@@ -76,12 +80,17 @@ def test_contended_once_per_refused_acquire_with_the_holder(any_store, events):
     assert holder.release()
 
 
-def test_blocking_acquire_that_succeeds_is_one_acquired(any_store, events):
-    holder = Lock("handover", expire=1)
+def test_blocking_acquire_that_waits_then_succeeds_is_one_acquired(any_store, events):
+    holder = Lock("handover", expire=2)
     assert holder.acquire()
-    caches[any_store.alias].delete("handover")  # freed while the other waits
-    assert Lock("handover").acquire(blocking=True, timeout=2)
+    # Refused at once (the holder's lock has just been taken for 2 s), the waiter
+    # tries again until the holder's lock expires, then takes it: one signal.
+    waiter = Lock("handover", expire=60)
+    assert waiter.acquire(blocking=True, timeout=30)
     assert names(events) == ["acquired", "acquired"]
+    waited = events[1][1]["waited"]
+    assert isinstance(waited, float) and waited >= 0.5, waited
+    assert waiter.release()
 
 
 def test_lost_once_though_release_finds_it_lost_again(any_store, events):
@@ -93,7 +102,10 @@ def test_lost_once_though_release_finds_it_lost_again(any_store, events):
     assert names(events) == ["acquired", "lost"]
     lost = events[1][1]
     assert lost["during"] == "extend" and lost["owner"] == lock.token
-    assert lost["fence"] == lock.fence and lost["held"] >= 0  # type: ignore[operator]
+    assert lost["fence"] is None  # never read, never drawn: a write must not go
+    with pytest.raises(LockLost):  # out unfenced now
+        lock.fence  # noqa: B018
+    assert lost["held"] >= 0  # type: ignore[operator]
 
 
 def test_memcache_lock_sends_the_same_signals(any_store, events):

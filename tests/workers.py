@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
+import warnings
 
 
 def setup_django() -> None:
@@ -19,32 +21,40 @@ def hammer(
     start_at: float,
     seconds: float,
     mode: str,
+    limit: int | None = None,
 ) -> tuple[list[tuple[float, float]], int]:
     """Take and drop one lock as often as possible in a fixed window.
 
     Returns the (enter, exit) monotonic times of every hold and the number of
     refused attempts. CLOCK_MONOTONIC is shared by all processes of one machine,
     so holds from different processes can be compared. ``mode`` "none" skips the
-    lock, to prove the overlap detector sees overlaps when there are some.
+    lock, to prove the overlap detector sees overlaps when there are some. With
+    ``limit``, a Semaphore of that limit named ``lock_id`` instead of a Lock,
+    each hold a little longer, so that others have room to pile in.
     """
     setup_django()
     from django.conf import settings
     from django.core.cache import close_caches
 
-    from django_tasklock import Lock
+    from django_tasklock import Lock, Semaphore
 
     settings.TASKLOCK = tasklock
     holds: list[tuple[float, float]] = []
     refused = 0
+    hold_for = 0.0002 if limit is None else 0.002
     while time.monotonic() < start_at:
         time.sleep(0.001)
     deadline = start_at + seconds
     while time.monotonic() < deadline:
-        lock = Lock(lock_id, expire=30)
+        lock = (
+            Lock(lock_id, expire=30)
+            if limit is None
+            else Semaphore(lock_id, limit, expire=30)
+        )
         if mode == "none" or lock.acquire():
             entered = time.monotonic()
             # Hold for a moment, so an overlap would have room to show.
-            while time.monotonic() - entered < 0.0002:
+            while time.monotonic() - entered < hold_for:
                 pass
             exited = time.monotonic()
             if mode != "none":
@@ -128,3 +138,66 @@ def crashing_holder(tasklock: dict[str, object], lock_id: str) -> None:
     settings.TASKLOCK = tasklock
     assert Lock(lock_id, expire=60).acquire()
     os._exit(1)
+
+
+def fork(child) -> tuple[int, int]:
+    """Fork; the child runs ``child(write_fd)`` and exits. Returns (pid, read_fd)."""
+    read_fd, write_fd = os.pipe()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns that forking a process with threads may deadlock;
+        # these tests fork on purpose, with nothing of theirs mid-lock.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        status = 1
+        signal.alarm(60)  # a child that hangs dies, and the parent sees it
+        try:
+            os.close(read_fd)
+            child(write_fd)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_fd)
+    return pid, read_fd
+
+
+def most_at_once(holds: list[tuple[float, float]]) -> int:
+    """The largest number of holds in progress at one moment."""
+    events = sorted(
+        [(start, 1) for start, _ in holds] + [(end, -1) for _, end in holds]
+    )
+    current = peak = 0
+    for _, change in events:  # at a tie, an end (-1) sorts before a start
+        current += change
+        peak = max(peak, current)
+    return peak
+
+
+def semaphore_holder(
+    tasklock: dict[str, object], name: str, limit: int, queue: object
+) -> None:
+    """Take a slot of ``name`` renewing, report which, then run until killed."""
+    setup_django()
+    from django.conf import settings
+
+    from django_tasklock import Semaphore
+
+    settings.TASKLOCK = tasklock
+    semaphore = Semaphore(name, limit, expire=2, renew=True)
+    assert semaphore.acquire()
+    queue.put((os.getpid(), semaphore.slot))  # type: ignore[attr-defined]
+    while True:
+        time.sleep(1)
+
+
+def beyond(holds: list[tuple[float, float]], limit: int) -> int:
+    """How many holds began while ``limit`` others were already in progress."""
+    events = sorted(
+        [(start, 1) for start, _ in holds] + [(end, -1) for _, end in holds]
+    )
+    current = count = 0
+    for _, change in events:
+        if change > 0 and current >= limit:
+            count += 1
+        current += change
+    return count

@@ -17,13 +17,12 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from ..exceptions import LockConfigurationError
-from .base import Acquired, FenceCounter, Hold, LockBackend, Peek
+from .base import FenceCounter, Hold, LockBackend, Peek
 from .locmem import LocMemBackend
 from .memcached import MemcachedBackend
 from .redis import RedisBackend
 
 __all__ = [
-    "Acquired",
     "FenceCounter",
     "Hold",
     "LockBackend",
@@ -91,10 +90,23 @@ _per_thread = threading.local()
 
 
 _generation = [0]
+#: Bumped in a forked child: what a parent's thread cached (its sockets included)
+#: is the parent's, even though the forking thread keeps its id in the child.
+fork_generation = [0]
 
 
 def _forget_all() -> None:
     _generation[0] += 1
+
+
+def _after_fork_in_child() -> None:
+    _generation[0] += 1
+    fork_generation[0] += 1
+    # The forking thread's memo holds the parent's clients. Closing them closes
+    # only the child's copies of the descriptors (no shutdown: pymemcache and
+    # redis-py leave the parent's connection alone), and a later lock in the
+    # child connects afresh.
+    close_thread_connections()
 
 
 @receiver(setting_changed)
@@ -104,7 +116,7 @@ def _forget_backends(*, setting: str, **kwargs: Any) -> None:
 
 
 # A forked child must not talk over its parent's sockets.
-os.register_at_fork(after_in_child=_forget_all)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def close_thread_connections() -> None:
@@ -114,15 +126,18 @@ def close_thread_connections() -> None:
     ends for good (tests, custom thread pools). A later lock reconnects.
     """
     memo: dict[str, LockBackend] = getattr(_per_thread, "backends", None) or {}
+    # Forgotten first: a close that fails must not leave half-closed backends in
+    # use, and a thread that never locked has nothing to forget (backend_for
+    # starts over from None).
+    _per_thread.backends = None
     for backend in memo.values():
         backend.close()
-    _per_thread.backends = {}
 
 
 def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
     """The lock backend of the CACHES entry ``alias``, for the calling thread."""
     memo: dict[str, LockBackend] | None = getattr(_per_thread, "backends", None)
-    if memo is None or _per_thread.generation != _generation[0]:
+    if memo is None or getattr(_per_thread, "generation", None) != _generation[0]:
         if memo:
             close_thread_connections()
         memo = _per_thread.backends = {}

@@ -10,7 +10,7 @@ from ..keys import fence_id
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
 
-__all__ = ["Acquired", "FenceCounter", "Hold", "LockBackend", "Peek"]
+__all__ = ["FenceCounter", "Hold", "LockBackend", "Peek"]
 
 #: How many lock ids' keys a backend remembers before it starts over.
 _KEYS_REMEMBERED = 4096
@@ -26,19 +26,12 @@ class FenceCounter(NamedTuple):
     ``key`` is the counter's store key; ``floor`` the value a missing counter
     (never made, evicted, flushed, lost in a restart) starts again from, the
     current time in microseconds, above anything it can have given out; ``ttl``
-    its lifetime in whole seconds, renewed on every acquisition.
+    its lifetime in whole seconds, renewed on every draw.
     """
 
     key: str
     floor: int
     ttl: int
-
-
-class Acquired(NamedTuple):
-    """A lock taken: the proof of ownership, and the fencing token drawn for it."""
-
-    hold: Hold
-    fence: int
 
 
 class Peek(NamedTuple):
@@ -96,14 +89,19 @@ class LockBackend(abc.ABC):
         return self.cache.make_key(lock_id)
 
     @abc.abstractmethod
-    def acquire(
-        self, key: str, token: str, expire: float, fence: FenceCounter
-    ) -> Acquired | None:
-        """Take the lock if nobody holds it, and draw its fencing token from the
-        counter after it: None if it is held.
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        """Take the lock if nobody holds it: the hold, or None if it is held."""
 
-        The token is drawn while the lock is verifiably still this holder's, so
-        every later acquisition draws a larger one.
+    @abc.abstractmethod
+    def draw_fence(
+        self, key: str, hold: Hold, token: str, fence: FenceCounter
+    ) -> int | None:
+        """Draw the next fencing token for the lock ``hold`` owns; None if it no
+        longer owns it.
+
+        Drawn only while the lock is verifiably still this holder's, so every
+        token drawn under a later acquisition is larger. A counter is made only
+        when somebody draws: locks whose fence is never read leave none.
         """
 
     @abc.abstractmethod
@@ -113,6 +111,19 @@ class LockBackend(abc.ABC):
         ``token`` is the value stored with ``hold``: this holder's token, or for a
         forced release whatever value was read (other code may store anything).
         """
+
+    @abc.abstractmethod
+    def discard(self, key: str, token: str) -> bool:
+        """Remove the lock only while it stores ``token``; True if it was removed.
+
+        For tokens whose acquisition or release had an unknown outcome (a timeout,
+        a dropped reply): nobody holds them, so the stored value is proof enough.
+        """
+
+    def lost_with_store(self, exc: BaseException) -> bool:
+        """True if ``exc`` shows that the store lost what it held (a memcached
+        that no longer runs keeps nothing)."""
+        return False
 
     @abc.abstractmethod
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
@@ -125,6 +136,10 @@ class LockBackend(abc.ABC):
     @abc.abstractmethod
     def locked(self, key: str) -> bool:
         """True if anybody holds the lock."""
+
+    @abc.abstractmethod
+    def held_many(self, keys: list[str]) -> list[bool]:
+        """For each key, whether anybody holds that lock; one round trip."""
 
     @abc.abstractmethod
     def ttl(self, key: str) -> float | None:

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from ..keys import portable_id
-from .base import Acquired, FenceCounter, Hold, LockBackend, Peek
+from .base import FenceCounter, Hold, LockBackend, Peek
 
 if TYPE_CHECKING:
     from django.core.cache.backends.locmem import LocMemCache
@@ -38,28 +38,34 @@ class LocMemBackend(LockBackend):
         # refuse so that tests on LocMem see the keys production sees.
         return portable_id(self.cache, lock_id)
 
-    def acquire(
-        self, key: str, token: str, expire: float, fence: FenceCounter
-    ) -> Acquired | None:
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        return token if self.cache.add(key, token, expire) else None
+
+    def draw_fence(
+        self, key: str, hold: Hold, token: str, fence: FenceCounter
+    ) -> int | None:
         with _guard(self.alias):
+            if self.cache.get(key) != hold:
+                return None
             last = self.cache.get(fence.key)
             if last is not None and not isinstance(last, int):
                 raise ValueError(
                     f"the fencing counter {fence.key!r} holds {last!r}, not a number; "
-                    "some other code wrote to that key. Delete it; the lock was not "
-                    "taken"
+                    "some other code wrote to that key. Delete it (it restarts from "
+                    "the clock); no fence was drawn, and the lock is still held"
                 )
-            if not self.cache.add(key, token, expire):
-                return None
             drawn = fence.floor if last is None else last + 1
             self.cache.set(fence.key, drawn, fence.ttl)
-            return Acquired(token, drawn)
+            return drawn
 
     def release(self, key: str, hold: Hold, token: object) -> bool:
         with _guard(self.alias):
             if self.cache.get(key) != hold:
                 return False
             return bool(self.cache.delete(key))
+
+    def discard(self, key: str, token: str) -> bool:
+        return self.release(key, token, token)
 
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
         with _guard(self.alias):
@@ -73,6 +79,9 @@ class LocMemBackend(LockBackend):
 
     def locked(self, key: str) -> bool:
         return self.cache.has_key(key)
+
+    def held_many(self, keys: list[str]) -> list[bool]:
+        return [self.cache.has_key(key) for key in keys]
 
     def ttl(self, key: str) -> float | None:
         if not self.cache.has_key(key):

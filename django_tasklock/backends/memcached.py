@@ -6,7 +6,10 @@ cycle is the same two round trips as the cookbook's unsafe ``add`` + ``delete``:
 - acquire: ``ms <key> <len> T<ttl> F16 ME c`` stores only if absent (add mode) and
   answers the item's CAS id;
 - release: ``md <key> C<cas>`` deletes only while the CAS id still matches;
-- extend: ``ms <key> <len> C<cas> T<ttl> F16 c`` rewrites only while it matches.
+- extend: ``ms <key> <len> C<cas> T<ttl> F16 c`` rewrites only while it matches;
+- a fencing token, when the holder asks for one: ``ma`` on the lock's counter and
+  ``mg <key> c v`` pipelined, the token counting only if the lock still holds
+  this holder's value under its CAS id.
 
 Any later write to the key (a new holder after expiry, eviction or flush) gives it
 a new CAS id, so a stale holder can neither delete nor prolong it. CAS ids are
@@ -33,7 +36,7 @@ from pymemcache.exceptions import (
 )
 
 from ..keys import memcached_key
-from .base import Acquired, FenceCounter, Hold, LockBackend, Peek
+from .base import FenceCounter, Hold, LockBackend, Peek
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -106,8 +109,8 @@ def _bad_counter(fence: FenceCounter, reply: bytes) -> MemcacheError:
     return MemcacheError(
         f"the fencing counter {fence.key!r} holds something that is not a number "
         f"({reply.decode(errors='replace')}); some other code wrote to that key. "
-        "Delete it (it restarts from the clock) and stop writing to it; the lock "
-        "was not taken"
+        "Delete it (it restarts from the clock) and stop writing to it; no fence "
+        "was drawn, and the lock is still held"
     )
 
 
@@ -270,8 +273,13 @@ class MemcachedBackend(LockBackend):
         """
         if hold.sock is not None and getattr(client, "sock", None) is hold.sock:
             return hold.cas
+        # Both must match: the value tells a restarted server's new item (CAS ids
+        # start again from 1) from ours, the CAS id tells our item from a later one
+        # with the same value (other code may store one value every time).
         value, cas = client.gets(key)
-        return int(cas) if value == token and cas is not None else None
+        if value == token and cas is not None and int(cas) == hold.cas:
+            return hold.cas
+        return None
 
     def _once_more(self, client: Any, operation: Callable[[], _T]) -> _T:
         """Run ``operation``, again once if a connection from before had dropped.
@@ -290,101 +298,109 @@ class MemcachedBackend(LockBackend):
 
     # -- acquire -----------------------------------------------------------------
 
-    def acquire(
-        self, key: str, token: str, expire: float, fence: FenceCounter
-    ) -> Acquired | None:
-        # The counter lives on the lock's own server, whichever server its key
-        # would hash to: one round trip takes the lock and draws the token.
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         client = self._client(key)
         ttl = math.ceil(expire)
         tries = 0
 
-        def attempt() -> Acquired | None:
+        def attempt() -> MemcachedHold | None:
             nonlocal tries
             tries += 1
-            taken = self._acquire(client, key, token, ttl, fence)
-            if taken is None and tries > 1:
+            hold = self._acquire(client, key, token, ttl)
+            if hold is None and tries > 1:
                 # The dropped first try may have stored our token before the
                 # connection went: then the lock is ours.
                 value, cas = client.gets(key)
                 if value == token:
-                    return self._fenced(
-                        client, key, token, self._hold(client, cas), fence
-                    )
-            return taken
+                    return self._hold(client, cas)
+            return hold
 
         return self._once_more(client, attempt)
 
     def _acquire(
-        self, client: Any, key: str, token: str, ttl: int, fence: FenceCounter
-    ) -> Acquired | None:
+        self, client: Any, key: str, token: str, ttl: int
+    ) -> MemcachedHold | None:
         if self._meta(client):
             data = token.encode()
             wire = _wire_key(client, key)
-            # Take the lock (add mode), draw from the counter (made at the floor
-            # if missing), and read the lock's CAS id back: if it is still ours,
-            # the lock was held when the token was drawn, so any later holder
-            # draws after us and gets a larger one.
-            commands = (
-                b"ms %s %d T%d F%d ME c\r\n%s\r\n"
-                b"ma %s N%d J%d T%d v\r\n"
-                b"mg %s c"
-            ) % (
+            # Add mode: stored only if absent, answering the new item's CAS id.
+            command = b"ms %s %d T%d F%d ME c\r\n%s" % (
                 wire, len(data), ttl, _TEXT_FLAG, data,
-                _wire_key(client, fence.key), fence.ttl, fence.floor, fence.ttl,
-                wire,
             )  # fmt: skip
-            replies = self._exchange(client, commands, 3)
-            if replies is not None:
-                taken, drawn, check = replies
-                if taken.startswith(b"NS"):
+            reply = self._command(client, command)
+            if reply is not None:
+                if reply.startswith(b"NS"):
                     return None
-                if not taken.startswith(b"HD"):
-                    raise MemcacheError(f"unexpected reply to ms: {taken!r}")
-                cas = _flag(taken, b"c")
+                if not reply.startswith(b"HD"):
+                    raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+                cas = _flag(reply, b"c")
                 if not cas:
                     self._command(client, b"md %s" % wire)
-                hold = self._hold(client, cas)
-                if not drawn.startswith(b"VA "):
-                    self._command(client, b"md %s C%d" % (wire, hold.cas))
-                    raise _bad_counter(fence, drawn)
-                if _flag(check, b"c") != hold.cas:
-                    # Flushed or evicted in the very instant between: not ours.
-                    return None
-                return Acquired(hold, int(drawn.rsplit(b" ", 1)[1]))
+                return self._hold(client, cas)
         if not client.add(key, token, expire=ttl, noreply=False):
             return None
         value, cas = client.gets(key)
         # Someone else's value here means our item expired in between: not ours.
         if value != token:
             return None
-        return self._fenced(client, key, token, self._hold(client, cas), fence)
+        return self._hold(client, cas)
 
-    def _fenced(
+    # -- fencing tokens ------------------------------------------------------------
+
+    def draw_fence(
+        self, key: str, hold: Hold, token: str, fence: FenceCounter
+    ) -> int | None:
+        # The counter lives on the lock's own server, whichever server its key
+        # would hash to: one round trip draws the token and checks the lock.
+        assert isinstance(hold, MemcachedHold)
+        client = self._client(key)
+        return self._once_more(
+            client, lambda: self._draw(client, key, hold, token, fence)
+        )
+
+    def _draw(
         self,
         client: Any,
         key: str,
-        token: str,
         hold: MemcachedHold,
+        token: str,
         fence: FenceCounter,
-    ) -> Acquired | None:
-        """Draw a fencing token with classic commands, for a lock already taken."""
+    ) -> int | None:
+        if self._meta(client):
+            # Draw from the counter (made at the floor if missing), then read the
+            # lock back: if it still holds our token under our CAS id, the lock
+            # was ours when the token was drawn, so any later holder draws after
+            # us and gets a larger one.
+            data = token.encode()
+            commands = b"ma %s N%d J%d T%d v\r\nmg %s c v" % (
+                _wire_key(client, fence.key), fence.ttl, fence.floor, fence.ttl,
+                _wire_key(client, key),
+            )  # fmt: skip
+            replies = self._exchange(client, commands, 2)
+            if replies is not None:
+                drawn, check = replies
+                if not drawn.startswith(b"VA "):
+                    raise _bad_counter(fence, drawn)
+                if not (check.startswith(b"VA ") and check.endswith(b" " + data)):
+                    return None
+                if _flag(check[: -len(data) - 1], b"c") != hold.cas:
+                    return None
+                return int(drawn.rsplit(b" ", 1)[1])
         try:
-            drawn = client.incr(fence.key, 1, noreply=False)
-            if drawn is None:
+            number = client.incr(fence.key, 1, noreply=False)
+            if number is None:
                 if client.add(
                     fence.key, str(fence.floor), expire=fence.ttl, noreply=False
                 ):
-                    drawn = fence.floor
+                    number = fence.floor
                 else:  # made by another holder in between
-                    drawn = client.incr(fence.key, 1, noreply=False)
+                    number = client.incr(fence.key, 1, noreply=False)
         except MemcacheClientError as exc:
-            self._release(client, key, hold, token)
             raise _bad_counter(fence, str(exc).encode()) from exc
         value, cas = client.gets(key)
-        if value != token or cas is None or int(cas) != hold.cas or drawn is None:
+        if value != token or cas is None or int(cas) != hold.cas or number is None:
             return None
-        return Acquired(hold, int(drawn))
+        return int(number)
 
     # -- release -----------------------------------------------------------------
 
@@ -399,6 +415,10 @@ class MemcachedBackend(LockBackend):
         cas = self._owner_cas(client, key, hold, token)
         if cas is None:
             return False
+        return self._delete(client, key, token, cas)
+
+    def _delete(self, client: Any, key: str, token: object, cas: int) -> bool:
+        """Delete the item at ``key`` only while its CAS id is ``cas``."""
         if self._meta(client):
             reply = self._command(client, b"md %s C%d" % (_wire_key(client, key), cas))
             if reply is not None:
@@ -410,6 +430,22 @@ class MemcachedBackend(LockBackend):
         # cas() answers True (STORED), False (EXISTS: another owner's) or None
         # (NOT_FOUND); a negative expiry makes the stored item expire at once.
         return bool(client.cas(key, token, cas, expire=-1, noreply=False))
+
+    def discard(self, key: str, token: str) -> bool:
+        client = self._client(key)
+
+        def attempt() -> bool:
+            value, cas = client.gets(key)
+            if value != token or cas is None:
+                return False
+            return self._delete(client, key, token, int(cas))
+
+        return self._once_more(client, attempt)
+
+    def lost_with_store(self, exc: BaseException) -> bool:
+        # Nothing listens: the memcached process is gone, and with it every item
+        # it held (it keeps nothing on disk).
+        return isinstance(exc, ConnectionRefusedError)
 
     # -- extend ------------------------------------------------------------------
 
@@ -452,6 +488,15 @@ class MemcachedBackend(LockBackend):
 
     def locked(self, key: str) -> bool:
         return self._client(key).get(key) is not None
+
+    def held_many(self, keys: list[str]) -> list[bool]:
+        hash_client = self._hash_client
+        several = isinstance(hash_client, HashClient) and len(hash_client.clients) > 1
+        # Several servers: the HashClient groups the keys by server (one round
+        # trip to each); one server: straight to it, as every other command.
+        client = hash_client if several else self._client(keys[0])
+        found = client.get_many(keys)
+        return [key in found for key in keys]
 
     def ttl(self, key: str) -> float | None:
         # Only the meta protocol can read an item's remaining time, so this is

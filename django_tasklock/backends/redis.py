@@ -8,33 +8,48 @@ import math
 from typing import TYPE_CHECKING, Any, cast
 
 from ..keys import encodable_key
-from .base import Acquired, FenceCounter, Hold, LockBackend, Peek
+from .base import FenceCounter, Hold, LockBackend, Peek
 
 if TYPE_CHECKING:
     from django.core.cache.backends.redis import RedisCache
 
 __all__ = ["RedisBackend"]
 
-# Take the lock and draw its fencing token in one atomic step; a missing counter
-# starts again from the floor (ARGV[3], the clock in microseconds).
+# Take the lock. One that already holds this very token was taken by an earlier
+# run of this script whose reply was lost (redis-py retries a command whose
+# connection dropped): it is ours, and is renewed rather than refused.
 _ACQUIRE = """
+local held = redis.call("get", KEYS[1])
+if held then
+    if held ~= ARGV[1] then
+        return 0
+    end
+    redis.call("pexpire", KEYS[1], ARGV[2])
+    return 1
+end
+redis.call("set", KEYS[1], ARGV[1], "PX", ARGV[2])
+return 1
+"""
+# Draw a fencing token, only while the lock still holds this token; a missing
+# counter starts again from the floor (ARGV[2], the clock in microseconds).
+_FENCE = """
+if redis.call("get", KEYS[1]) ~= ARGV[1] then
+    return false
+end
 local last = redis.call("get", KEYS[2])
 if last and not tonumber(last) then
     return redis.error_reply("the fencing counter " .. KEYS[2] .. " holds something "
         .. "that is not a number; some other code wrote to that key. Delete it (it "
-        .. "restarts from the clock); the lock was not taken")
-end
-if not redis.call("set", KEYS[1], ARGV[1], "NX", "PX", ARGV[2]) then
-    return false
+        .. "restarts from the clock); no fence was drawn, and the lock is still held")
 end
 local fence
 if last then
     fence = redis.call("incr", KEYS[2])
 else
-    redis.call("set", KEYS[2], ARGV[3])
-    fence = tonumber(ARGV[3])
+    redis.call("set", KEYS[2], ARGV[2])
+    fence = tonumber(ARGV[2])
 end
-redis.call("expire", KEYS[2], ARGV[4])
+redis.call("expire", KEYS[2], ARGV[3])
 return fence
 """
 _RELEASE = """
@@ -51,7 +66,7 @@ return 0
 """
 _SHA = {
     script: hashlib.sha1(script.encode()).hexdigest()
-    for script in (_ACQUIRE, _RELEASE, _EXTEND)
+    for script in (_ACQUIRE, _FENCE, _RELEASE, _EXTEND)
 }
 
 
@@ -71,13 +86,20 @@ class RedisBackend(LockBackend):
         super().__init__(cache, alias)
         self.errors = _redis_errors()
         self._cache_client: Any = cache._cache
+        self._primary: Any = None
 
     def key_for(self, lock_id: str) -> str:
         return encodable_key(self.cache, lock_id)
 
     def _redis(self, key: str) -> Any:
-        # write=True: the primary, never a replica that may lag behind.
-        return self._cache_client.get_client(key, write=True)
+        # write=True: the primary, never a replica that may lag behind. Django
+        # builds a new redis.Redis (its response-callback table and all) on every
+        # get_client() call; one over the same connection pool serves this
+        # backend's thread as well, at a fraction of the cost per lock.
+        primary = self._primary
+        if primary is None:
+            primary = self._primary = self._cache_client.get_client(key, write=True)
+        return primary
 
     def describe(self, key: str) -> str:
         return f"Redis cache {self.alias!r} at {cast(Any, self.cache)._servers[0]}"
@@ -96,24 +118,34 @@ class RedisBackend(LockBackend):
         except redis.exceptions.NoScriptError:
             return client.eval(script, len(keys), *keys, *args)
 
-    def acquire(
-        self, key: str, token: str, expire: float, fence: FenceCounter
-    ) -> Acquired | None:
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        import redis
+
         # The token goes through the cache's serializer, so cache.get(lock_id)
         # reads the owner back as a str.
         value: bytes = self._cache_client._serializer.dumps(token)
-        drawn = self._script(
-            _ACQUIRE,
-            (key, fence.key),
-            value,
-            math.ceil(expire * 1000),
-            fence.floor,
-            fence.ttl,
-        )
-        return None if drawn is None else Acquired(value, int(drawn))
+        milliseconds = math.ceil(expire * 1000)
+        try:
+            taken = self._script(_ACQUIRE, (key,), value, milliseconds)
+        except (redis.ConnectionError, redis.TimeoutError):
+            # The script may have run with its reply lost; once more, with the
+            # same token, finds the lock ours if it did. A second failure is an
+            # outage (and the token is removed once the store answers).
+            taken = self._script(_ACQUIRE, (key,), value, milliseconds)
+        return value if taken else None
+
+    def draw_fence(
+        self, key: str, hold: Hold, token: str, fence: FenceCounter
+    ) -> int | None:
+        drawn = self._script(_FENCE, (key, fence.key), hold, fence.floor, fence.ttl)
+        return None if drawn is None else int(drawn)
 
     def release(self, key: str, hold: Hold, token: object) -> bool:
         return bool(self._script(_RELEASE, (key,), hold))
+
+    def discard(self, key: str, token: str) -> bool:
+        value = self._cache_client._serializer.dumps(token)
+        return bool(self._script(_RELEASE, (key,), value))
 
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
         if self._script(_EXTEND, (key,), hold, math.ceil(expire * 1000)):
@@ -125,6 +157,9 @@ class RedisBackend(LockBackend):
 
     def locked(self, key: str) -> bool:
         return bool(self._redis(key).exists(key))
+
+    def held_many(self, keys: list[str]) -> list[bool]:
+        return [value is not None for value in self._redis(keys[0]).mget(keys)]
 
     def ttl(self, key: str) -> float | None:
         milliseconds = self._redis(key).pttl(key)

@@ -10,13 +10,15 @@ from calendar import timegm
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urljoin
+from urllib.parse import urljoin, urlsplit
 
 import feedparser
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone as django_timezone
 from django.utils.html import strip_tags
+
+from django_tasklock import Semaphore
 
 from .models import Entry, Feed
 
@@ -50,12 +52,24 @@ class ImportResult:
 
 
 def fetch(url: str) -> tuple[bytes, dict[str, str]]:
+    """Download ``url``, at most ``FEED_FETCHES_PER_HOST`` (2) at once per host
+    across every worker: a Semaphore per host, waited on up to three timeouts."""
+    timeout = getattr(settings, "FEED_TIMEOUT", 10)
+    per_host = getattr(settings, "FEED_FETCHES_PER_HOST", 2)
+    host = urlsplit(url).netloc
+    fetches = Semaphore(f"feeds-fetch:{host}", per_host, expire=30, renew=True)
+    if not fetches.acquire(blocking=True, timeout=3 * timeout):
+        raise FeedImportError(
+            f"Could not fetch {url}: {host} was busy with {per_host} fetches of "
+            f"ours for {3 * timeout}s."
+        )
     try:
-        timeout = getattr(settings, "FEED_TIMEOUT", 10)
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.read(), {k.lower(): v for k, v in response.headers.items()}
     except (urllib.error.URLError, OSError) as exc:
         raise FeedImportError(f"Could not fetch {url}: {exc}") from exc
+    finally:
+        fetches.release_quietly()
 
 
 def parse(url: str, body: bytes, headers: dict[str, str]) -> Any:

@@ -3,6 +3,7 @@
 ::
 
     manage.py tasklock status <lock id>
+    manage.py tasklock status <semaphore name> --limit 3
     manage.py tasklock status --task feeds.import_feed https://example.com/rss
     manage.py tasklock release <lock id> [--force]
     manage.py tasklock key --task feeds.import_feed https://example.com/rss
@@ -24,7 +25,7 @@ from django.utils.module_loading import import_string
 
 from ...decorator import lock_cache_for, lock_id_for
 from ...exceptions import LockBackendError, LockConfigurationError
-from ...status import LockStatus, force_release, lock_status
+from ...status import LockStatus, lock_status, remove, semaphore_status
 
 
 def _value(text: str) -> Any:
@@ -119,6 +120,12 @@ class Command(BaseCommand):
                 "--cache", help="The CACHES alias (default: the task's, or TASKLOCK's)."
             )
         status.add_argument("--json", action="store_true", help="Print JSON.")
+        status.add_argument(
+            "--limit",
+            type=int,
+            metavar="N",
+            help="The id names a Semaphore (or a task with limit=N): show its N slots.",
+        )
         release.add_argument(
             "--force",
             action="store_true",
@@ -133,7 +140,9 @@ class Command(BaseCommand):
             return
         cache = options.get("cache") or cache
         try:
-            if action == "status":
+            if action == "status" and options["limit"] is not None:
+                self._semaphore(lock_id, options["limit"], cache, options["json"])
+            elif action == "status":
                 self._status(lock_status(lock_id, cache=cache), options["json"])
             else:
                 self._release(lock_id, cache, options["force"])
@@ -164,13 +173,32 @@ class Command(BaseCommand):
             raise CommandError(f"Arguments do not fit {name}: {exc}") from exc
         return lock_id, lock_cache_for(target)
 
+    def _semaphore(
+        self, name: str, limit: int, cache: str | None, as_json: bool
+    ) -> None:
+        try:
+            slots = semaphore_status(name, limit, cache=cache)
+        except (TypeError, ValueError) as exc:
+            raise CommandError(f"--limit: {exc}") from exc
+        held = [slot for slot in slots if slot.held]
+        if as_json:
+            data = {
+                "semaphore": name,
+                "limit": limit,
+                "held": len(held),
+                "slots": [_as_json(slot) for slot in slots],
+            }
+            self.stdout.write(json.dumps(data, default=str))
+            return
+        self.stdout.write(f"{'Semaphore:':<12}{name}")
+        self.stdout.write(f"{'Held:':<12}{len(held)} of {limit} slots")
+        for status in held:
+            self.stdout.write("")
+            self._status(status, False)
+
     def _status(self, status: LockStatus, as_json: bool) -> None:
         if as_json:
-            data = status.as_dict()
-            data["never_expires"] = status.ttl is not None and math.isinf(status.ttl)
-            if data["never_expires"]:
-                data["ttl"] = None
-            self.stdout.write(json.dumps(data, default=str))
+            self.stdout.write(json.dumps(_as_json(status), default=str))
             return
         owner = status.owner
         lines = [
@@ -203,13 +231,23 @@ class Command(BaseCommand):
                 "releasing it lets a second run start beside it. Pass --force to "
                 "release it anyway."
             )
-        removed = force_release(lock_id, cache=cache)
-        if removed is None:
+        # The very item judged above, or nothing: a lock that changed hands since
+        # it was read (a live worker took it after it expired) is left alone.
+        if not remove(status):
             raise CommandError(
-                f"Lock {lock_id!r} was released meanwhile; nothing to do."
+                f"Lock {lock_id!r} was released, expired or taken by another owner "
+                "since it was read; nothing was removed. Look at its status again."
             )
         why = "stale: its holder is gone" if status.stale else "forced"
-        self.stdout.write(f"Released lock {lock_id!r} held by {removed.value} ({why}).")
+        self.stdout.write(f"Released lock {lock_id!r} held by {status.value} ({why}).")
+
+
+def _as_json(status: LockStatus) -> dict[str, Any]:
+    data = status.as_dict()
+    data["never_expires"] = status.ttl is not None and math.isinf(status.ttl)
+    if data["never_expires"]:
+        data["ttl"] = None
+    return data
 
 
 def _expiry(ttl: float | None) -> str:

@@ -1,0 +1,247 @@
+"""Client CPU per lock operation, in instructions counted by valgrind's callgrind.
+
+    python -m benchmarks.cpu [--quick] [--write-readme]
+
+Wall-clock ratios on a shared machine swing from run to run; instruction counts
+do not. Each operation runs in a Python of its own under ``valgrind
+--tool=callgrind`` (``PYTHONHASHSEED=0``), twice: with 0 and with N measured
+iterations after the same warm-up, against the same private memcached and Redis.
+The difference, divided by N, is what one operation costs the client, start-up
+and warm-up subtracted. Ratios are to the raw floor of the same store in the
+same run: pymemcache ``add`` + ``delete`` on memcached, redis-py
+``SET NX PX`` + a Lua compare-and-delete on Redis.
+
+The probe (``python -m benchmarks.cpu probe OPERATION N``) is what runs under
+valgrind; it is not meant to be called by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.readme import write_section  # noqa: E402
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+README_START = ".. cpu-table-start"
+README_END = ".. cpu-table-end"
+WARM_UP = 50
+#: Operation, its floor, and the target ratio to that floor (None: no target).
+OPERATIONS: list[tuple[str, str, float | None]] = [
+    ("floor: raw add + delete", "", None),
+    ("cookbook recipe: cache.add + delete", "floor: raw add + delete", None),
+    ("memcache_lock cycle", "floor: raw add + delete", 1.3),
+    ("Lock cycle", "floor: raw add + delete", 1.3),
+    ("@single_instance call (one argument)", "floor: raw add + delete", 1.8),
+    ("floor: raw add, refused", "", None),
+    ("Lock acquire, refused", "floor: raw add, refused", 1.3),
+    ("Semaphore(limit=3) cycle", "floor: raw add + delete", None),
+    ("floor: redis-py SET NX PX + Lua delete", "", None),
+    ("Lock cycle on Redis", "floor: redis-py SET NX PX + Lua delete", 1.3),
+]
+
+
+# -- the probe: runs under valgrind ------------------------------------------------
+
+
+def _operations() -> dict[str, Callable[[], object]]:
+    from django.core.cache import caches
+    from pymemcache.client.base import Client
+
+    from django_tasklock import Lock, Semaphore, memcache_lock, single_instance
+
+    port = int(os.environ["TASKLOCK_TEST_MEMCACHED"].rsplit(":", 1)[1])
+    raw = Client(("127.0.0.1", port), default_noreply=False)
+    cache = caches["default"]
+    import redis
+
+    raw_redis = redis.Redis.from_url(os.environ["TASKLOCK_TEST_REDIS"])
+    delete_if = raw_redis.register_script(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('del', KEYS[1]) end return 0"
+    )
+    holder = Lock("cpu-held", expire=600)
+    holder.acquire()
+    raw.set("cpu-raw-held", b"1", 600)
+
+    def floor() -> None:
+        raw.add("cpu-floor", b"1", 60)
+        raw.delete("cpu-floor")
+
+    def recipe() -> None:
+        if cache.add("cpu-recipe", "true", 60):
+            cache.delete("cpu-recipe")
+
+    def with_memcache_lock() -> None:
+        with memcache_lock("cpu-memcache-lock", "oid") as acquired:
+            assert acquired
+
+    def lock_cycle() -> None:
+        lock = Lock("cpu-lock")
+        lock.acquire()
+        lock.release()
+
+    @single_instance(on_contention="raise")
+    def decorated(feed_url: str) -> None:
+        pass
+
+    def refused_raw() -> None:
+        raw.add("cpu-raw-held", b"1", 60)
+
+    def refused() -> None:
+        Lock("cpu-held").acquire()
+
+    def semaphore_cycle() -> None:
+        semaphore = Semaphore("cpu-semaphore", 3)
+        semaphore.acquire()
+        semaphore.release()
+
+    def redis_floor() -> None:
+        raw_redis.set("cpu-redis-floor", b"token", nx=True, px=60_000)
+        delete_if(keys=["cpu-redis-floor"], args=[b"token"])
+
+    def redis_lock_cycle() -> None:
+        lock = Lock("cpu-redis-lock", cache="redis")
+        lock.acquire()
+        lock.release()
+
+    functions = [
+        floor, recipe, with_memcache_lock, lock_cycle,
+        lambda: decorated("https://feeds.example/a.xml"),
+        refused_raw, refused, semaphore_cycle, redis_floor, redis_lock_cycle,
+    ]  # fmt: skip
+    return dict(zip([name for name, _, _ in OPERATIONS], functions, strict=True))
+
+
+def probe(operation: str, iterations: int) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    import django
+
+    django.setup()
+    function = _operations()[operation]
+    for _ in range(WARM_UP):
+        function()
+    for _ in range(iterations):
+        function()
+
+
+# -- the driver --------------------------------------------------------------------
+
+
+def instructions(operation: str, iterations: int, env: dict[str, str]) -> int:
+    """Instructions one run of the probe executed, start to exit."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "callgrind.out"
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                "-m",
+                "benchmarks.cpu",
+                "probe",
+                operation,
+                str(iterations),
+            ],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        text = out.read_text(errors="replace")
+    match = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
+    if match is None:
+        raise RuntimeError("callgrind wrote no instruction total")
+    return int(match.group(1))
+
+
+def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]:
+    from tests.services import Memcached, Redis
+
+    if shutil.which("valgrind") is None:
+        raise SystemExit(
+            "valgrind is not installed: run `make bench-cpu` (it installs it), or "
+            "apt-get install -y valgrind"
+        )
+    memcached, redis_server = Memcached().start(), Redis().start()
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": "0",
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "TASKLOCK_TEST_MEMCACHED": memcached.address,
+        "TASKLOCK_TEST_REDIS": redis_server.url,
+    }
+    per_operation: dict[str, float] = {}
+    try:
+        for name, _, _ in OPERATIONS:
+            if names is not None and name not in names:
+                continue
+            base = instructions(name, 0, env)
+            measured = instructions(name, iterations, env)
+            per_operation[name] = (measured - base) / iterations
+    finally:
+        memcached.stop()
+        redis_server.stop()
+    return per_operation
+
+
+def render(counts: dict[str, float], iterations: int, command: str) -> str:
+    lines = [
+        f"``{command}`` (client instructions per operation, {iterations} iterations, "
+        f"Python {sys.version.split()[0]}, PYTHONHASHSEED=0):",
+        "",
+        ".. code-block:: text",
+        "",
+        f"    {'operation':<42} {'instructions':>12} {'x floor':>8}  target",
+    ]
+    for name, floor, target in OPERATIONS:
+        if name not in counts:
+            continue
+        count = counts[name]
+        ratio = count / counts[floor] if floor in counts else 1.0
+        verdict = ""
+        if target is not None:
+            verdict = f"<= {target}x " + ("met" if ratio <= target else "MISSED")
+        lines.append(f"    {name:<42} {count:>12,.0f} {ratio:>7.2f}x  {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["probe"]:
+        probe(arguments[1], int(arguments[2]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--write-readme", action="store_true")
+    options = parser.parse_args(arguments)
+    iterations = 20 if options.quick else 400
+    names = ["floor: raw add + delete", "Lock cycle"] if options.quick else None
+    counts = measure(iterations, names)
+    table = render(
+        counts,
+        iterations,
+        "python -m benchmarks.cpu" + (" --quick" if options.quick else ""),
+    )
+    print(table)
+    if options.write_readme:
+        write_section(README_START, README_END, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""``Semaphore``: at most ``limit`` holders of one name at a time.
+
+A semaphore of ``limit`` N is N slots, ``<name>#slot-0`` to ``<name>#slot-N-1``,
+and each slot is an ordinary owned ``Lock``: a holder holds exactly one slot, so
+everything a Lock promises holds per slot. A release or renewal acts only on the
+holder's own slot; a crashed holder's slot alone frees when it expires (renewal
+keeps a live one); a holder whose slot was lost is told as a lock's holder is;
+each acquisition has its slot's fencing token (drawn when first read).
+
+Acquiring reads every slot in one round trip and takes a free one in a second
+(a full semaphore costs the one read); releasing is the slot lock's one round
+trip. Lowering ``limit`` between deploys leaves the slots above the new limit to
+their holders until they finish, and nobody takes those slots again, so once they
+have finished no more than the new limit run.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, Final
+
+from .backends import backend_for
+from .conf import settings
+from .exceptions import LockBackendError, LockUsageError
+from .keys import check_lock_id
+from .locks import POLL_MIN, Holding, Lock, OnLost, backoff
+
+__all__ = ["SLOT_MARK", "Semaphore", "slot_id", "validate_limit"]
+
+#: A slot's lock id is the semaphore's name, this, and the slot's number.
+SLOT_MARK: Final = "#slot-"
+#: The most slots a semaphore may have: each is read on every acquire.
+MAX_LIMIT: Final = 1000
+
+
+def slot_id(name: str, slot: int) -> str:
+    """The lock id of slot ``slot`` of the semaphore ``name``."""
+    return f"{name}{SLOT_MARK}{slot}"
+
+
+def validate_limit(limit: object) -> int:
+    """``limit`` if it is an int from 1 to MAX_LIMIT, else a ValueError/TypeError."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(
+            f"limit must be an int (how many may hold at once), not {limit!r}."
+        )
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be from 1 to {MAX_LIMIT}, not {limit}.")
+    return limit
+
+
+class Semaphore(Holding):
+    """At most ``limit`` owners of ``name`` at once; each holds one slot, a Lock.
+
+    ::
+
+        fetches = Semaphore(f"fetch:{host}", limit=2, expire=30, renew=True)
+        with fetches:                     # LockNotAcquired when all slots are held
+            download(url, fence=fetches.fence)
+
+        if fetches.acquire(blocking=True, timeout=60):
+            try:
+                ...
+            finally:
+                fetches.release()
+
+    The options are ``Lock``'s (``expire``, ``cache``, ``oid``, ``renew``,
+    ``max_hold``, ``on_lost``), applied to the slot taken. One object is one
+    holder: do not share it between threads.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        limit: int,
+        *,
+        expire: float | None = None,
+        cache: str | None = None,
+        oid: str | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost = "warn",
+    ) -> None:
+        self.lock_id = check_lock_id(name)
+        self.limit = validate_limit(limit)
+        self._options: dict[str, Any] = {
+            "expire": expire,
+            "cache": cache,
+            "oid": oid,
+            "renew": renew,
+            "max_hold": max_hold,
+            "on_lost": on_lost,
+        }
+        # Checks every option now, as Lock() does, rather than at acquire.
+        Lock(slot_id(self.lock_id, 0), **self._options)
+        self._cache = cache
+        self.max_hold = max_hold
+        #: The slot's Lock while held (also after it was found lost).
+        self.lock: Lock | None = None
+        #: The slot held, 0 to limit - 1.
+        self.slot: int | None = None
+
+    def __repr__(self) -> str:
+        state = f"slot {self.slot}" if self.held else "free"
+        return f"<Semaphore {self.lock_id!r} limit {self.limit}, {state}>"
+
+    @property
+    def held(self) -> bool:
+        lock = self.lock
+        return lock is not None and lock._hold is not None
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of this acquisition (its slot's counter)."""
+        return None if self.lock is None else self.lock.fence
+
+    @property
+    def token(self) -> str | None:
+        return None if self.lock is None else self.lock.token
+
+    @property
+    def lost(self) -> bool:
+        return self.lock is not None and self.lock.lost
+
+    @property
+    def renewing(self) -> bool:
+        return self.lock is not None and self.lock.renewing
+
+    def slot_ids(self) -> list[str]:
+        """The lock ids of this semaphore's slots, at its current limit."""
+        return [slot_id(self.lock_id, slot) for slot in range(self.limit)]
+
+    def acquire(self, *, blocking: bool = False, timeout: float | None = None) -> bool:
+        """Take a free slot; True if taken, False if all ``limit`` are held.
+
+        With ``blocking=True`` it tries again, with growing pauses, until it
+        gets one or ``timeout`` seconds have passed. Raises ``LockBackendError``
+        when the store cannot be reached.
+        """
+        if self.held:
+            raise LockUsageError(
+                f"Semaphore {self.lock_id!r} already holds slot {self.slot} in this "
+                "object; release() it first, or make a new Semaphore for a second "
+                "holder."
+            )
+        if timeout is not None and not blocking:
+            raise LockUsageError("timeout= needs blocking=True.")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = POLL_MIN
+        while True:
+            if self._take_a_free_slot():
+                return True
+            next_pause = (
+                backoff(pause, deadline, time.monotonic()) if blocking else None
+            )
+            if next_pause is None:
+                return False
+            pause = next_pause
+
+    def _take_a_free_slot(self) -> bool:
+        ids = self.slot_ids()
+        backend = backend_for(
+            self._cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL
+        )
+        keys = [backend.keys_for(lock_id)[0] for lock_id in ids]
+        try:
+            held = backend.held_many(keys)
+        except backend.errors as exc:
+            raise LockBackendError(
+                f"Could not read the semaphore's slots: {type(exc).__name__}: {exc}",
+                lock_id=self.lock_id,
+                store=backend.describe(keys[0]),
+            ) from exc
+        free = [slot for slot, taken in enumerate(held) if not taken]
+        random.shuffle(free)  # holders spread over the slots, so rarely race
+        for slot in free:
+            lock = Lock(ids[slot], **self._options)
+            if lock.acquire():
+                self.lock, self.slot = lock, slot
+                return True
+        return False
+
+    def _held_lock(self, doing: str) -> Lock:
+        if self.lock is None:
+            raise LockUsageError(
+                f"{doing} called on Semaphore {self.lock_id!r}, which this object "
+                "does not hold; call acquire() first."
+            )
+        return self.lock
+
+    def release(self) -> bool:
+        """Free this holder's slot if it still owns it; True if it did."""
+        return self._held_lock("release()").release()
+
+    def release_quietly(self) -> None:
+        """Release, logging instead of raising if the store fails."""
+        if self.lock is not None:
+            self.lock.release_quietly()
+
+    def extend(self, seconds: float | None = None) -> bool:
+        """Reset this holder's slot's expiry; False (and a WARNING) if it was lost."""
+        return self._held_lock("extend()").extend(seconds)
+
+    def check(self) -> bool:
+        """True while this holder's slot is not known to be lost (no round trip)."""
+        return self._held_lock("check()").check()
+
+    def owned(self) -> bool:
+        """True if this object holds a slot and the store agrees."""
+        return self.lock is not None and self.lock.owned()

@@ -1,0 +1,108 @@
+"""A TCP proxy in front of a real server that can lose replies on purpose.
+
+``drop_replies(pattern, times)``: the next ``times`` requests whose bytes contain
+``pattern`` reach the server, which carries them out, but the proxy closes the
+client's connection instead of passing the reply back: a reply lost after the
+store acted, as a dropped connection or a failing network produces it.
+``dropped`` counts the replies it withheld, so a test can tell the fault happened;
+``requests`` counts the writes clients sent through it: one per round trip for a
+client that sends each request, pipelined or not, in one write and waits for the
+answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+
+class FaultProxy:
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port: int = self.listener.getsockname()[1]
+        self.dropped = 0
+        self.requests = 0
+        self._pattern = b""
+        self._times = 0
+        self._mutex = threading.Lock()
+        self._connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def drop_replies(self, pattern: bytes, times: int = 1) -> None:
+        with self._mutex:
+            self._pattern, self._times = pattern, times
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            with self._mutex:
+                self._connections += [client, upstream]
+            doomed = threading.Event()
+            threading.Thread(
+                target=self._forward_requests, args=(client, upstream, doomed),
+                daemon=True,
+            ).start()  # fmt: skip
+            threading.Thread(
+                target=self._forward_replies, args=(upstream, client, doomed),
+                daemon=True,
+            ).start()  # fmt: skip
+
+    def _forward_requests(
+        self, client: socket.socket, upstream: socket.socket, doomed: threading.Event
+    ) -> None:
+        try:
+            while data := client.recv(65536):
+                with self._mutex:
+                    self.requests += 1
+                    if self._times and self._pattern in data:
+                        self._times -= 1
+                        doomed.set()
+                upstream.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(client, upstream)
+
+    def _forward_replies(
+        self, upstream: socket.socket, client: socket.socket, doomed: threading.Event
+    ) -> None:
+        try:
+            while data := upstream.recv(65536):
+                if doomed.is_set():
+                    # The server answered, so it acted: lose the answer.
+                    with self._mutex:
+                        self.dropped += 1
+                    return
+                client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(client, upstream)
+
+    def close(self) -> None:
+        # shutdown() wakes the blocked accept(); close() alone would leave it
+        # accepting one more connection.
+        _close(self.listener)
+        with self._mutex:
+            connections, self._connections = self._connections, []
+        _close(*connections)
+
+
+def _close(*sockets: socket.socket) -> None:
+    for sock in sockets:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
