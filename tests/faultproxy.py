@@ -4,7 +4,11 @@
 ``pattern`` reach the server, which carries them out, but the proxy closes the
 client's connection instead of passing the reply back: a reply lost after the
 store acted, as a dropped connection or a failing network produces it.
-``dropped`` counts the replies it withheld, so a test can tell the fault happened;
+``refuse(pattern)``: requests whose bytes contain ``pattern`` never reach the
+server (the connection is closed instead) until ``heal()``: a network partition
+for that kind of request, so a test can hold one call's effect in place while it
+looks at it. ``dropped`` counts the replies it withheld and ``refused`` the
+requests it kept from the server, so a test can tell the fault happened;
 ``requests`` counts the writes clients sent through it: one per round trip for a
 client that sends each request, pipelined or not, in one write and waits for the
 answer.
@@ -26,9 +30,11 @@ class FaultProxy:
         self.listener.listen(64)
         self.port: int = self.listener.getsockname()[1]
         self.dropped = 0
+        self.refused = 0
         self.requests = 0
         self._pattern = b""
         self._times = 0
+        self._refusing = b""
         self._mutex = threading.Lock()
         self._connections: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -40,6 +46,15 @@ class FaultProxy:
     def drop_replies(self, pattern: bytes, times: int = 1) -> None:
         with self._mutex:
             self._pattern, self._times = pattern, times
+
+    def refuse(self, pattern: bytes) -> None:
+        with self._mutex:
+            self._refusing = pattern
+
+    def heal(self) -> None:
+        """Every request and reply passes again."""
+        with self._mutex:
+            self._pattern, self._times, self._refusing = b"", 0, b""
 
     def _accept(self) -> None:
         while True:
@@ -67,6 +82,9 @@ class FaultProxy:
             while data := client.recv(65536):
                 with self._mutex:
                     self.requests += 1
+                    if self._refusing and self._refusing in data:
+                        self.refused += 1
+                        return
                     if self._times and self._pattern in data:
                         self._times -= 1
                         doomed.set()

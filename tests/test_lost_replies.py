@@ -16,6 +16,7 @@ import redis
 from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, pending
+from django_tasklock.backends.redis import _ACQUIRE, _RELEASE, _SHA
 from tests.faultproxy import FaultProxy
 from tests.services import Memcached, Redis, stop_and_wait
 
@@ -98,13 +99,18 @@ def test_redis_replies_lost_until_the_caller_fails_leave_no_lock(own_redis, prox
     warm = Lock("warm-up")
     assert warm.acquire() and warm.release()
     removed = pending.removed_count()
-    proxy.drop_replies(b"unknown-fate", times=1000)
+    # Every acquire runs and loses its reply; every owner-checked removal is kept
+    # from the store, so the orphan stays in place until the network heals.
+    proxy.drop_replies(_SHA[_ACQUIRE].encode(), times=1000)
+    proxy.refuse(_SHA[_RELEASE].encode())
     with pytest.raises(LockBackendError):
         Lock("unknown-fate").acquire()
     assert proxy.dropped >= 2
     store = direct(own_redis)
     assert store.exists(":1:unknown-fate") == 1, "the store never acted: no orphan"
-    proxy.drop_replies(b"", 0)  # the network heals
+    wait_until(lambda: proxy.refused >= 1)  # the watch tried, and was cut off
+    assert store.exists(":1:unknown-fate") == 1
+    proxy.heal()
     gone_after = wait_until(lambda: store.exists(":1:unknown-fate") == 0)
     wait_for_pending_watch(removed + 1)
     assert gone_after < 5
