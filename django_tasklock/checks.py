@@ -14,7 +14,15 @@ Ids are stable and documented in README.rst:
 - E009 TASKLOCK['WAIT_TIMEOUT'] is not a number of seconds > 0.
 - E010 TASKLOCK['RETRY_COUNTDOWN'] is not a number of seconds >= 0.
 - E011 TASKLOCK['RENEW'] is not True or False.
+- E012 TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
+  refuses meta commands (memcached < 1.6, or a proxy such as twemproxy).
 - W001 the lock cache is LocMemCache: locks hold within one process only.
+- W002 a server of the lock cache refuses meta commands and MEMCACHED_PROTOCOL is
+  'auto': locks use the classic commands; set it to 'classic' to say so.
+
+E012 and W002 come from asking each reachable memcached server once (a
+connection with a 0.5 s timeout); a server that does not answer is left to the
+first lock, which reports it.
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ from typing import Any
 
 from django.conf import settings as django_settings
 from django.core.cache.backends.locmem import LocMemCache
+from django.core.cache.backends.memcached import PyMemcacheCache
 from django.core.checks import CheckMessage, Error, Warning
 from django.utils.module_loading import import_string
 
 from .backends import unsafe_options, unsupported_reason
+from .backends.memcached import meta_support
 from .conf import DEFAULTS, setting_problems
 
 __all__ = ["check_settings"]
@@ -62,6 +72,70 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     alias = raw.get("CACHE", DEFAULTS["CACHE"]) if isinstance(raw, dict) else "default"
     if isinstance(alias, str) and alias:
         messages.extend(_check_cache(alias))
+        if not messages:
+            protocol = raw.get("MEMCACHED_PROTOCOL", DEFAULTS["MEMCACHED_PROTOCOL"])
+            messages.extend(_check_protocol(alias, protocol))
+    return messages
+
+
+def _servers(config: dict[str, Any]) -> list[tuple[str, int]]:
+    location = config.get("LOCATION") or []
+    if isinstance(location, str):
+        location = location.replace(",", ";").split(";")
+    servers = []
+    for entry in location:
+        host, _, port = str(entry).strip().rpartition(":")
+        if host and port.isdigit() and not host.startswith("unix"):
+            servers.append((host.strip("[]"), int(port)))
+    return servers
+
+
+def _check_protocol(alias: str, protocol: object) -> list[CheckMessage]:
+    """E012/W002: ask each memcached server of the alias how it meets ``mn``."""
+    config: dict[str, Any] = django_settings.CACHES[alias]
+    try:
+        backend_class = import_string(config.get("BACKEND", ""))
+    except ImportError:
+        return []
+    if protocol == "classic" or not issubclass(backend_class, PyMemcacheCache):
+        return []
+    messages: list[CheckMessage] = []
+    for server in _servers(config):
+        try:
+            how = meta_support(server, timeout=0.5)
+        except OSError:
+            continue  # down or unreachable: the first lock says so
+        if how == "meta":
+            continue
+        what = (
+            "closes the connection on memcached's meta commands but answers "
+            "classic ones: a proxy such as twemproxy (nutcracker)"
+            if how == "closed"
+            else "answers ERROR to memcached's meta commands (memcached < 1.6)"
+        )
+        name = "{}:{}".format(*server)
+        if protocol == "meta":
+            messages.append(
+                Error(
+                    f"CACHES[{alias!r}] server {name} {what}, and "
+                    "TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta': every lock fails.",
+                    hint="Set TASKLOCK['MEMCACHED_PROTOCOL'] to 'classic'.",
+                    id="django_tasklock.E012",
+                )
+            )
+        else:
+            messages.append(
+                Warning(
+                    f"CACHES[{alias!r}] server {name} {what}. Locks on it use the "
+                    "classic commands (add, gets, cas): owner-checked, with one "
+                    "more round trip per release.",
+                    hint=(
+                        "Set TASKLOCK['MEMCACHED_PROTOCOL'] to 'classic' to say so "
+                        "(and skip this probe)."
+                    ),
+                    id="django_tasklock.W002",
+                )
+            )
     return messages
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 INSTALL_HINT = (
     "is not installed. Run the README's test command (make test), which installs it "
-    "with apt-get, or install it yourself: apt-get install -y memcached redis-server"
+    "with apt-get, or install it yourself: apt-get install -y memcached redis-server "
+    "nutcracker"
 )
 
 
@@ -68,7 +69,8 @@ class Server:
         raise NotImplementedError
 
     def start(self) -> Server:
-        path = shutil.which(self.binary)
+        # Debian puts nutcracker in /usr/sbin, which a user's PATH may lack.
+        path = shutil.which(self.binary) or shutil.which(self.binary, path="/usr/sbin")
         if path is None:
             raise RuntimeError(f"{self.binary} {INSTALL_HINT}")
         self.process = subprocess.Popen(
@@ -144,6 +146,43 @@ class Redis(Server):
         return [
             "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--daemonize", "no", *self.args,
+        ]  # fmt: skip
+
+
+@dataclass
+class Nutcracker(Server):
+    """twemproxy (Debian's ``nutcracker``) in front of real memcached servers.
+
+    It speaks the classic text protocol only: a meta command or a ``cas`` with a
+    negative expiry makes it close the client's connection. Its stats listener
+    gets a free port of its own, so several can run at once.
+    """
+
+    binary: str = "nutcracker"
+    args: list[str] = field(default_factory=list)
+    servers: list[Memcached] = field(default_factory=list)
+    stats_port: int = field(default_factory=free_port)
+
+    def command(self) -> list[str]:
+        import tempfile
+
+        lines = [
+            "pool:",
+            f"  listen: 127.0.0.1:{self.port}",
+            "  hash: murmur",
+            "  distribution: ketama",
+            # A node that fails stays in the ring: its keys are never handed to
+            # another node, so a lock cannot be taken twice there.
+            "  auto_eject_hosts: false",
+            "  timeout: 2000",
+            "  servers:",
+            *(f"   - {server.address}:1" for server in self.servers),
+        ]
+        config = Path(tempfile.mkdtemp(prefix="nutcracker-")) / "nutcracker.yml"
+        config.write_text("\n".join(lines) + "\n")
+        return [
+            "-c", str(config), "-s", str(self.stats_port), "-a", "127.0.0.1",
+            "-o", str(config.with_suffix(".log")), *self.args,
         ]  # fmt: skip
 
 

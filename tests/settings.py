@@ -21,6 +21,7 @@ DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memor
 
 MEMCACHED = os.environ.get("TASKLOCK_TEST_MEMCACHED", "127.0.0.1:11211")
 MEMCACHED_PAIR = os.environ.get("TASKLOCK_TEST_MEMCACHED_PAIR", MEMCACHED).split(",")
+TWEMPROXY = os.environ.get("TASKLOCK_TEST_TWEMPROXY", "127.0.0.1:22121")
 REDIS = os.environ.get("TASKLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 CACHES = {
@@ -38,6 +39,11 @@ CACHES = {
     "pair": {
         "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
         "LOCATION": MEMCACHED_PAIR,
+    },
+    # twemproxy in front of the memcached pair (tests/test_proxies.py starts it).
+    "twemproxy": {
+        "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+        "LOCATION": TWEMPROXY,
     },
     "redis": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",

@@ -19,13 +19,23 @@ restart always breaks the TCP connections to the server, so the CAS id alone is
 trusted only while the connection that took the lock is still the one in use;
 otherwise (a reconnect, another thread, a pooled client) release and extend first
 read the item with ``gets`` and act only if both the stored token and the CAS id
-are still this holder's. Where meta commands are missing (memcached < 1.6) the
-same checks use ``add``, ``gets`` and ``cas`` (``cas(..., expire=-1)`` to delete).
+are still this holder's.
+
+Where meta commands are missing the same checks use ``add``, ``gets`` and ``cas``.
+That is memcached < 1.6, which answers ``ERROR``, and twemproxy (``nutcracker``),
+which closes the connection instead; so does it on a negative expiry, so a classic
+delete is ``cas`` with an absolute expiry long past (memcached reads any expiry
+above 30 days as a Unix time, and one in the past expires the item at once). A
+proxy may reconnect to a restarted server behind the same client socket, so on
+the classic path the CAS id is never trusted alone: release and extend always
+read the token back.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import socket
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pymemcache.client.hash import HashClient
@@ -51,8 +61,50 @@ _TEXT_FLAG = 16
 _T = TypeVar("_T")
 # What a server that went away since the last command looks like on its socket.
 _DROPPED = (MemcacheUnexpectedCloseError, BrokenPipeError, ConnectionResetError)
-# Servers that answered ERROR to a meta command; they get the classic commands.
+# Servers that refused a meta command; they get the classic commands.
 _classic_servers: set[Any] = set()
+# An absolute expiry (memcached reads any above 30 days as a Unix time) long past:
+# the written item expires at once. Unlike -1, proxies pass it on.
+_PAST = 2592001
+
+logger = logging.getLogger(__name__)
+
+
+def _talk(server: Any, line: bytes, timeout: float) -> bytes:
+    """Send one line to ``server`` on a connection of its own; the reply's first
+    line, or b"" if the other end closed the connection instead of answering."""
+    host, port = server if isinstance(server, tuple) else (server, 11211)
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(line + b"\r\n")
+        reply = b""
+        while not reply.endswith(b"\r\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                return b""
+            reply += chunk
+        return reply
+
+
+def meta_support(server: Any, timeout: float = 2.0) -> str:
+    """How ``server`` (host, port) meets a meta command.
+
+    ``"meta"``: it answers them (memcached 1.6+). ``"error"``: it answers
+    ``ERROR`` (memcached before 1.6). ``"closed"``: it closes the connection but
+    answers the classic ``version`` (a proxy such as twemproxy). Raises OSError
+    when it does not answer at all.
+    """
+    reply = _talk(server, b"mn", timeout)
+    if reply.startswith(b"MN"):
+        return "meta"
+    if reply.startswith(b"ERROR"):
+        return "error"
+    if reply == b"" and _talk(server, b"version", timeout).startswith(b"VERSION"):
+        return "closed"
+    raise ConnectionError(f"memcached at {server} answered {reply!r} to mn")
+
+
+def _server_name(server: Any) -> str:
+    return "{}:{}".format(*server) if isinstance(server, tuple) else str(server)
 
 
 class MemcachedHold:
@@ -187,13 +239,30 @@ class MemcachedBackend(LockBackend):
             return False
         return self.protocol == "meta" or client.server not in _classic_servers
 
-    def _no_meta(self, client: Any) -> None:
+    def _no_meta(self, client: Any, how: str) -> None:
+        if self.protocol == "classic":
+            return  # only ttl() tries meta here, and says so itself
+        name = _server_name(client.server)
+        if how == "closed":
+            what = (
+                f"{name} closed the connection on a meta command but answers "
+                "classic ones: a proxy such as twemproxy (nutcracker), which "
+                "speaks only the classic protocol"
+            )
+        else:
+            what = f"memcached at {name} has no meta commands (needs 1.6+)"
         if self.protocol == "meta":
             raise MemcacheError(
-                f"memcached at {client.server} has no meta commands (needs 1.6+); "
-                "set TASKLOCK['MEMCACHED_PROTOCOL'] to 'auto' or 'classic'"
+                f"{what}; set TASKLOCK['MEMCACHED_PROTOCOL'] to 'classic' (or 'auto')"
             )
-        _classic_servers.add(client.server)
+        if client.server not in _classic_servers:
+            _classic_servers.add(client.server)
+            logger.warning(
+                "%s. Locks on it use the classic commands (add, gets, cas): owner-"
+                "checked as before, one more round trip per release. Set "
+                "TASKLOCK['MEMCACHED_PROTOCOL'] = 'classic' to skip this probe.",
+                what[0].upper() + what[1:],
+            )
 
     def _command(self, client: Any, command: bytes) -> bytes | None:
         """Send one meta command and read its one-line reply (see ``_exchange``)."""
@@ -220,7 +289,8 @@ class MemcachedBackend(LockBackend):
             with pool.get_and_release(destroy_on_fail=True) as pooled:
                 return self._exchange(pooled, commands, count)
         sock: Any = client.sock
-        if sock is None:
+        fresh = sock is None
+        if fresh:
             client._connect()
             sock = client.sock
         try:
@@ -234,6 +304,13 @@ class MemcachedBackend(LockBackend):
                 if not chunk:
                     raise MemcacheUnexpectedCloseError()
                 buffer += chunk
+        except _DROPPED:
+            client.close()
+            # A fresh connection closed at the first meta command: a proxy that
+            # speaks only the classic protocol does that instead of ERROR.
+            if fresh and self._closes_on_meta(client):
+                return None
+            raise
         except BaseException:
             client.close()
             raise
@@ -243,7 +320,7 @@ class MemcachedBackend(LockBackend):
             # An old server also answers the rest (a data line, the other
             # commands) with ERROR, which must not be read as the next reply.
             client.close()
-            self._no_meta(client)
+            self._no_meta(client, "error")
             return None
         for reply in replies:
             if reply.startswith((b"ERROR", b"SERVER_ERROR")):
@@ -251,15 +328,29 @@ class MemcachedBackend(LockBackend):
                 raise MemcacheError(reply.strip().decode(errors="replace"))
         return replies
 
-    def _hold(self, client: Any, cas: object) -> MemcachedHold:
+    def _closes_on_meta(self, client: Any) -> bool:
+        """After a closed connection: whether the server refuses meta commands."""
+        try:
+            how = meta_support(client.server, timeout=client.timeout or 2.0)
+        except OSError:
+            return False  # it does not answer at all: an outage, raised as such
+        if how == "meta":
+            return False
+        self._no_meta(client, how)
+        return True
+
+    def _hold(self, client: Any, cas: object, meta: bool = True) -> MemcachedHold:
         cas_id = int(cast(Any, cas))
         if cas_id == 0:
             raise MemcacheError(
                 f"memcached at {client.server} runs without CAS ids (-C), so a "
                 "lock cannot be owner-checked; restart it without -C"
             )
-        # PooledClient hides its sockets: its holds are always verified by value.
-        return MemcachedHold(cas_id, getattr(client, "sock", None))
+        # PooledClient hides its sockets, and a classic-protocol proxy may have
+        # reconnected to a restarted server behind the same socket: those holds
+        # are always verified by value.
+        sock = getattr(client, "sock", None) if meta else None
+        return MemcachedHold(cas_id, sock)
 
     def _owner_cas(
         self, client: Any, key: str, hold: MemcachedHold, token: object
@@ -312,7 +403,7 @@ class MemcachedBackend(LockBackend):
                 # connection went: then the lock is ours.
                 value, cas = client.gets(key)
                 if value == token:
-                    return self._hold(client, cas)
+                    return self._hold(client, cas, meta=False)
             return hold
 
         return self._once_more(client, attempt)
@@ -343,7 +434,7 @@ class MemcachedBackend(LockBackend):
         # Someone else's value here means our item expired in between: not ours.
         if value != token:
             return None
-        return self._hold(client, cas)
+        return self._hold(client, cas, meta=False)
 
     # -- fencing tokens ------------------------------------------------------------
 
@@ -428,8 +519,8 @@ class MemcachedBackend(LockBackend):
                     return False
                 raise MemcacheError(f"unexpected reply to md: {reply!r}")
         # cas() answers True (STORED), False (EXISTS: another owner's) or None
-        # (NOT_FOUND); a negative expiry makes the stored item expire at once.
-        return bool(client.cas(key, token, cas, expire=-1, noreply=False))
+        # (NOT_FOUND); an expiry in the past makes the stored item expire at once.
+        return bool(client.cas(key, token, cas, expire=_PAST, noreply=False))
 
     def discard(self, key: str, token: str) -> bool:
         client = self._client(key)
@@ -478,7 +569,7 @@ class MemcachedBackend(LockBackend):
         if not client.cas(key, token, cas, expire=ttl, noreply=False):
             return None
         value, new_cas = client.gets(key)
-        return self._hold(client, new_cas) if value == token else None
+        return self._hold(client, new_cas, meta=False) if value == token else None
 
     # -- inspection ----------------------------------------------------------------
 
