@@ -92,8 +92,8 @@ def _servers(config: dict[str, Any]) -> list[tuple[str, int]]:
 
 def _check_protocol(alias: str, protocol: object) -> list[CheckMessage]:
     """E012/W002: ask each memcached server of the alias how it meets ``mn``."""
-    caches_setting: dict[str, dict[str, Any]] = django_settings.CACHES
-    config = caches_setting[alias]
+    caches_setting: dict[str, Any] = django_settings.CACHES
+    config: dict[str, Any] = caches_setting[alias]
     try:
         backend_class = import_string(config.get("BACKEND", ""))
     except ImportError:
