@@ -57,8 +57,8 @@ _OPTION_IDS = {
 }
 _HINT_ALIAS = (
     "Point TASKLOCK['CACHE'] at a CACHES entry using "
-    "django.core.cache.backends.memcached.PyMemcacheCache or "
-    "django.core.cache.backends.redis.RedisCache."
+    "django.core.cache.backends.memcached.PyMemcacheCache, "
+    "django.core.cache.backends.redis.RedisCache or django_redis.cache.RedisCache."
 )
 
 
@@ -158,7 +158,7 @@ def _check_cache(alias: str) -> list[CheckMessage]:
         backend_class = import_string(config.get("BACKEND", ""))
     except ImportError:
         return []  # Django's own caches check reports a backend that cannot import.
-    reason = unsupported_reason(backend_class)
+    reason = unsupported_reason(backend_class, config.get("OPTIONS") or {})
     if reason is not None:
         return [
             Error(

@@ -69,6 +69,7 @@ def _services(
         cache_settings[alias]["LOCATION"] = memcached.address
     cache_settings["pair"]["LOCATION"] = [s.address for s in memcached_pair]
     cache_settings["redis"]["LOCATION"] = redis_server.url
+    cache_settings["django_redis"]["LOCATION"] = redis_server.url
     with override_settings(CACHES=cache_settings):
         yield
         close_connections()
@@ -101,6 +102,10 @@ class Store:
     protocol: str = "auto"
 
     @property
+    def is_redis(self) -> bool:
+        return self.alias in ("redis", "django_redis")
+
+    @property
     def tasklock(self) -> dict[str, object]:
         return {
             "LOCK_EXPIRE": 60,
@@ -113,6 +118,7 @@ SHARED_STORES = [
     Store("memcached-meta", "default", "meta"),
     Store("memcached-classic", "default", "classic"),
     Store("redis", "redis"),
+    Store("django-redis", "django_redis"),
 ]
 
 

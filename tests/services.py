@@ -143,10 +143,61 @@ class Redis(Server):
         return f"redis://127.0.0.1:{self.port}/0"
 
     def command(self) -> list[str]:
+        import tempfile
+
+        # A directory of its own: a replica writes the primary's data there during
+        # a full sync, and a server loads any dump.rdb it finds at start.
+        workdir = tempfile.mkdtemp(prefix="redis-")
         return [
             "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--daemonize", "no", *self.args,
+            "--appendonly", "no", "--daemonize", "no", "--dir", workdir, *self.args,
         ]  # fmt: skip
+
+
+@dataclass
+class Sentinel(Server):
+    """A Redis Sentinel (``redis-server --sentinel``) watching one primary as
+    ``mymaster``; quick to judge it down, so a failover takes seconds."""
+
+    binary: str = "redis-server"
+    args: list[str] = field(default_factory=list)
+    primary: Redis | None = None
+
+    def command(self) -> list[str]:
+        import tempfile
+
+        assert self.primary is not None
+        config = Path(tempfile.mkdtemp(prefix="sentinel-")) / "sentinel.conf"
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\n"
+            f"sentinel monitor mymaster 127.0.0.1 {self.primary.port} 1\n"
+            "sentinel down-after-milliseconds mymaster 1000\n"
+            "sentinel failover-timeout mymaster 5000\n"
+        )
+        return [str(config), "--sentinel", *self.args]
+
+    def ask(self, *command: str) -> object:
+        import redis
+
+        with redis.Redis(port=self.port) as client:
+            return client.execute_command(*command)
+
+    def knows_replica(self, port: int) -> bool:
+        """Whether the Sentinel has found the replica on ``port``, and finds it up."""
+        import redis
+
+        with redis.Redis(port=self.port) as client:
+            replicas = client.sentinel_slaves("mymaster")
+        return any(
+            int(replica["port"]) == port
+            and not replica["is_sdown"]
+            and not replica["is_disconnected"]
+            for replica in replicas
+        )
+
+    def primary_port(self) -> int:
+        host_port = self.ask("SENTINEL", "get-master-addr-by-name", "mymaster")
+        return int(host_port[1])  # type: ignore[index]
 
 
 @dataclass

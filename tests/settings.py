@@ -49,6 +49,11 @@ CACHES = {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS,
     },
+    # django-redis, on the same Redis server and database as "redis".
+    "django_redis": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": REDIS,
+    },
     "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
 }
 

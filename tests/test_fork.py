@@ -23,7 +23,9 @@ def timed_store(store, settings):
     """``store`` with socket timeouts, so that connections crossed between parent
     and child fail the test instead of hanging it."""
     config = dict(settings.CACHES[store.alias])
-    option = "socket_timeout" if store.name == "redis" else "timeout"
+    option = {"redis": "socket_timeout", "django-redis": "SOCKET_TIMEOUT"}.get(
+        store.name, "timeout"
+    )
     config["OPTIONS"] = {**config.get("OPTIONS", {}), option: 5}
     settings.CACHES = {**settings.CACHES, "timed": config}
     settings.TASKLOCK = {**store.tasklock, "CACHE": "timed"}

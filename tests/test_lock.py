@@ -164,7 +164,7 @@ def test_release_after_store_loses_key_spares_new_holder(
     """flush_all (or a restart) drops the key; the old holder must not free the new."""
     old = Lock("flushed")
     assert old.acquire()
-    if store.alias == "redis":
+    if store.is_redis:
         caches["redis"]._cache.get_client(write=True).flushall()
     else:
         memcached.flush_all()

@@ -178,7 +178,7 @@ def test_max_hold_caps_the_first_expiry(store):
 
 def test_renewal_with_a_too_short_expiry_is_refused(settings, store):
     # memcached counts whole seconds: a 1 s lock there may go at once.
-    expire = 0.2 if store.alias == "redis" else 1
+    expire = 0.2 if store.is_redis else 1
     with pytest.raises(LockUsageError, match="2 seconds or more"):
         Lock("too-short", expire=expire, renew=True).acquire()
     assert not Lock("too-short").locked()

@@ -14,20 +14,28 @@ from tests.services import Memcached, Redis, free_port
 
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
 REDIS = "django.core.cache.backends.redis.RedisCache"
+DJANGO_REDIS = "django_redis.cache.RedisCache"
 
 
-@pytest.fixture(params=["memcached", "redis"])
+@pytest.fixture(params=["memcached", "redis", "django-redis"])
 def flaky(request, settings):
     """A private server this test may stop and start, as TASKLOCK's cache."""
     if request.param == "memcached":
         server = Memcached().start()
         config = {"BACKEND": MEMCACHED, "LOCATION": server.address}
-    else:
+    elif request.param == "redis":
         server = Redis().start()
         config = {
             "BACKEND": REDIS,
             "LOCATION": server.url,
             "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
+        }
+    else:
+        server = Redis().start()
+        config = {
+            "BACKEND": DJANGO_REDIS,
+            "LOCATION": server.url,
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 1},
         }
     settings.CACHES = {**settings.CACHES, "flaky": config}
     settings.TASKLOCK = {"CACHE": "flaky"}
@@ -38,14 +46,15 @@ def flaky(request, settings):
     close_connections()
 
 
-@pytest.fixture(params=["memcached", "redis"])
+@pytest.fixture(params=["memcached", "redis", "django-redis"])
 def nowhere(request, settings):
     """TASKLOCK's cache points at a port nothing listens on."""
     port = free_port()
     if request.param == "memcached":
         config = {"BACKEND": MEMCACHED, "LOCATION": f"127.0.0.1:{port}"}
     else:
-        config = {"BACKEND": REDIS, "LOCATION": f"redis://127.0.0.1:{port}/0"}
+        backend = REDIS if request.param == "redis" else DJANGO_REDIS
+        config = {"BACKEND": backend, "LOCATION": f"redis://127.0.0.1:{port}/0"}
     settings.CACHES = {**settings.CACHES, "nowhere": config}
     settings.TASKLOCK = {"CACHE": "nowhere"}
     return port

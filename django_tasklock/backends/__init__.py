@@ -20,7 +20,7 @@ from ..exceptions import LockConfigurationError
 from .base import FenceCounter, Hold, LockBackend, Peek
 from .locmem import LocMemBackend
 from .memcached import MemcachedBackend
-from .redis import RedisBackend
+from .redis import DjangoRedisBackend, RedisBackend
 
 __all__ = [
     "FenceCounter",
@@ -33,7 +33,29 @@ __all__ = [
     "unsupported_reason",
 ]
 
-_SUPPORTED = "PyMemcacheCache, RedisCache or (one process only) LocMemCache"
+_SUPPORTED = (
+    "PyMemcacheCache, RedisCache, django-redis's RedisCache or (one process only) "
+    "LocMemCache"
+)
+
+
+def _django_redis_cache() -> type[Any] | None:
+    """django-redis's cache class, if django-redis is installed."""
+    try:
+        from django_redis.cache import RedisCache as DjangoRedisCache
+    except ImportError:
+        return None
+    found: type[Any] = DjangoRedisCache
+    return found
+
+
+#: django-redis clients that keep a lock and its fencing counter on one server.
+_DJANGO_REDIS_CLIENTS = (
+    "django_redis.client.DefaultClient",
+    "django_redis.client.default.DefaultClient",
+    "django_redis.client.SentinelClient",
+    "django_redis.client.sentinel.SentinelClient",
+)
 
 _REASONS: tuple[tuple[type[Any], str], ...] = (
     (
@@ -55,10 +77,24 @@ _REASONS: tuple[tuple[type[Any], str], ...] = (
 )
 
 
-def unsupported_reason(backend_class: type[Any]) -> str | None:
-    """Why a cache backend class cannot hold locks, or None if it can."""
+def unsupported_reason(
+    backend_class: type[Any], options: dict[str, Any] | None = None
+) -> str | None:
+    """Why a cache backend class (with its OPTIONS) cannot hold locks, or None."""
     if issubclass(backend_class, (PyMemcacheCache, RedisCache, LocMemCache)):
         return None
+    django_redis = _django_redis_cache()
+    if django_redis is not None and issubclass(backend_class, django_redis):
+        client = (options or {}).get("CLIENT_CLASS", _DJANGO_REDIS_CLIENTS[0])
+        if client in _DJANGO_REDIS_CLIENTS:
+            return None
+        return (
+            f"django-redis with CLIENT_CLASS {client!r}: only its DefaultClient "
+            "(one server, or a primary with replicas) and SentinelClient keep a "
+            "lock and its fencing counter on one primary (ShardClient spreads them "
+            "over servers; HerdClient rewrites stored values). Give locks an alias "
+            "with one of those two"
+        )
     for base, reason in _REASONS:
         if issubclass(backend_class, base):
             return f"{reason}. Use {_SUPPORTED}."
@@ -161,6 +197,14 @@ def _lookup(alias: str) -> LockBackend:
         return MemcachedBackend(cache, alias)
     if isinstance(cache, RedisCache):
         return RedisBackend(cache, alias)
+    django_redis = _django_redis_cache()
+    if django_redis is not None and isinstance(cache, django_redis):
+        reason = unsupported_reason(type(cache), cache._params.get("OPTIONS"))
+        if reason is None:
+            return DjangoRedisBackend(cache, alias)
+        raise LockConfigurationError(
+            f"CACHES[{alias!r}] cannot hold locks: {reason}. (Run 'manage.py check'.)"
+        )
     if isinstance(cache, LocMemCache):
         return LocMemBackend(cache, alias)
     reason = unsupported_reason(type(cache))

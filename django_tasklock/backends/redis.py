@@ -1,5 +1,11 @@
-"""Owner-checked locks on Django's RedisCache: SET NX PX, and compare-then-act
-Lua scripts, which Redis runs atomically."""
+"""Owner-checked locks on Redis: SET NX PX, and compare-then-act Lua scripts,
+which Redis runs atomically.
+
+``RedisBackend`` serves Django's own RedisCache; ``DjangoRedisBackend`` the
+django-redis package's (its default and Sentinel clients). Both talk to the
+primary only, with the cache's own serializer, so ``cache.get(lock_id)`` reads
+the owner back as a str.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from .base import FenceCounter, Hold, LockBackend, Peek
 if TYPE_CHECKING:
     from django.core.cache.backends.redis import RedisCache
 
-__all__ = ["RedisBackend"]
+__all__ = ["DjangoRedisBackend", "RedisBackend"]
 
 # Take the lock. One that already holds this very token was taken by an earlier
 # run of this script whose reply was lost (redis-py retries a command whose
@@ -98,11 +104,24 @@ class RedisBackend(LockBackend):
         # backend's thread as well, at a fraction of the cost per lock.
         primary = self._primary
         if primary is None:
-            primary = self._primary = self._cache_client.get_client(key, write=True)
+            primary = self._primary = self._connect(key)
         return primary
 
+    def _connect(self, key: str) -> Any:
+        return self._cache_client.get_client(key, write=True)
+
+    def _encode(self, token: str) -> bytes:
+        encoded: bytes = self._cache_client._serializer.dumps(token)
+        return encoded
+
+    def _decode(self, raw: bytes) -> object:
+        return self._cache_client._serializer.loads(raw)
+
+    def _server(self) -> str:
+        return str(cast(Any, self.cache)._servers[0])
+
     def describe(self, key: str) -> str:
-        return f"Redis cache {self.alias!r} at {cast(Any, self.cache)._servers[0]}"
+        return f"Redis cache {self.alias!r} at {self._server()}"
 
     def close(self) -> None:
         # RedisCache.close() leaves its connection pools open.
@@ -123,7 +142,7 @@ class RedisBackend(LockBackend):
 
         # The token goes through the cache's serializer, so cache.get(lock_id)
         # reads the owner back as a str.
-        value: bytes = self._cache_client._serializer.dumps(token)
+        value = self._encode(token)
         milliseconds = math.ceil(expire * 1000)
         try:
             taken = self._script(_ACQUIRE, (key,), value, milliseconds)
@@ -144,8 +163,7 @@ class RedisBackend(LockBackend):
         return bool(self._script(_RELEASE, (key,), hold))
 
     def discard(self, key: str, token: str) -> bool:
-        value = self._cache_client._serializer.dumps(token)
-        return bool(self._script(_RELEASE, (key,), value))
+        return bool(self._script(_RELEASE, (key,), self._encode(token)))
 
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
         if self._script(_EXTEND, (key,), hold, math.ceil(expire * 1000)):
@@ -171,8 +189,45 @@ class RedisBackend(LockBackend):
         raw = self._redis(key).get(key)
         if raw is None:
             return None
-        return Peek(self._cache_client._serializer.loads(raw), raw)
+        return Peek(self._decode(raw), raw)
 
     def last_fence(self, key: str, fence_key: str) -> int | None:
         value = self._redis(key).get(fence_key)
         return None if value is None else int(value)
+
+
+class DjangoRedisBackend(RedisBackend):
+    """Locks on a django-redis cache (``django_redis.cache.RedisCache``).
+
+    Its client's ``get_client(write=True)`` is the primary: the first LOCATION
+    of a replicated setup, or the primary Sentinel names at connection time
+    (redis-py's Sentinel pool asks again after a failover). Values go through
+    the client's own serializer and compressor.
+    """
+
+    def __init__(self, cache: Any, alias: str) -> None:
+        LockBackend.__init__(self, cache, alias)
+        self.errors = _redis_errors()
+        self._cache_client = cache.client
+        self._primary = None
+
+    def _connect(self, key: str) -> Any:
+        return self._cache_client.get_client(write=True)
+
+    def _encode(self, token: str) -> bytes:
+        encoded: bytes = self._cache_client.encode(token)  # a str: never an int
+        return encoded
+
+    def _decode(self, raw: bytes) -> object:
+        return self._cache_client.decode(raw)
+
+    def _server(self) -> str:
+        return str(self._cache_client._server[0])
+
+    def close(self) -> None:
+        # django-redis keeps one connection pool per URL for the whole process,
+        # shared by every alias and thread: only this backend's own connections
+        # go back to it.
+        primary, self._primary = self._primary, None
+        if primary is not None:
+            primary.connection_pool.disconnect(inuse_connections=False)
