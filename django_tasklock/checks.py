@@ -14,6 +14,7 @@ Ids are stable and documented in README.rst:
 - E009 TASKLOCK['WAIT_TIMEOUT'] is not a number of seconds > 0.
 - E010 TASKLOCK['RETRY_COUNTDOWN'] is not a number of seconds >= 0.
 - E011 TASKLOCK['RENEW'] is not True or False.
+- E013 TASKLOCK['RESTART_GRACE'] is not None or a number of seconds >= 0.
 - E012 TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
   refuses meta commands (memcached < 1.6, or a proxy such as twemproxy).
 - W001 the lock cache is LocMemCache: locks hold within one process only.
@@ -50,6 +51,7 @@ _SETTING_IDS = {
     "WAIT_TIMEOUT": "django_tasklock.E009",
     "RETRY_COUNTDOWN": "django_tasklock.E010",
     "RENEW": "django_tasklock.E011",
+    "RESTART_GRACE": "django_tasklock.E013",
 }
 _OPTION_IDS = {
     "default_noreply": "django_tasklock.E005",

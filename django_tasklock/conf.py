@@ -44,6 +44,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "WAIT_TIMEOUT": 60,
     "RETRY_COUNTDOWN": 5,
     "RENEW": False,
+    "RESTART_GRACE": None,
 }
 
 
@@ -112,6 +113,11 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
         v, name="TASKLOCK['RETRY_COUNTDOWN']", allow_zero=True
     ),
     "RENEW": lambda v: validate_bool(v, name="TASKLOCK['RENEW']"),
+    "RESTART_GRACE": lambda v: (
+        v
+        if v is None
+        else validate_seconds(v, name="TASKLOCK['RESTART_GRACE']", allow_zero=True)
+    ),
 }
 
 
@@ -230,6 +236,13 @@ class Settings:
         """Whether locks renew themselves while held, unless told otherwise."""
         value: bool = self._get("RENEW")
         return value
+
+    @property
+    def RESTART_GRACE(self) -> float:
+        """Seconds after a memcached restart during which new locks on it are
+        refused: ``LOCK_EXPIRE`` unless set."""
+        value: float | None = self._get("RESTART_GRACE")
+        return self.LOCK_EXPIRE if value is None else value
 
     @property
     def MEMCACHED_PROTOCOL(self) -> Protocol:

@@ -99,10 +99,31 @@ def after_flush(memcached: Memcached) -> bool:
 
 
 def after_restart(memcached: Memcached) -> bool:
-    """A restart resets memcached's CAS ids: a CAS id alone is no proof of owner."""
-    return stale_holder_spares_new_one(
-        "feeds.import_feed-lock-restarted", memcached.restart, show_cas=True
-    )
+    """A restarted memcached comes back empty: new locks on it are refused for
+    RESTART_GRACE seconds, since the old holders may still run. Without that
+    grace, the owner check still keeps the old holder from releasing the new
+    one's lock, although a restart resets the CAS ids."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    from django_tasklock import Lock, LockBackendError
+
+    lock_id = "feeds.import_feed-lock-restarted"
+    old = Lock(lock_id)
+    assert old.acquire()
+    memcached.restart()
+    try:
+        as_another_worker(Lock(lock_id).acquire)
+        refused = False
+        say("   django_tasklock: a new lock on the restarted memcached WAS GIVEN OUT")
+    except LockBackendError as exc:
+        refused = True
+        say(f"   django_tasklock refused a new lock on it: {exc.__cause__}")
+    old.release()
+    say("   ... and with TASKLOCK['RESTART_GRACE'] = 0, after another restart:")
+    with override_settings(TASKLOCK={**settings.TASKLOCK, "RESTART_GRACE": 0}):
+        kept = stale_holder_spares_new_one(lock_id, memcached.restart, show_cas=True)
+    return refused and kept
 
 
 def stale_holder_spares_new_one(

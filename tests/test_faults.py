@@ -67,7 +67,7 @@ def test_bad_rows_are_the_ones_that_break_a_promise():
 def test_fault_suite_quick():
     out = run_module("reliability.faults", "--quick", timeout=900)
     rows = {row[0].split(" ", 1)[0]: row for row in table_rows(out)}
-    assert set(rows) == {f"{n}." for n in range(1, 17)}, out
+    assert set(rows) == {f"{n}." for n in range(1, 18)}, out
     for number, (case, attempts, overlapping, marked, wrong, figures) in rows.items():
         assert int(attempts) > 0, case
         assert int(wrong) == 0, f"{case}: {figures}"

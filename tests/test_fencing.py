@@ -90,6 +90,7 @@ def test_failed_attempts_never_lower_a_later_fence(store):
 
 def test_fences_increase_across_flush_and_restart(settings, own_memcached):
     use_memcached(settings, own_memcached.address, "meta")
+    settings.TASKLOCK = {**settings.TASKLOCK, "RESTART_GRACE": 0}
     fences = [take()]
     own_memcached.flush_all()
     fences.append(take())
@@ -118,6 +119,7 @@ def test_fences_increase_across_redis_flush(settings, redis_server):
 
 def test_classic_protocol_fences_across_restart(settings, own_memcached):
     use_memcached(settings, own_memcached.address, "classic")
+    settings.TASKLOCK = {**settings.TASKLOCK, "RESTART_GRACE": 0}
     first = take()
     assert take() == first + 1
     own_memcached.restart()

@@ -164,6 +164,8 @@ def test_restart_reusing_cas_id_spares_new_holder(settings, own_memcached, proto
     """A restarted memcached counts CAS ids from 1 again: the old holder's id can
     be the new holder's. The old holder must still not release or extend it."""
     use_memcached(settings, own_memcached.address, protocol)
+    # No restart grace: the owner check is what this test is about.
+    settings.TASKLOCK = {**settings.TASKLOCK, "RESTART_GRACE": 0}
     old = Lock("restart", expire=60)
     assert old.acquire()
     own_memcached.restart()

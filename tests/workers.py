@@ -201,3 +201,42 @@ def beyond(holds: list[tuple[float, float]], limit: int) -> int:
             count += 1
         current += change
     return count
+
+
+def take_until_all(
+    caches_setting: dict[str, object],
+    tasklock: dict[str, object],
+    ids: list[str],
+    seconds: float,
+) -> dict[str, object]:
+    """Try to take every id in ``ids`` until all are taken or ``seconds`` pass.
+
+    A fresh process that never saw the servers before. Returns, per id taken,
+    the monotonic time it was taken (holds are kept), and how many attempts the
+    store refused with an error, with the last message.
+    """
+    setup_django()
+    from django.test import override_settings
+
+    from django_tasklock import Lock, LockBackendError
+
+    taken: dict[str, float] = {}
+    errors = 0
+    last_error = ""
+    with override_settings(CACHES=caches_setting, TASKLOCK=tasklock):
+        deadline = time.monotonic() + seconds
+        holds = []
+        remaining = list(ids)
+        while remaining and time.monotonic() < deadline:
+            for lock_id in list(remaining):
+                lock = Lock(lock_id)
+                try:
+                    if lock.acquire():
+                        taken[lock_id] = time.monotonic()
+                        holds.append(lock)
+                        remaining.remove(lock_id)
+                except LockBackendError as exc:
+                    errors += 1
+                    last_error = str(exc)
+            time.sleep(0.02)
+    return {"taken": taken, "errors": errors, "last_error": last_error}

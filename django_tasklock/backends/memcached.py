@@ -36,6 +36,8 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import threading
+import time
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pymemcache.client.hash import HashClient
@@ -45,6 +47,8 @@ from pymemcache.exceptions import (
     MemcacheUnexpectedCloseError,
 )
 
+from ..conf import MAX_EXPIRE
+from ..conf import settings as tasklock_settings
 from ..keys import memcached_key
 from .base import FenceCounter, Hold, LockBackend, Peek
 
@@ -68,6 +72,32 @@ _classic_servers: set[Any] = set()
 _PAST = 2592001
 
 logger = logging.getLogger(__name__)
+
+
+class NodeRestarted(MemcacheError):  # type: ignore[misc]
+    """New locks refused on a memcached server that restarted recently."""
+
+
+# Restart detection (see MemcachedBackend._learn). Per server: the run of it last
+# seen, as (pid, start time on the server's clock); servers whose stats cannot be
+# read (a proxy); and, for servers seen to restart, when that run started (on
+# time.monotonic()), new locks on them refused until RESTART_GRACE has passed.
+_runs: dict[Any, tuple[int, int]] = {}
+_unlearnable: set[Any] = set()
+_refused: dict[Any, float] = {}
+_runs_mutex = threading.Lock()
+#: Two sightings of one run may put its start a second apart (whole-second clock).
+_START_SLACK = 2
+#: memcached reports an uptime up to this many seconds longer than it has run.
+_UPTIME_AHEAD = 3
+
+
+def _record_key(server: Any) -> str:
+    return "tasklock-run-" + _server_name(server).replace(":", "-")
+
+
+def _same_run(seen: tuple[int, int], now: tuple[int, int]) -> bool:
+    return seen[0] == now[0] and abs(seen[1] - now[1]) <= _START_SLACK
 
 
 def _talk(server: Any, line: bytes, timeout: float) -> bytes:
@@ -194,6 +224,8 @@ class MemcachedBackend(LockBackend):
         self._hash_client: Any = django_cache._class(
             django_cache.client_servers, **django_cache._options
         )
+        # Per server client, the connection whose server run was learnt.
+        self._learnt: dict[Any, object] = {}
 
     def close(self) -> None:
         self._hash_client.close()
@@ -397,6 +429,15 @@ class MemcachedBackend(LockBackend):
         def attempt() -> MemcachedHold | None:
             nonlocal tries
             tries += 1
+            sock = getattr(client, "sock", False)
+            if sock is not False and (
+                sock is None or self._learnt.get(client) is not sock
+            ):
+                # A new connection: learn which run of the server answers it.
+                self._learn(client)
+                self._learnt[client] = client.sock
+            if _refused:
+                self._refuse_if_restarted(client)
             hold = self._acquire(client, key, token, ttl)
             if hold is None and tries > 1:
                 # The dropped first try may have stored our token before the
@@ -535,8 +576,105 @@ class MemcachedBackend(LockBackend):
 
     def lost_with_store(self, exc: BaseException) -> bool:
         # Nothing listens: the memcached process is gone, and with it every item
-        # it held (it keeps nothing on disk).
-        return isinstance(exc, ConnectionRefusedError)
+        # it held (it keeps nothing on disk). A refused restarted server was sent
+        # nothing.
+        return isinstance(exc, (ConnectionRefusedError, NodeRestarted))
+
+    # -- restarts ------------------------------------------------------------------
+
+    def _learn(self, client: Any) -> None:
+        """Read which run of the server this new connection reaches, and refuse
+        new locks on it for RESTART_GRACE seconds if it restarted.
+
+        A restarted memcached comes back empty: the locks it held are gone while
+        their holders may still run, and handing the same ids out again would
+        run their work twice. A restart is known when this process saw another
+        run of the server before, or when another server of the pool keeps a
+        record of another run (each process that learns a server's run records
+        it on the pool's other servers). A server first seen with no record is a
+        new deployment, not a restart. Proxies do not pass ``stats`` on; servers
+        behind them are not checked.
+        """
+        server = client.server
+        if server in _unlearnable:
+            return
+        try:
+            stats = client.stats()
+            run = (int(stats[b"pid"]), int(stats[b"time"]) - int(stats[b"uptime"]))
+            server_now = int(stats[b"time"])
+        except MemcacheUnexpectedCloseError:
+            client.close()
+            _unlearnable.add(server)  # twemproxy closes the connection on stats
+            return
+        except (KeyError, ValueError, MemcacheClientError):
+            _unlearnable.add(server)
+            return
+        except self.errors:
+            return  # down: the lock's own command reports it
+        with _runs_mutex:
+            seen = _runs.get(server)
+            _runs[server] = run
+        if seen is None:
+            seen = self._recorded_run(server)
+        if seen is not None and not _same_run(seen, run):
+            grace = tasklock_settings.RESTART_GRACE
+            # When it started, on this process's monotonic clock, late rather
+            # than early: memcached's uptime runs up to 2 s ahead, in whole
+            # seconds.
+            uptime = server_now - run[1]
+            started = time.monotonic() - max(uptime - _UPTIME_AHEAD, 0)
+            _refused[server] = started
+            left = started + grace - time.monotonic()
+            if left > 0:
+                logger.warning(
+                    "memcached at %s restarted about %ds ago (pid %d, was %d) and "
+                    "came back empty: locks it held are gone while their holders "
+                    "may still run. New locks on it are refused for %.0fs more "
+                    "(TASKLOCK['RESTART_GRACE'] = %ss).",
+                    _server_name(server), uptime, run[0], seen[0], left, grace,
+                )  # fmt: skip
+        if seen is None or not _same_run(seen, run):
+            self._record_run(server, run)
+
+    def _others(self, server: Any) -> list[Any]:
+        hash_client = self._hash_client
+        if not isinstance(hash_client, HashClient):
+            return []
+        return [c for c in hash_client.clients.values() if c.server != server]
+
+    def _recorded_run(self, server: Any) -> tuple[int, int] | None:
+        for other in self._others(server):
+            try:
+                value = other.get(_record_key(server))
+            except self.errors:
+                continue
+            if value is not None:
+                pid, _, start = str(value).partition(":")
+                return int(pid), int(start)
+        return None
+
+    def _record_run(self, server: Any, run: tuple[int, int]) -> None:
+        for other in self._others(server):
+            try:
+                other.set(_record_key(server), f"{run[0]}:{run[1]}", MAX_EXPIRE)
+            except self.errors:
+                continue
+
+    def _refuse_if_restarted(self, client: Any) -> None:
+        started = _refused.get(client.server)
+        if started is None:
+            return
+        left = started + tasklock_settings.RESTART_GRACE - time.monotonic()
+        if left <= 0:
+            _refused.pop(client.server, None)
+            return
+        raise NodeRestarted(
+            f"memcached at {_server_name(client.server)} restarted and came back "
+            "empty: locks it held are gone while their holders may still run, so "
+            f"new locks on it are refused for {math.ceil(left)}s more "
+            "(TASKLOCK['RESTART_GRACE'], by default LOCK_EXPIRE; set it to the "
+            "longest expiry your locks use)"
+        )
 
     # -- extend ------------------------------------------------------------------
 
@@ -581,12 +719,14 @@ class MemcachedBackend(LockBackend):
         return self._client(key).get(key) is not None
 
     def held_many(self, keys: list[str]) -> list[bool]:
-        hash_client = self._hash_client
-        several = isinstance(hash_client, HashClient) and len(hash_client.clients) > 1
-        # Several servers: the HashClient groups the keys by server (one round
-        # trip to each); one server: straight to it, as every other command.
-        client = hash_client if several else self._client(keys[0])
-        found = client.get_many(keys)
+        # One round trip per server, straight to it: HashClient's own get_many
+        # would mark a failing server dead and send its keys elsewhere.
+        by_client: dict[Any, list[str]] = {}
+        for key in keys:
+            by_client.setdefault(self._client(key), []).append(key)
+        found: dict[str, object] = {}
+        for client, its_keys in by_client.items():
+            found.update(client.get_many(its_keys))
         return [key in found for key in keys]
 
     def ttl(self, key: str) -> float | None:

@@ -1,0 +1,165 @@
+"""A memcached node of a pool SIGKILLed and restarted empty while holders run.
+
+The locks it held are gone, but their holders still run. A process that never
+saw the node before must not hand those ids out again while the old holders'
+locks would still be valid: new locks on a restarted node are refused for
+RESTART_GRACE seconds (LOCK_EXPIRE by default), learnt from the records each
+process leaves on the pool's other nodes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+
+import pytest
+from django.core.cache import caches
+
+from django_tasklock import Lock, LockBackendError
+from django_tasklock.backends import backend_for
+from tests.conftest import close_connections
+from tests.services import Memcached
+from tests.workers import setup_django, take_until_all
+
+MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
+EXPIRE = 4
+IDS = [f"pool-{n}" for n in range(60)]
+
+
+@pytest.fixture
+def pool(settings):
+    servers = [Memcached().start() for _ in range(3)]
+    caches_setting = {
+        **settings.CACHES,
+        "pool": {"BACKEND": MEMCACHED, "LOCATION": [s.address for s in servers]},
+    }
+    settings.CACHES = caches_setting
+    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE}
+    yield servers
+    close_connections()
+    for server in servers:
+        server.stop()
+
+
+def hold_all_and_restart_one(servers):
+    """Take every id here; SIGKILL the node holding the most and restart it."""
+    locks = [Lock(lock_id) for lock_id in IDS]
+    valid_until = {}
+    for lock in locks:
+        assert lock.acquire()
+        # As long as the holder may count on it (memcached's whole seconds).
+        valid_until[lock.lock_id] = lock._valid_until
+    backend = backend_for("pool")
+    node_of = {
+        lock_id: "{}:{}".format(*backend._client(backend.key_for(lock_id)).server)
+        for lock_id in IDS
+    }
+    victim = max(servers, key=lambda s: list(node_of.values()).count(s.address))
+    on_victim = [lock_id for lock_id in IDS if node_of[lock_id] == victim.address]
+    assert 5 <= len(on_victim) < len(IDS), "the ids did not spread over the pool"
+    victim.stop(signal.SIGKILL)
+    victim.start()
+    return locks, valid_until, on_victim
+
+
+def second_holders(settings, tasklock):
+    """A fresh process takes every id; how many it got while their first
+    holder's lock was still valid, and its result."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1, initializer=setup_django) as workers:
+        result = workers.apply(
+            take_until_all, (settings.CACHES, tasklock, IDS, EXPIRE + 6)
+        )
+    return result
+
+
+@pytest.mark.slow
+def test_a_restarted_node_hands_out_no_lock_a_live_holder_still_has(settings, pool):
+    locks, valid_until, on_victim = hold_all_and_restart_one(pool)
+    restarted_at = time.monotonic()
+    result = second_holders(settings, {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE})
+    taken = result["taken"]
+    early = {i: valid_until[i] - at for i, at in taken.items() if at < valid_until[i]}
+    assert early == {}, f"second holders while the first still held: {early}"
+    assert set(taken) == set(IDS), "not every id was taken once its lock had gone"
+    assert result["errors"] > 0 and "restarted" in result["last_error"], result
+    # The restarted node's ids waited out the grace, counted from its start.
+    waited = min(taken[i] for i in on_victim) - restarted_at
+    assert waited >= EXPIRE - 2, waited
+    # The first holders learn of the loss at their release.
+    assert sum(not lock.release() for lock in locks) >= len(on_victim)
+
+
+@pytest.mark.slow
+def test_without_the_grace_the_restarted_node_hands_its_ids_out_again(settings, pool):
+    """The same measurement with RESTART_GRACE 0: second holders appear, so
+    the zero above is the grace's doing."""
+    _locks, valid_until, on_victim = hold_all_and_restart_one(pool)
+    result = second_holders(
+        settings, {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE, "RESTART_GRACE": 0}
+    )
+    early = {i for i, at in result["taken"].items() if at < valid_until[i]}
+    assert early == set(on_victim)
+
+
+def test_this_process_refuses_a_node_it_saw_restart(settings, pool, caplog):
+    victim = pool[0]
+    lock_id = next(
+        i
+        for i in IDS
+        if backend_for("pool")._client(backend_for("pool").key_for(i)).server[1]
+        == victim.port
+    )
+    holder = Lock(lock_id)
+    assert holder.acquire()  # a node first seen (a new deployment): not refused
+    victim.stop(signal.SIGKILL)
+    with pytest.raises(LockBackendError, match="ConnectionRefused"):
+        Lock(lock_id).acquire()  # down: a clear error, never another node
+    victim.start()
+    with pytest.raises(LockBackendError, match=r"RESTART_GRACE") as refused:
+        Lock(lock_id).acquire()
+    assert "restarted" in str(refused.value)
+    assert any("came back empty" in r.getMessage() for r in caplog.records)
+    assert holder.release() is False  # its lock went with the restart
+    # The grace over (here: set to 0), the node gives out locks again.
+    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE, "RESTART_GRACE": 0}
+    assert Lock(lock_id).acquire()
+
+
+def test_django_client_fails_instead_of_rehashing_with_these_options(settings, pool):
+    """The cookbook recipe goes through Django's client, whose pymemcache
+    HashClient moves a dead node's keys to the others after retry_attempts
+    failures. With retry_attempts high and retry_timeout 0 it raises instead."""
+    victim = pool[0]
+    settings.CACHES = {
+        **settings.CACHES,
+        "failing": {
+            "BACKEND": MEMCACHED,
+            "LOCATION": [s.address for s in pool],
+            "OPTIONS": {"retry_attempts": 1_000_000, "retry_timeout": 0},
+        },
+        "rehashing": {"BACKEND": MEMCACHED, "LOCATION": [s.address for s in pool]},
+    }
+    client = caches["failing"]._cache
+    key = next(
+        k
+        for k in (f"recipe-{n}" for n in range(200))
+        if client._get_client(caches["failing"].make_key(k)).server[1] == victim.port
+    )
+    victim.stop(signal.SIGKILL)
+    for _ in range(20):
+        with pytest.raises(ConnectionRefusedError):
+            caches["failing"].add(key, "true", 60)
+    # Django's defaults: refused once, then False ("held", silently), then the
+    # key moves to another node and add() succeeds there: a second holder.
+    results = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and True not in results:
+        try:
+            results.append(caches["rehashing"].add(key, "true", 60))
+        except ConnectionRefusedError:
+            results.append("refused")
+        time.sleep(0.1)
+    assert "refused" in results and False in results and results[-1] is True, results
+    victim.start()
