@@ -65,7 +65,7 @@ def _services(
     }
     os.environ.update(env)
     cache_settings = {alias: dict(config) for alias, config in settings.CACHES.items()}
-    for alias in ("default", "prefixed"):
+    for alias in ("default", "prefixed", "pylibmc"):
         cache_settings[alias]["LOCATION"] = memcached.address
     cache_settings["pair"]["LOCATION"] = [s.address for s in memcached_pair]
     cache_settings["redis"]["LOCATION"] = redis_server.url
@@ -119,6 +119,7 @@ SHARED_STORES = [
     Store("memcached-classic", "default", "classic"),
     Store("redis", "redis"),
     Store("django-redis", "django_redis"),
+    Store("pylibmc", "pylibmc"),
 ]
 
 

@@ -54,6 +54,11 @@ CACHES = {
         "BACKEND": "django_redis.cache.RedisCache",
         "LOCATION": REDIS,
     },
+    # libmemcached, on the same memcached as "default".
+    "pylibmc": {
+        "BACKEND": "django.core.cache.backends.memcached.PyLibMCCache",
+        "LOCATION": MEMCACHED,
+    },
     "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
 }
 

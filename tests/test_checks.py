@@ -73,7 +73,6 @@ def test_e003_bad_cache_alias(settings, alias):
         "django.core.cache.backends.dummy.DummyCache",
         "django.core.cache.backends.filebased.FileBasedCache",
         "django.core.cache.backends.db.DatabaseCache",
-        "django.core.cache.backends.memcached.PyLibMCCache",
         "tests.test_checks.HomeMadeCache",
     ],
 )

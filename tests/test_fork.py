@@ -23,10 +23,22 @@ def timed_store(store, settings):
     """``store`` with socket timeouts, so that connections crossed between parent
     and child fail the test instead of hanging it."""
     config = dict(settings.CACHES[store.alias])
-    option = {"redis": "socket_timeout", "django-redis": "SOCKET_TIMEOUT"}.get(
-        store.name, "timeout"
-    )
-    config["OPTIONS"] = {**config.get("OPTIONS", {}), option: 5}
+    timeouts = {
+        "redis": {"socket_timeout": 5},
+        "django-redis": {"SOCKET_TIMEOUT": 5},
+        # libmemcached: milliseconds to connect, microseconds to send and receive
+        "pylibmc": {
+            "behaviors": {
+                "connect_timeout": 5000,
+                "send_timeout": 5_000_000,
+                "receive_timeout": 5_000_000,
+            }
+        },
+    }
+    config["OPTIONS"] = {
+        **config.get("OPTIONS", {}),
+        **timeouts.get(store.name, {"timeout": 5}),
+    }
     settings.CACHES = {**settings.CACHES, "timed": config}
     settings.TASKLOCK = {**store.tasklock, "CACHE": "timed"}
     return store

@@ -11,7 +11,11 @@ from django.core.cache.backends.db import DatabaseCache
 from django.core.cache.backends.dummy import DummyCache
 from django.core.cache.backends.filebased import FileBasedCache
 from django.core.cache.backends.locmem import LocMemCache
-from django.core.cache.backends.memcached import BaseMemcachedCache, PyMemcacheCache
+from django.core.cache.backends.memcached import (
+    BaseMemcachedCache,
+    PyLibMCCache,
+    PyMemcacheCache,
+)
 from django.core.cache.backends.redis import RedisCache
 from django.core.signals import setting_changed
 from django.dispatch import receiver
@@ -20,6 +24,7 @@ from ..exceptions import LockConfigurationError
 from .base import FenceCounter, Hold, LockBackend, Peek
 from .locmem import LocMemBackend
 from .memcached import MemcachedBackend
+from .pylibmc import PyLibMCBackend
 from .redis import DjangoRedisBackend, RedisBackend
 
 __all__ = [
@@ -34,8 +39,8 @@ __all__ = [
 ]
 
 _SUPPORTED = (
-    "PyMemcacheCache, RedisCache, django-redis's RedisCache or (one process only) "
-    "LocMemCache"
+    "PyMemcacheCache, PyLibMCCache, RedisCache, django-redis's RedisCache or (one "
+    "process only) LocMemCache"
 )
 
 
@@ -73,7 +78,10 @@ _REASONS: tuple[tuple[type[Any], str], ...] = (
         "DatabaseCache.add() takes over an expired row with a SELECT "
         "and then an UPDATE, so two processes can both take the lock",
     ),
-    (BaseMemcachedCache, "django_tasklock talks to memcached through pymemcache only"),
+    (
+        BaseMemcachedCache,
+        "django_tasklock talks to memcached through pymemcache or pylibmc only",
+    ),
 )
 
 
@@ -81,7 +89,9 @@ def unsupported_reason(
     backend_class: type[Any], options: dict[str, Any] | None = None
 ) -> str | None:
     """Why a cache backend class (with its OPTIONS) cannot hold locks, or None."""
-    if issubclass(backend_class, (PyMemcacheCache, RedisCache, LocMemCache)):
+    if issubclass(
+        backend_class, (PyMemcacheCache, PyLibMCCache, RedisCache, LocMemCache)
+    ):
         return None
     django_redis = _django_redis_cache()
     if django_redis is not None and issubclass(backend_class, django_redis):
@@ -195,6 +205,8 @@ def _lookup(alias: str) -> LockBackend:
         ) from exc
     if isinstance(cache, PyMemcacheCache):
         return MemcachedBackend(cache, alias)
+    if isinstance(cache, PyLibMCCache):
+        return PyLibMCBackend(cache, alias)
     if isinstance(cache, RedisCache):
         return RedisBackend(cache, alias)
     django_redis = _django_redis_cache()

@@ -1,0 +1,172 @@
+"""Owner-checked locks on memcached through libmemcached (Django's PyLibMCCache).
+
+libmemcached has no meta commands, so locks use the classic ones, as on a
+memcached before 1.6: ``add`` to take, ``gets`` for the token and CAS id, and
+``cas`` to act only while both are still this holder's. A release is ``cas``
+with an absolute expiry long past, which expires the item at once (memcached has
+no delete-if-CAS in the classic protocol). The backend builds a client of its
+own from the alias's servers and options, with CAS support switched on, so
+``gets`` answers CAS ids whatever the alias's ``behaviors`` say.
+
+Keys go to pylibmc as bytes: given a str, pylibmc 1.6.3 has been seen (memcached
+-vv) to send ``gets`` with a garbage one-byte key now and then, and read that
+miss as the answer, which would make a holder's own lock look lost.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any, cast
+
+from pymemcache.exceptions import MemcacheError
+
+from ..keys import memcached_key
+from .base import FenceCounter, Hold, LockBackend, Peek
+from .memcached import _PAST, _flag, _talk
+
+if TYPE_CHECKING:
+    from django.core.cache.backends.memcached import PyLibMCCache
+
+__all__ = ["PyLibMCBackend"]
+
+# Clients a forked child inherited from its parent. Freeing one sends "quit" on
+# the socket it shares with the parent, which cuts the parent's connection: the
+# child keeps them, unused, for good.
+_inherited: list[Any] = []
+
+
+class PyLibMCBackend(LockBackend):
+    """Locks on the memcached servers of a PyLibMCCache alias."""
+
+    kind = "memcached (libmemcached)"
+    cache: PyLibMCCache
+
+    def __init__(self, cache: PyLibMCCache, alias: str) -> None:
+        import pylibmc
+
+        super().__init__(cache, alias)
+        self.errors = (pylibmc.Error, OSError, MemcacheError)
+        self._not_found = pylibmc.NotFound
+        self._client_error = pylibmc.ClientError
+        django_cache: Any = cache
+        options = dict(django_cache._options)
+        behaviors = {**options.pop("behaviors", {}), "cas": True}
+        # A lock must stay on its server: never let libmemcached move a failing
+        # server's keys to another one.
+        behaviors.pop("remove_failed", None)
+        self._mc: Any = pylibmc.Client(
+            django_cache.client_servers, behaviors=behaviors, **options
+        )
+        self._pid = os.getpid()
+
+    def close(self) -> None:
+        if os.getpid() != self._pid:
+            _inherited.append(self._mc)  # the parent's connection: leave it be
+        else:
+            self._mc.disconnect_all()
+
+    def describe(self, key: str) -> str:
+        servers = ", ".join(cast(Any, self.cache)._servers)
+        return f"memcached cache {self.alias!r} (pylibmc) at {servers}"
+
+    def shortest_life(self, expire: float) -> float:
+        return float(math.ceil(expire) - 1)  # whole seconds, as in memcached.py
+
+    def key_for(self, lock_id: str) -> str:
+        return memcached_key(self.cache, lock_id)
+
+    def _ours(self, key: str, token: object) -> int | None:
+        """The CAS id of the item at ``key`` if it stores ``token``, else None."""
+        value, cas = self._mc.gets(key.encode())
+        if cas is None or value != token:
+            return None
+        return int(cas)
+
+    def _write(self, key: str, token: object, cas: int, expire: int) -> bool:
+        """``cas``: write only while the item's CAS id is still ``cas``."""
+        try:
+            return bool(self._mc.cas(key.encode(), token, cas, expire))
+        except self._not_found:
+            return False
+
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        if not self._mc.add(key.encode(), token, math.ceil(expire)):
+            return None
+        # Someone else's value here means our item expired in between.
+        return self._ours(key, token)
+
+    def draw_fence(
+        self, key: str, hold: Hold, token: str, fence: FenceCounter
+    ) -> int | None:
+        try:
+            try:
+                number = int(self._mc.incr(fence.key.encode(), 1))
+            except self._not_found:
+                if self._mc.add(fence.key.encode(), str(fence.floor), fence.ttl):
+                    number = fence.floor
+                else:  # made by another holder in between
+                    number = int(self._mc.incr(fence.key.encode(), 1))
+        except self._client_error as exc:
+            raise MemcacheError(
+                f"the fencing counter {fence.key!r} holds something that is not a "
+                "number; some other code wrote to that key. Delete it (it restarts "
+                "from the clock) and stop writing to it; no fence was drawn, and the "
+                "lock is still held"
+            ) from exc
+        return number if self._ours(key, token) == hold else None
+
+    def release(self, key: str, hold: Hold, token: object) -> bool:
+        cas = self._ours(key, token)
+        return cas is not None and cas == hold and self._write(key, token, cas, _PAST)
+
+    def discard(self, key: str, token: str) -> bool:
+        cas = self._ours(key, token)
+        return cas is not None and self._write(key, token, cas, _PAST)
+
+    def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
+        cas = self._ours(key, token)
+        if cas is None or cas != hold:
+            return None
+        if not self._write(key, token, cas, math.ceil(expire)):
+            return None
+        return self._ours(key, token)
+
+    def owned(self, key: str, hold: Hold, token: str) -> bool:
+        return self._ours(key, token) == hold
+
+    def locked(self, key: str) -> bool:
+        return self._mc.get(key.encode()) is not None
+
+    def held_many(self, keys: list[str]) -> list[bool]:
+        wire = [key.encode() for key in keys]
+        found = self._mc.get_multi(wire)
+        return [key in found for key in wire]
+
+    def ttl(self, key: str) -> float | None:
+        # libmemcached cannot read an item's expiry. With one server, where the
+        # key lives is plain: ask it with a meta command on a socket of our own.
+        servers = self.cache.client_servers
+        if len(servers) != 1 or servers[0].startswith("/"):
+            raise MemcacheError(
+                "reading a lock's remaining time through pylibmc needs a single "
+                "memcached server (host:port) in LOCATION"
+            )
+        host, _, port = servers[0].rpartition(":")
+        reply = _talk((host, int(port or 11211)), b"mg %s t" % key.encode(), 2.0)
+        if reply.startswith(b"EN"):
+            return None
+        if not reply.startswith(b"HD"):
+            raise MemcacheError(f"memcached answered {reply!r} to mg (needs 1.6+)")
+        seconds = _flag(reply.strip(), b"t")
+        return float("inf") if seconds is None or seconds < 0 else float(seconds)
+
+    def peek(self, key: str) -> Peek | None:
+        value, cas = self._mc.gets(key.encode())
+        if cas is None:
+            return None
+        return Peek(value, int(cas))
+
+    def last_fence(self, key: str, fence_key: str) -> int | None:
+        value = self._mc.get(fence_key.encode())
+        return None if value is None else int(value)
