@@ -7,6 +7,7 @@ from django.core.checks import run_checks
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
+from django_tasklock import Lock
 from django_tasklock.checks import check_settings
 
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
@@ -159,3 +160,28 @@ def test_decorator_defaults_quiet_when_valid(settings):
         "RENEW": True,
     }
     assert ids() == []
+
+
+def test_using_the_app_without_installing_it_is_logged_once(settings, caplog):
+    from django_tasklock.backends import _app_checked, close_thread_connections
+
+    apps_without = [app for app in settings.INSTALLED_APPS if app != "django_tasklock"]
+    settings.INSTALLED_APPS = apps_without
+    _app_checked[0] = False
+    close_thread_connections()  # a fresh backend lookup
+    try:
+        caplog.set_level("WARNING", "django_tasklock.backends")
+        assert Lock("not-installed").acquire()
+        assert Lock("not-installed-2").acquire()
+        settings.CACHES = {**settings.CACHES}  # look the backend up again
+        assert Lock("not-installed-3").acquire()
+        warned = [r for r in caplog.records if "INSTALLED_APPS" in r.getMessage()]
+        assert len(warned) == 1
+    finally:
+        _app_checked[0] = False
+    # Installed: nothing said.
+    settings.INSTALLED_APPS = [*apps_without, "django_tasklock"]
+    caplog.clear()
+    settings.CACHES = {**settings.CACHES}
+    assert Lock("installed").acquire()
+    assert not [r for r in caplog.records if "INSTALLED_APPS" in r.getMessage()]

@@ -22,8 +22,8 @@ from tests.services import Redis, Sentinel
 DJANGO_REDIS = "django_redis.cache.RedisCache"
 
 
-def use(settings, alias, config):
-    settings.CACHES = {**settings.CACHES, alias: {"BACKEND": DJANGO_REDIS, **config}}
+def use(settings, alias, config, backend=DJANGO_REDIS):
+    settings.CACHES = {**settings.CACHES, alias: {"BACKEND": backend, **config}}
     settings.TASKLOCK = {"CACHE": alias, "LOCK_EXPIRE": 60}
 
 
@@ -46,9 +46,15 @@ def primary_and_replica():
     primary.stop()
 
 
-def test_replicated_setup_locks_on_the_primary(settings, primary_and_replica):
+@pytest.mark.parametrize(
+    "backend", [DJANGO_REDIS, "django.core.cache.backends.redis.RedisCache"]
+)
+def test_replicated_setup_locks_on_the_primary(settings, primary_and_replica, backend):
+    """django-redis and Django's own RedisCache: the first LOCATION is the
+    primary, the others replicas that a lock must never be read from."""
     primary, replica = primary_and_replica
-    use(settings, "replicated", {"LOCATION": [primary.url, replica.url]})
+    use(settings, "replicated", {"LOCATION": [primary.url, replica.url]}, backend)
+    assert type(caches["replicated"]).__module__.startswith(backend.split(".")[0])
     lock = Lock("on-primary")
     assert lock.acquire()
     with redis.Redis(port=primary.port) as direct:

@@ -71,6 +71,17 @@ def test_auto_detects_the_proxy_and_locks_through_it(
     assert len([r for r in caplog.records if "twemproxy" in r.getMessage()]) == 1
 
 
+def test_renewal_through_the_proxy(through_proxy):
+    with Lock("renewed-through-proxy", expire=2, renew=True) as lock:
+        started = time.monotonic()
+        while time.monotonic() - started < 3.5:  # past two expiries
+            assert not lock.lost
+            time.sleep(0.1)
+        assert lock.owned()
+    assert not lock.lost
+    assert not Lock("renewed-through-proxy").locked()
+
+
 def test_through_the_proxy_only_the_owner_releases(through_proxy):
     first = Lock("owner-only")
     assert first.acquire()

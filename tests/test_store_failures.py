@@ -123,7 +123,7 @@ def test_store_down_at_release_explicit_release_says_what_became_of_it(flaky):
         assert within and expire - 1 <= int(within.group(1)) <= expire + 1
 
 
-def test_store_back_locking_resumes_without_restart(flaky):
+def test_store_back_locking_resumes_without_restart(flaky, settings):
     holder = Lock("job")
     assert holder.acquire()
     flaky.stop()
@@ -137,7 +137,13 @@ def test_store_back_locking_resumes_without_restart(flaky):
         with pytest.raises(LockBackendError):
             Lock("job").acquire()
     flaky.start()
-    # The restarted store lost every lock: the next caller takes it at once.
+    if settings.CACHES["flaky"]["BACKEND"] == MEMCACHED:
+        # memcached came back empty while the holder may still run: new locks
+        # on it wait out RESTART_GRACE (tests/test_pool_restart.py), here cut to 0.
+        with pytest.raises(LockBackendError, match="RESTART_GRACE"):
+            Lock("job").acquire()
+        settings.TASKLOCK = {**settings.TASKLOCK, "RESTART_GRACE": 0}
+    # The restarted store lost every lock: the next caller takes it.
     again = Lock("job")
     assert again.acquire()
     assert Lock("job").acquire() is False

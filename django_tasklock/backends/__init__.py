@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
@@ -37,6 +38,8 @@ __all__ = [
     "unsafe_options",
     "unsupported_reason",
 ]
+
+logger = logging.getLogger(__name__)
 
 _SUPPORTED = (
     "PyMemcacheCache, PyLibMCCache, RedisCache, django-redis's RedisCache or (one "
@@ -195,7 +198,28 @@ def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
     return backend
 
 
+_app_checked = [False]
+
+
+def _warn_if_not_installed() -> None:
+    """Once per process: say so when the app is used without being installed,
+    since its system checks then never run."""
+    if _app_checked[0]:
+        return
+    _app_checked[0] = True
+    from django.apps import apps
+
+    if apps.ready and not apps.is_installed("django_tasklock"):
+        logger.warning(
+            "django_tasklock is used but is not in INSTALLED_APPS: its system "
+            "checks never run, so a configuration that cannot lock (see README, "
+            "System checks) is only reported when a lock is taken. Add "
+            "'django_tasklock' to INSTALLED_APPS."
+        )
+
+
 def _lookup(alias: str) -> LockBackend:
+    _warn_if_not_installed()
     try:
         cache = caches[alias]
     except InvalidCacheBackendError as exc:
