@@ -172,10 +172,8 @@ def _key_lost(server: Memcached, how: str, tries: int) -> Row:
         wrong += old_released or not new.owned() or not old.lost
         wrong += not (new.fence or 0) > (old_fence or 0)
         new.release()
-    case = "restart (no grace)" if how == "restart" else how
-    row = Row(
-        f"3. key lost to {case}, then retaken", attempts, overlapping, wrong, True
-    )
+    case = "lost to restart (no grace)" if how == "restart" else f"key lost to {how}"
+    row = Row(f"3. {case}, then retaken", attempts, overlapping, wrong, True)
     row.figures.append(
         f"old holder told {told}/{attempts}, left the new lock alone, "
         f"newer fence {newer}/{attempts}"

@@ -144,6 +144,32 @@ def test_ids_spread_over_both_servers_and_are_all_released(
         assert stored_on(list(memcached_pair), f":1:spread-{n}") == [False, False]
 
 
+def test_one_server_behind_the_proxy(settings, memcached):
+    """The same through a twemproxy in front of a single memcached."""
+    proxy = Nutcracker(servers=[memcached]).start()
+    try:
+        settings.CACHES = {
+            **settings.CACHES,
+            "one": {**settings.CACHES["twemproxy"], "LOCATION": proxy.address},
+        }
+        settings.TASKLOCK = {"CACHE": "one", "LOCK_EXPIRE": 60}
+        first = Lock("behind-one")
+        assert first.acquire()
+        assert Lock("behind-one").acquire() is False
+        assert first.fence is not None and first.extend(90)
+        assert memcached.raw(b"get :1:behind-one") != b"END"
+        caches["one"].delete("behind-one")
+        second = Lock("behind-one")
+        assert second.acquire()
+        assert first.release() is False
+        assert second.release() is True
+        assert memcached.raw(b"get :1:behind-one") == b"END"
+    finally:
+        close_connections()
+        memcached_backend._classic_servers.discard(("127.0.0.1", proxy.port))
+        proxy.stop()
+
+
 def test_forcing_meta_through_the_proxy_says_what_to_set(settings, through_proxy):
     settings.TASKLOCK = {"CACHE": "twemproxy", "MEMCACHED_PROTOCOL": "meta"}
     with pytest.raises(LockBackendError) as error:
