@@ -174,7 +174,11 @@ def most_at_once(holds: list[tuple[float, float]]) -> int:
 
 
 def semaphore_holder(
-    tasklock: dict[str, object], name: str, limit: int, queue: object
+    tasklock: dict[str, object],
+    name: str,
+    limit: int,
+    queue: object,
+    expire: float = 2,
 ) -> None:
     """Take a slot of ``name`` renewing, report which, then run until killed."""
     setup_django()
@@ -183,7 +187,7 @@ def semaphore_holder(
     from django_tasklock import Semaphore
 
     settings.TASKLOCK = tasklock
-    semaphore = Semaphore(name, limit, expire=2, renew=True)
+    semaphore = Semaphore(name, limit, expire=expire, renew=True)
     assert semaphore.acquire()
     queue.put((os.getpid(), semaphore.slot))  # type: ignore[attr-defined]
     while True:
