@@ -61,7 +61,8 @@ def test_replicated_setup_locks_on_the_primary(settings, primary_and_replica, ba
         assert direct.exists(":1:on-primary") == 1
     assert Lock("on-primary").acquire() is False
     assert lock.fence is not None
-    assert caches["replicated"].get("on-primary") == lock.token
+    # The cache's own reads go to the replica, which may lag a moment behind.
+    wait_until(lambda: caches["replicated"].get("on-primary") == lock.token)
     assert lock.release()
     with redis.Redis(port=primary.port) as direct:
         assert direct.exists(":1:on-primary") == 0

@@ -94,16 +94,19 @@ def test_a_restarted_node_hands_out_no_lock_a_live_holder_still_has(settings, po
 @pytest.mark.slow
 def test_without_the_grace_the_restarted_node_hands_its_ids_out_again(settings, pool):
     """The same measurement with RESTART_GRACE 0: second holders appear, so
-    the zero above is the grace's doing."""
+    the zero above is the grace's doing. (Locks of 30 s here, so that a slow
+    start of the second process cannot outlast them.)"""
+    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": 30}
     _locks, valid_until, on_victim = hold_all_and_restart_one(pool)
     result = second_holders(
-        settings, {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE, "RESTART_GRACE": 0}
+        settings, {"CACHE": "pool", "LOCK_EXPIRE": 30, "RESTART_GRACE": 0}
     )
     early = {i for i, at in result["taken"].items() if at < valid_until[i]}
     assert early == set(on_victim)
 
 
 def test_this_process_refuses_a_node_it_saw_restart(settings, pool, caplog):
+    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE, "RESTART_GRACE": 60}
     victim = pool[0]
     lock_id = next(
         i
