@@ -73,10 +73,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     ]
     alias = raw.get("CACHE", DEFAULTS["CACHE"]) if isinstance(raw, dict) else "default"
     if isinstance(alias, str) and alias:
-        messages.extend(_check_cache(alias))
-        if not messages:
-            protocol = raw.get("MEMCACHED_PROTOCOL", DEFAULTS["MEMCACHED_PROTOCOL"])
-            messages.extend(_check_protocol(alias, protocol))
+        # The servers are asked only when every setting is valid.
+        protocol = (
+            None
+            if messages
+            else raw.get("MEMCACHED_PROTOCOL", DEFAULTS["MEMCACHED_PROTOCOL"])
+        )
+        messages.extend(_check_cache(alias, protocol))
     return messages
 
 
@@ -92,16 +95,10 @@ def _servers(config: dict[str, Any]) -> list[tuple[str, int]]:
     return servers
 
 
-def _check_protocol(alias: str, protocol: object) -> list[CheckMessage]:
+def _check_protocol(
+    alias: str, config: dict[str, Any], protocol: object
+) -> list[CheckMessage]:
     """E012/W002: ask each memcached server of the alias how it meets ``mn``."""
-    caches_setting: dict[str, Any] = django_settings.CACHES
-    config: dict[str, Any] = caches_setting[alias]
-    try:
-        backend_class = import_string(config.get("BACKEND", ""))
-    except ImportError:
-        return []
-    if protocol == "classic" or not issubclass(backend_class, PyMemcacheCache):
-        return []
     messages: list[CheckMessage] = []
     for server in _servers(config):
         try:
@@ -142,7 +139,9 @@ def _check_protocol(alias: str, protocol: object) -> list[CheckMessage]:
     return messages
 
 
-def _check_cache(alias: str) -> list[CheckMessage]:
+def _check_cache(alias: str, protocol: object) -> list[CheckMessage]:
+    """The alias's backend and options; with ``protocol`` (None: skip, another
+    setting is already wrong), how its memcached servers meet meta commands."""
     caches_setting: dict[str, Any] = django_settings.CACHES
     config = caches_setting.get(alias)
     if config is None:
@@ -192,4 +191,10 @@ def _check_cache(alias: str) -> list[CheckMessage]:
                 id="django_tasklock.W001",
             )
         )
+    if (
+        not messages
+        and protocol not in (None, "classic")
+        and issubclass(backend_class, PyMemcacheCache)
+    ):
+        messages.extend(_check_protocol(alias, config, protocol))
     return messages

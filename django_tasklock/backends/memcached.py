@@ -203,6 +203,14 @@ def _flag(reply: bytes, name: bytes) -> int | None:
     return None
 
 
+def _ttl_of(reply: bytes) -> float | None:
+    """The seconds left that an ``mg <key> t`` reply gives; None if no item."""
+    if not reply.startswith(b"HD"):
+        return None
+    seconds = _flag(reply, b"t")
+    return float("inf") if seconds is None or seconds < 0 else float(seconds)
+
+
 class MemcachedBackend(LockBackend):
     """Locks on the memcached servers of a PyMemcacheCache alias."""
 
@@ -248,11 +256,9 @@ class MemcachedBackend(LockBackend):
 
     def describe(self, key: str) -> str:
         try:
-            server = self._client(key).server
+            server = _server_name(self._client(key).server)
         except self.errors:
             server = "(no live server)"
-        if isinstance(server, tuple):
-            server = "{}:{}".format(*server)
         return f"memcached cache {self.alias!r} at {server}"
 
     def shortest_life(self, expire: float) -> float:
@@ -739,10 +745,7 @@ class MemcachedBackend(LockBackend):
                 "reading a lock's remaining time needs memcached's meta commands "
                 "(memcached 1.6+)"
             )
-        if not reply.startswith(b"HD"):
-            return None
-        seconds = _flag(reply, b"t")
-        return float("inf") if seconds is None or seconds < 0 else float(seconds)
+        return _ttl_of(reply)
 
     def peek(self, key: str) -> Peek | None:
         value, cas = self._client(key).gets(key)

@@ -23,7 +23,7 @@ from pymemcache.exceptions import MemcacheError
 
 from ..keys import memcached_key
 from .base import FenceCounter, Hold, LockBackend, Peek
-from .memcached import _PAST, _flag, _talk
+from .memcached import _PAST, _bad_counter, _talk, _ttl_of
 
 if TYPE_CHECKING:
     from django.core.cache.backends.memcached import PyLibMCCache
@@ -108,12 +108,7 @@ class PyLibMCBackend(LockBackend):
                 else:  # made by another holder in between
                     number = int(self._mc.incr(fence.key.encode(), 1))
         except self._client_error as exc:
-            raise MemcacheError(
-                f"the fencing counter {fence.key!r} holds something that is not a "
-                "number; some other code wrote to that key. Delete it (it restarts "
-                "from the clock) and stop writing to it; no fence was drawn, and the "
-                "lock is still held"
-            ) from exc
+            raise _bad_counter(fence, str(exc).encode()) from exc
         return number if self._ours(key, token) == hold else None
 
     def release(self, key: str, hold: Hold, token: object) -> bool:
@@ -154,12 +149,9 @@ class PyLibMCBackend(LockBackend):
             )
         host, _, port = servers[0].rpartition(":")
         reply = _talk((host, int(port or 11211)), b"mg %s t" % key.encode(), 2.0)
-        if reply.startswith(b"EN"):
-            return None
-        if not reply.startswith(b"HD"):
+        if not reply.startswith((b"EN", b"HD")):
             raise MemcacheError(f"memcached answered {reply!r} to mg (needs 1.6+)")
-        seconds = _flag(reply.strip(), b"t")
-        return float("inf") if seconds is None or seconds < 0 else float(seconds)
+        return _ttl_of(reply.strip())
 
     def peek(self, key: str) -> Peek | None:
         value, cas = self._mc.gets(key.encode())

@@ -91,8 +91,13 @@ class RedisBackend(LockBackend):
     def __init__(self, cache: RedisCache, alias: str) -> None:
         super().__init__(cache, alias)
         self.errors = _redis_errors()
-        self._cache_client: Any = cache._cache
+        self._cache_client: Any = self._client_of(cache)
         self._primary: Any = None
+
+    @staticmethod
+    def _client_of(cache: Any) -> Any:
+        """The cache's client object: connections, serializer."""
+        return cache._cache
 
     def key_for(self, lock_id: str) -> str:
         return encodable_key(self.cache, lock_id)
@@ -205,11 +210,9 @@ class DjangoRedisBackend(RedisBackend):
     the client's own serializer and compressor.
     """
 
-    def __init__(self, cache: Any, alias: str) -> None:
-        LockBackend.__init__(self, cache, alias)
-        self.errors = _redis_errors()
-        self._cache_client = cache.client
-        self._primary = None
+    @staticmethod
+    def _client_of(cache: Any) -> Any:
+        return cache.client
 
     def _connect(self, key: str) -> Any:
         return self._cache_client.get_client(write=True)
