@@ -5,12 +5,11 @@ same ids."""
 from __future__ import annotations
 
 import multiprocessing
-import signal
 import time
 
 from reliability.faults import Row, setup_django
 from tests.services import Memcached
-from tests.workers import take_until_all
+from tests.workers import hold_and_restart_busiest, take_until_all
 
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
 EXPIRE = 4
@@ -23,9 +22,6 @@ def node_restarted(main: Memcached, tries: int, ids: int = 75) -> Row:
     holder's lock was still valid."""
     from django.conf import settings
     from django.test import override_settings
-
-    from django_tasklock import Lock
-    from django_tasklock.backends import backend_for
 
     attempts = overlapping = wrong = 0
     waits: list[float] = []
@@ -40,22 +36,9 @@ def node_restarted(main: Memcached, tries: int, ids: int = 75) -> Row:
         names = [f"fault-node-{n}-{i}" for i in range(ids)]
         try:
             with override_settings(CACHES=caches_setting, TASKLOCK=tasklock):
-                locks = [Lock(name) for name in names]
-                valid_until = {}
-                for lock in locks:
-                    assert lock.acquire()
-                    valid_until[lock.lock_id] = lock._valid_until
-                backend = backend_for("pool")
-                port_of = {
-                    name: backend._client(backend.key_for(name)).server[1]
-                    for name in names
-                }
-                victim = max(
-                    servers, key=lambda s: list(port_of.values()).count(s.port)
+                _locks, valid_until, on_victim = hold_and_restart_busiest(
+                    servers, "pool", names
                 )
-                on_victim = [name for name in names if port_of[name] == victim.port]
-                victim.stop(signal.SIGKILL)
-                victim.start()
                 restarted = time.monotonic()
                 with context.Pool(
                     1, initializer=setup_django, initargs=(main.address,)

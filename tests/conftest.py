@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -10,6 +11,16 @@ from django.core.cache import caches, close_caches
 from django.test import override_settings
 
 from tests.services import Memcached, Redis
+
+
+def wait_until(condition, limit: float = 30.0) -> float:
+    """Seconds until ``condition()`` held, polling every 5 ms."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > limit:
+            raise AssertionError(f"not within {limit}s")
+        time.sleep(0.005)
+    return time.monotonic() - started
 
 
 def close_connections() -> None:

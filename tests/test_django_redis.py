@@ -7,8 +7,6 @@ serializers, and the client classes that are refused.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import redis
 from django.core.cache import caches
@@ -16,7 +14,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
 from django_tasklock import Lock, LockConfigurationError
-from tests.conftest import close_connections
+from tests.conftest import close_connections, wait_until
 from tests.services import Redis, Sentinel
 
 DJANGO_REDIS = "django_redis.cache.RedisCache"
@@ -25,13 +23,6 @@ DJANGO_REDIS = "django_redis.cache.RedisCache"
 def use(settings, alias, config, backend=DJANGO_REDIS):
     settings.CACHES = {**settings.CACHES, alias: {"BACKEND": backend, **config}}
     settings.TASKLOCK = {"CACHE": alias, "LOCK_EXPIRE": 60}
-
-
-def wait_until(condition, limit=30.0):
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {limit}s"
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, pending
 from django_tasklock.backends.redis import _ACQUIRE, _RELEASE, _SHA
+from tests.conftest import wait_until
 from tests.faultproxy import FaultProxy
 from tests.services import Memcached, Redis, stop_and_wait
 
@@ -27,16 +28,6 @@ REDIS = "django.core.cache.backends.redis.RedisCache"
 def use_cache(settings, config, alias="lossy", **tasklock):
     settings.CACHES = {**settings.CACHES, alias: config}
     settings.TASKLOCK = {"CACHE": alias, "LOCK_EXPIRE": 60, **tasklock}
-
-
-def wait_until(condition, limit: float = 30.0) -> float:
-    """Seconds until ``condition()`` held, polling every 5 ms."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > limit:
-            raise AssertionError(f"not within {limit}s")
-        time.sleep(0.005)
-    return time.monotonic() - started
 
 
 def wait_for_pending_watch(before: int) -> None:

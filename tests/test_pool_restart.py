@@ -20,7 +20,7 @@ from django_tasklock import Lock, LockBackendError
 from django_tasklock.backends import backend_for
 from tests.conftest import close_connections
 from tests.services import Memcached
-from tests.workers import setup_django, take_until_all
+from tests.workers import hold_and_restart_busiest, setup_django, take_until_all
 
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
 EXPIRE = 4
@@ -44,22 +44,8 @@ def pool(settings):
 
 def hold_all_and_restart_one(servers):
     """Take every id here; SIGKILL the node holding the most and restart it."""
-    locks = [Lock(lock_id) for lock_id in IDS]
-    valid_until = {}
-    for lock in locks:
-        assert lock.acquire()
-        # As long as the holder may count on it (memcached's whole seconds).
-        valid_until[lock.lock_id] = lock._valid_until
-    backend = backend_for("pool")
-    node_of = {
-        lock_id: "{}:{}".format(*backend._client(backend.key_for(lock_id)).server)
-        for lock_id in IDS
-    }
-    victim = max(servers, key=lambda s: list(node_of.values()).count(s.address))
-    on_victim = [lock_id for lock_id in IDS if node_of[lock_id] == victim.address]
+    locks, valid_until, on_victim = hold_and_restart_busiest(servers, "pool", IDS)
     assert 5 <= len(on_victim) < len(IDS), "the ids did not spread over the pool"
-    victim.stop(signal.SIGKILL)
-    victim.start()
     return locks, valid_until, on_victim
 
 

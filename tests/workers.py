@@ -6,6 +6,10 @@ import os
 import signal
 import time
 import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.services import Memcached
 
 
 def setup_django() -> None:
@@ -244,3 +248,29 @@ def take_until_all(
                     last_error = str(exc)
             time.sleep(0.02)
     return {"taken": taken, "errors": errors, "last_error": last_error}
+
+
+def hold_and_restart_busiest(
+    servers: list[Memcached], alias: str, ids: list[str]
+) -> tuple[list[object], dict[str, float], list[str]]:
+    """Take every id in ``ids`` on the pool ``alias``; SIGKILL the server that
+    holds the most and restart it empty.
+
+    Returns the locks, until when each holder may count on its lock (memcached's
+    whole seconds), and the ids that were on the restarted server.
+    """
+    from django_tasklock import Lock
+    from django_tasklock.backends import backend_for
+
+    locks = [Lock(lock_id) for lock_id in ids]
+    valid_until: dict[str, float] = {}
+    for lock in locks:
+        assert lock.acquire()
+        valid_until[lock.lock_id] = lock._valid_until  # type: ignore[assignment]
+    backend = backend_for(alias)
+    port_of = {i: backend._client(backend.key_for(i)).server[1] for i in ids}  # type: ignore[attr-defined]
+    victim = max(servers, key=lambda s: list(port_of.values()).count(s.port))
+    on_victim = [i for i in ids if port_of[i] == victim.port]
+    victim.stop(signal.SIGKILL)
+    victim.start()
+    return list(locks), valid_until, on_victim
