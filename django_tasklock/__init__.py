@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .decorator import current_lock, lock_id_for, single_instance
 from .exceptions import (
+    AlreadyQueued,
     InvalidLockExpire,
     LockBackendError,
     LockConfigurationError,
@@ -18,6 +19,7 @@ from .semaphores import Semaphore
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyQueued",
     "InvalidLockExpire",
     "Lock",
     "LockBackendError",

@@ -15,6 +15,7 @@ Ids are stable and documented in README.rst:
 - E010 TASKLOCK['RETRY_COUNTDOWN'] is not a number of seconds >= 0.
 - E011 TASKLOCK['RENEW'] is not True or False.
 - E013 TASKLOCK['RESTART_GRACE'] is not None or a number of seconds >= 0.
+- E014 TASKLOCK['QUEUE_EXPIRE'] is not a number of seconds in (0, 30 days].
 - E012 TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
   refuses meta commands (memcached < 1.6, or a proxy such as twemproxy).
 - W001 the lock cache is LocMemCache: locks hold within one process only.
@@ -52,6 +53,7 @@ _SETTING_IDS = {
     "RETRY_COUNTDOWN": "django_tasklock.E010",
     "RENEW": "django_tasklock.E011",
     "RESTART_GRACE": "django_tasklock.E013",
+    "QUEUE_EXPIRE": "django_tasklock.E014",
 }
 _OPTION_IDS = {
     "default_noreply": "django_tasklock.E005",

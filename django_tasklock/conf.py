@@ -45,6 +45,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "RETRY_COUNTDOWN": 5,
     "RENEW": False,
     "RESTART_GRACE": None,
+    "QUEUE_EXPIRE": 3600,
 }
 
 
@@ -118,6 +119,7 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
         if v is None
         else validate_seconds(v, name="TASKLOCK['RESTART_GRACE']", allow_zero=True)
     ),
+    "QUEUE_EXPIRE": lambda v: validate_expire(v, name="TASKLOCK['QUEUE_EXPIRE']"),
 }
 
 
@@ -243,6 +245,12 @@ class Settings:
         refused: ``LOCK_EXPIRE`` unless set."""
         value: float | None = self._get("RESTART_GRACE")
         return self.LOCK_EXPIRE if value is None else value
+
+    @property
+    def QUEUE_EXPIRE(self) -> float:
+        """Seconds a pending call's lock lasts beyond its countdown or ETA."""
+        value: float = self._get("QUEUE_EXPIRE")
+        return value
 
     @property
     def MEMCACHED_PROTOCOL(self) -> Protocol:

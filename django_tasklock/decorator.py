@@ -12,6 +12,17 @@ from contextvars import ContextVar
 from typing import Any, Literal, TypeVar, cast, overload
 
 from .arguments import KeySpec, binder, call_digest
+from .backends import backend_for
+from .calls import (
+    DUPLICATE_POLICIES,
+    MODES,
+    call_of,
+    handed_to_autoretry,
+    queue_life,
+    queue_lock_id,
+    queued,
+    started,
+)
 from .conf import (
     CONTENTION_POLICIES,
     TIMEOUT_POLICIES,
@@ -21,7 +32,7 @@ from .conf import (
     validate_expire,
     validate_seconds,
 )
-from .exceptions import LockNotAcquired
+from .exceptions import LockBackendError, LockNotAcquired
 from .locks import ON_LOST_POLICIES, Lock, OnLost
 from .semaphores import Semaphore, validate_limit
 
@@ -31,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 Policy = Literal["skip", "raise", "retry", "wait"]
+Mode = Literal["while_running", "until_finished", "until_started", "coalesce"]
+OnDuplicate = Literal["join", "raise", "replace"]
 
 #: Seconds a lock capped by a Celery time limit lasts beyond that limit.
 TIME_LIMIT_MARGIN = 1.0
@@ -78,7 +91,10 @@ def _releasing_retry(task: Any) -> None:
         # (it called the task directly, or apply()) keeps its lock.
         for lock in reversed(_held.get()):
             if getattr(lock, "task", None) is task:
-                lock.release_quietly()
+                # An until_finished call's lock is handed to the retry as it is
+                # sent (see calls), never freed in between.
+                if not getattr(lock, "hands_over", False):
+                    lock.release_quietly()
                 break
         return original(*args, **kwargs)
 
@@ -87,9 +103,13 @@ def _releasing_retry(task: Any) -> None:
 
 
 class _TaskLock(Lock):
-    """A Lock that remembers which task instance holds it."""
+    """A Lock that remembers which task instance and call hold it."""
 
     task: Any = None
+    #: The task id of the worker's call holding it, if any.
+    call_id: str | None = None
+    #: True when a retry takes the lock over as it is sent (until_finished).
+    hands_over = False
 
 
 class _TaskSemaphore(Semaphore):
@@ -118,6 +138,9 @@ def single_instance(
     max_hold: float | None = None,
     on_lost: OnLost = "warn",
     limit: int | None = None,
+    mode: Mode = "while_running",
+    on_duplicate: OnDuplicate = "join",
+    queue_expire: float | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -136,6 +159,9 @@ def single_instance(
     max_hold: float | None = None,
     on_lost: OnLost = "warn",
     limit: int | None = None,
+    mode: Mode = "while_running",
+    on_duplicate: OnDuplicate = "join",
+    queue_expire: float | None = None,
 ) -> F | Callable[[F], F]:
     """Run the decorated task (or function) at most once at a time per arguments.
 
@@ -199,6 +225,15 @@ def single_instance(
     if limit is not None:
         validate_limit(limit)
     validate_choice(on_lost, name="on_lost", choices=ON_LOST_POLICIES)
+    validate_choice(mode, name="mode", choices=MODES)
+    validate_choice(on_duplicate, name="on_duplicate", choices=DUPLICATE_POLICIES)
+    if queue_expire is not None:
+        validate_expire(queue_expire, name="queue_expire")
+    if mode != "while_running" and limit not in (None, 1):
+        raise TypeError(
+            f"limit= works with mode='while_running' only, not mode={mode!r}: a call "
+            "is pending under one lock id. Drop limit=, or the mode."
+        )
     options = _Options(
         key=key,
         expire=expire,
@@ -211,6 +246,9 @@ def single_instance(
         max_hold=max_hold,
         on_lost=on_lost,
         limit=limit,
+        mode=mode,
+        on_duplicate=on_duplicate,
+        queue_expire=queue_expire,
     )
     if func is None:
         return lambda function: _decorate(function, options)
@@ -237,9 +275,16 @@ class _Options:
     max_hold: float | None
     on_lost: OnLost
     limit: int | None
+    mode: str = "while_running"
+    on_duplicate: str = "join"
+    queue_expire: float | None = None
 
 
 def _decorate(func: F, options: _Options) -> F:
+    if options.mode != "while_running":
+        from .calls import install
+
+        install()
     signature = inspect.signature(func)
     parameters = list(signature.parameters.values())
     first = parameters[0] if parameters else None
@@ -288,20 +333,50 @@ def _decorate(func: F, options: _Options) -> F:
             else _time_limit(task),
             "on_lost": options.on_lost,
         }
+        request = getattr(task, "request", None) if task is not None else None
+        call_id: str | None = (
+            request.id
+            if request is not None and not request.called_directly and request.id
+            else None
+        )
+        mode = options.mode
+        if call_id is not None and mode == "until_started":
+            return _run_started(func, args, kwargs, the_id, call_id, options, name)
         lock: Lock | Semaphore
         if options.limit is None or options.limit == 1:
             lock = _TaskLock(the_id, **lock_options)
+            if call_id is not None:
+                # The token names the call, for a second delivery of its message
+                # and for ``tasklock status``.
+                lock.owner += "#" + call_id
+                lock.call_id = call_id
+                if mode == "until_finished":
+                    lock._take_over = queued(call_id)
+                    lock.hands_over = True
         else:
             lock = _TaskSemaphore(the_id, options.limit, **lock_options)
         lock.task = task
         policy = options.on_contention or settings.ON_CONTENTION
+        if call_id is not None and mode == "coalesce":
+            policy = "wait"  # a pending call is never dropped: it waits its turn
         if not _acquire(lock, policy, options):
-            return _contended(lock, policy, options, name, task if bound else None)
+            if call_id is not None:
+                _drop_second_delivery(lock, call_id, name)
+                if mode == "coalesce":
+                    return _send_again(task, lock, options, name)
+            return _contended(lock, policy, options, name, task, bound)
+        if call_id is not None and mode == "coalesce":
+            _leave_queue(lock, call_id, options)
         if task is not None:
             _releasing_retry(task)
         reset = _held.set((*_held.get(), lock))
         try:
             return func(*args, **kwargs)
+        except BaseException as exc:
+            handing = isinstance(lock, _TaskLock) and lock.hands_over
+            if handing and _will_autoretry(task, exc):
+                _hand_to_autoretry(lock, task, options)  # type: ignore[arg-type]
+            raise
         finally:
             _held.reset(reset)
             lock.release_quietly()
@@ -416,14 +491,25 @@ def _contended(
     policy: str,
     options: _Options,
     name: str,
-    bound_task: Any,
+    task: Any,
+    bound: bool,
 ) -> Any:
     if policy == "wait":
         policy = options.on_timeout
+    if policy == "skip" and _in_canvas(task):
+        # A chain's next link, a group's result or a chord's callback would get
+        # None as if this run had succeeded: fail it visibly instead.
+        logger.info(
+            "%s is part of a chain, group or chord and lock %r is held by another "
+            "run: failing it with LockNotAcquired instead of skipping it",
+            name,
+            lock.lock_id,
+        )
+        policy = "raise"
     if policy == "raise":
         raise LockNotAcquired(lock.lock_id)
     if policy == "retry":
-        if bound_task is None:
+        if not bound:
             raise TypeError(
                 f"on_contention='retry' needs a bound Celery task; {name} was called "
                 "without one. Use @app.task(bind=True), or another on_contention."
@@ -439,6 +525,162 @@ def _contended(
             countdown,
             lock.lock_id,
         )
-        return bound_task.retry(countdown=countdown)
+        return task.retry(countdown=countdown)
     logger.info("Skipped %s: lock %r is held by another run", name, lock.lock_id)
     return None
+
+
+def _in_canvas(task: Any) -> bool:
+    """True if this run of ``task`` is a member of a chain, group or chord."""
+    request = getattr(task, "request", None)
+    if request is None or getattr(request, "called_directly", True):
+        return False
+    return bool(
+        getattr(request, "callbacks", None)
+        or getattr(request, "chain", None)
+        or getattr(request, "chord", None)
+        or getattr(request, "group", None)
+    )
+
+
+# -- the worker's side of the enqueue-time modes (see calls) ------------------------
+
+
+def _ignore() -> BaseException:
+    from celery.exceptions import Ignore
+
+    ignore: BaseException = Ignore()
+    return ignore
+
+
+def _drop_second_delivery(lock: Lock | Semaphore, call_id: str, name: str) -> None:
+    """Raise Celery's Ignore if the lock is held by this very call: a second
+    delivery of its message (a broker redelivering it while it runs)."""
+    backend, key = lock._backend()  # type: ignore[union-attr]
+    try:
+        peek = backend.peek(key)
+    except backend.errors:
+        return
+    holder = None if peek is None else call_of(peek.value)
+    if holder is not None and holder[1] == call_id and holder[0] != "queued":
+        logger.warning(
+            "Dropped a second delivery of %s[%s]: that call is already running "
+            "(lock %r). The broker delivered its message again (a visibility "
+            "timeout or acks_late redelivery).",
+            name,
+            call_id,
+            lock.lock_id,
+        )
+        raise _ignore()
+
+
+def _send_again(task: Any, lock: Lock | Semaphore, options: _Options, name: str) -> Any:
+    """coalesce: the running call outlasted the wait; this pending call goes
+    back to the broker (same task id, still pending) instead of being dropped."""
+    countdown = (
+        options.countdown if options.countdown is not None else settings.RETRY_COUNTDOWN
+    )
+    logger.info(
+        "%s[%s] waited for lock %r in vain; sent again with a countdown of %ss",
+        name,
+        task.request.id,
+        lock.lock_id,
+        countdown,
+    )
+    task.signature_from_request(task.request, countdown=countdown).apply_async()
+    raise _ignore()
+
+
+def _leave_queue(lock: Lock | Semaphore, call_id: str, options: _Options) -> None:
+    """coalesce: the call runs now; a call made from here on is a new one."""
+    backend, _key = lock._backend()  # type: ignore[union-attr]
+    key = backend.keys_for(queue_lock_id(lock.lock_id, "coalesce"))[0]
+    try:
+        backend.discard(key, queued(call_id))
+    except backend.errors:
+        logger.exception(
+            "Could not clear the pending mark of call %s; calls made during this "
+            "run join it until it expires",
+            call_id,
+        )
+
+
+def _will_autoretry(task: Any, exc: BaseException) -> bool:
+    """True if Celery's ``autoretry_for`` is about to retry ``task`` for ``exc``."""
+    autoretry_for = tuple(getattr(task, "autoretry_for", ()) or ())
+    if not autoretry_for or not isinstance(exc, autoretry_for):
+        return False
+    from celery.exceptions import Ignore, Retry
+
+    dont = tuple(getattr(task, "dont_autoretry_for", ()) or ())
+    if isinstance(exc, (Ignore, Retry, *dont)):
+        return False
+    retry_kwargs = getattr(task, "retry_kwargs", None) or {}
+    max_retries = retry_kwargs.get("max_retries", task.max_retries)
+    return max_retries is None or task.request.retries < max_retries
+
+
+def _hand_to_autoretry(lock: _TaskLock, task: Any, options: _Options) -> None:
+    """Keep the call's lock across the retry ``autoretry_for`` sends next."""
+    retry_kwargs = getattr(task, "retry_kwargs", None) or {}
+    delay = max(
+        float(retry_kwargs.get("countdown") or 0),
+        float(getattr(task, "default_retry_delay", 0) or 0),
+        float(getattr(task, "retry_backoff_max", 0) or 0)
+        if getattr(task, "retry_backoff", False)
+        else 0.0,
+    )
+    assert lock.call_id is not None
+    try:
+        if lock.hand_over(
+            queued(lock.call_id), queue_life(options.queue_expire, delay)
+        ):
+            handed_to_autoretry(lock.call_id, lock.lock_id, options)
+    except LockBackendError:
+        logger.exception("Could not keep lock %r for the retry", lock.lock_id)
+
+
+def _run_started(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lock_id: str,
+    call_id: str,
+    options: _Options,
+    name: str,
+) -> Any:
+    """until_started: mark the call started (a new call may be queued from now
+    on) and run the body; no lock is held while it runs."""
+    alias = options.cache or settings.CACHE
+    backend = backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL)
+    key = backend.keys_for(lock_id)[0]
+    mark = started(call_id)
+    expire = options.expire if options.expire is not None else settings.LOCK_EXPIRE
+    try:
+        peek = backend.peek(key)
+        if peek is not None and peek.value == mark:
+            logger.warning(
+                "Dropped a second delivery of %s[%s]: that call has already started "
+                "(lock %r).",
+                name,
+                call_id,
+                lock_id,
+            )
+            raise _ignore()
+        if peek is not None and peek.value == queued(call_id):
+            backend.replace(key, peek.hold, peek.value, mark, expire)
+        elif peek is None:
+            backend.acquire(key, mark, expire)
+    except backend.errors as exc:
+        raise LockBackendError(
+            f"Could not mark the call started: {type(exc).__name__}: {exc}",
+            lock_id=lock_id,
+            store=backend.describe(key),
+        ) from exc
+    try:
+        return func(*args, **kwargs)
+    finally:
+        try:
+            backend.discard(key, mark)
+        except backend.errors:
+            logger.exception("Could not clear the started mark of lock %r", lock_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.core.exceptions import ImproperlyConfigured
 
 __all__ = [
+    "AlreadyQueued",
     "InvalidLockExpire",
     "LockBackendError",
     "LockConfigurationError",
@@ -34,6 +35,29 @@ class LockNotAcquired(TaskLockError):
             "run. Try again later, or wait for it with Lock.acquire(blocking=True, "
             "timeout=...)."
         )
+
+
+class AlreadyQueued(TaskLockError):
+    """An identical call is already pending or running, so this one was not sent.
+
+    Raised by ``.delay()``/``.apply_async()`` of a task decorated with
+    ``@single_instance(mode=..., on_duplicate="raise")``. ``task_id`` is the
+    call that is pending or running (``app.AsyncResult(exc.task_id)`` waits for
+    it); ``lock_id`` the lock both calls share.
+    """
+
+    def __init__(self, task_id: str | None, lock_id: str) -> None:
+        self.task_id = task_id
+        self.lock_id = lock_id
+        which = "with an unknown task id" if task_id is None else f"{task_id!r}"
+        super().__init__(
+            f"An identical call ({which}) is already pending or running under lock "
+            f"{lock_id!r}; this call was not sent. Wait for that one "
+            "(app.AsyncResult(exc.task_id).get()), or send again once it is over."
+        )
+
+    def __reduce__(self) -> tuple[type[AlreadyQueued], tuple[str | None, str]]:
+        return type(self), (self.task_id, self.lock_id)
 
 
 class LockLost(TaskLockError):

@@ -205,6 +205,10 @@ class Lock(Holding):
         self.acquired_at: float | None = None
         self._lost = self._reported = False
 
+    #: The stored value of the queued call this lock's first acquire may take
+    #: over (see ``calls``); None: take it only if free.
+    _take_over: str | None = None
+
     def __repr__(self) -> str:
         state = "lost" if self.lost else "held" if self._hold is not None else "free"
         return f"<Lock {self.lock_id!r} {state}>"
@@ -359,7 +363,10 @@ class Lock(Holding):
         while True:
             token = new_token(self.owner)
             try:
-                hold = backend.acquire(key, token, expire)
+                if self._take_over is None:
+                    hold = backend.acquire(key, token, expire)
+                else:
+                    hold = self._take_over_call(backend, key, token, expire)
             except backend.errors as exc:
                 if not backend.lost_with_store(exc):
                     # Sent, perhaps carried out, reply unknown: the token may be
@@ -392,6 +399,46 @@ class Lock(Holding):
                     self._send_contended(backend, key, now - started)
                 return False
             pause, tried_at = next_pause, time.monotonic()
+
+    def _take_over_call(
+        self, backend: LockBackend, key: str, token: str, expire: float
+    ) -> Hold | None:
+        """Take the lock from the queued call this run is (see ``calls``): only
+        while it stores ``_take_over``, in one conditional write; a free lock is
+        taken as usual (its queued mark expired, or was never made)."""
+        peek = backend.peek(key)
+        if peek is None:
+            return backend.acquire(key, token, expire)
+        if peek.value != self._take_over:
+            return None
+        return backend.replace(key, peek.hold, peek.value, token, expire)
+
+    def hand_over(self, value: str, expire: float) -> bool:
+        """Store ``value`` in place of this holder's token, in one conditional
+        write, and stop holding: how a running call's lock becomes its retry's.
+
+        True if the store had this holder's lock and now has ``value``. Raises
+        ``LockBackendError`` if the store cannot be reached (the lock is then
+        kept, and released as usual).
+        """
+        self._require_hold("hand_over()")
+        self._stop_heartbeat()
+        with self._guard:
+            if self._hold is None:
+                return False
+            backend, key = self._backend()
+            assert self.token is not None
+            try:
+                replaced = backend.replace(key, self._hold, self.token, value, expire)
+            except backend.errors as exc:
+                raise self._store_error(
+                    backend, key, "hand the lock over", exc
+                ) from exc
+            self._hold = None
+            if replaced is None:
+                self._report_lost("hand over")
+                return False
+        return True
 
     def _send_contended(self, backend: LockBackend, key: str, waited: float) -> None:
         try:

@@ -22,6 +22,15 @@ by ``memcache_lock`` and ``@single_instance``) and these keyword arguments:
     ``"check"`` (``check()`` or ``lost`` judging by the clock that the lock's
     life ran out with no extension), and ``reason``: what was found.
 
+``call_deduplicated``
+    Sent with ``sender`` the Celery task (or Django task) when a call is not
+    published because an identical one is pending or running (see README,
+    Stopping duplicates at ``.delay()``): ``lock_id``, ``task_id`` (the call
+    that is pending or running), ``new_id`` (the id this call would have had),
+    ``mode`` and ``action``: ``"joined"`` (the caller got the existing call's
+    result), ``"raised"`` (``AlreadyQueued``) or ``"replaced"`` (the pending
+    call was revoked and this one published in its place).
+
 The signals are sent with ``send_robust``: a receiver that raises is logged by
 Django and never breaks a lock (a metrics exporter that is down must not leave a
 lock held). ``lock_lost`` from the heartbeat is sent in the heartbeat's thread, from
@@ -33,9 +42,16 @@ from __future__ import annotations
 
 from django.dispatch import Signal
 
-__all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released"]
+__all__ = [
+    "call_deduplicated",
+    "lock_acquired",
+    "lock_contended",
+    "lock_lost",
+    "lock_released",
+]
 
 lock_acquired = Signal()
 lock_contended = Signal()
 lock_released = Signal()
 lock_lost = Signal()
+call_deduplicated = Signal()

@@ -49,7 +49,7 @@ class Owner:
         if parsed is None:
             return None
         name, pid = parsed
-        host = name.rpartition("@")[2]
+        host = name.partition("#")[0].rpartition("@")[2]
         alive = _process_alive(pid) if host == socket.gethostname() else None
         return cls(name=name, host=host, pid=pid, alive=alive)
 

@@ -26,4 +26,22 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
 )
+if os.environ.get("TASKLOCK_TEST_VISIBILITY"):
+    # Redelivery: a message not acked within the visibility timeout goes back
+    # to the queue, and kombu looks for such messages every second.
+    app.conf.task_acks_late = True
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ["TASKLOCK_TEST_VISIBILITY"]),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
+if os.environ.get("TASKLOCK_TEST_BEAT"):
+    app.conf.beat_schedule = {
+        "often": {
+            "task": "tests.tasks.finish_once",
+            "schedule": float(os.environ["TASKLOCK_TEST_BEAT"]),
+            "args": ("beat",),
+            "kwargs": {"seconds": 1.0},
+        }
+    }
 app.autodiscover_tasks(["tests"], related_name="tasks", force=True)

@@ -189,3 +189,18 @@ def forget_backend(celery_app):
     """Celery keeps a result backend per thread once asked for one; earlier tests
     in this thread may have met the app before its backend was configured."""
     celery_app._local.__dict__.pop("backend", None)
+
+
+def reset_publisher(celery_app) -> None:
+    """Close the app's broker connections and forget them, so that the next
+    publish connects anew (to the broker_url configured by then)."""
+    from kombu import pools
+
+    pools.reset()
+    celery_app._pool = None
+    celery_app.amqp._producer_pool = None
+    backend = celery_app._local.__dict__.get("backend")
+    client = getattr(backend, "client", None)
+    if client is not None:
+        client.connection_pool.disconnect()
+    forget_backend(celery_app)

@@ -193,3 +193,102 @@ def export_for(self, tenant, call, seconds=0.3):
     time.sleep(seconds)
     record(tenant, started, call=call, retries=self.request.retries)
     return call
+
+
+# -- enqueue-time modes (tests/test_calls.py) ---------------------------------------
+
+
+def _ran(self, key: str, started: float, **details: object) -> str:
+    record(key, started, task_id=self.request.id, **details)
+    return f"{key}:{self.request.id}"
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished", expire=60)
+def finish_once(self, key, seconds=0.3):
+    """Not sent while an identical call is pending or running."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    return _ran(self, key, started)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished", on_duplicate="raise", expire=60)
+def finish_once_or_raise(self, key):
+    return _ran(self, key, time.monotonic())
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished", key="key", on_duplicate="replace", expire=60)
+def latest_wins(self, key, version):
+    """The key ignores ``version``: a pending call is replaced by a newer one."""
+    record(key, time.monotonic(), version=version)
+    return version
+
+
+@app.task(bind=True, max_retries=3)
+@single_instance(mode="until_finished", expire=60)
+def finish_retrying(self, key, failures=2, seconds=0.2, countdown=0.5):
+    """Retries itself ``failures`` times; then succeeds (or runs out)."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    record(key, started, task_id=self.request.id, retries=self.request.retries)
+    if self.request.retries < failures:
+        raise self.retry(countdown=countdown)
+    return self.request.retries
+
+
+@app.task(
+    bind=True,
+    autoretry_for=(ValueError,),
+    max_retries=2,
+    retry_kwargs={"countdown": 0.5},
+)
+@single_instance(mode="until_finished", expire=60)
+def finish_autoretry(self, key, failures=1):
+    """Fails with ValueError ``failures`` times; autoretry_for retries it."""
+    record(key, time.monotonic(), task_id=self.request.id, retries=self.request.retries)
+    if self.request.retries < failures:
+        raise ValueError(f"failure {self.request.retries}")
+    return self.request.retries
+
+
+@app.task(bind=True)
+@single_instance(mode="coalesce", expire=60, timeout=60)
+def coalesced(self, key, seconds=1.0):
+    """Work that arrives while a run is in progress is picked up by one more."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    return _ran(self, key, started)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_started", expire=60)
+def debounced(self, key, seconds=0.5):
+    """At most one pending call; a started one no longer counts."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    return _ran(self, key, started)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished", expire=3)
+def finish_killable(self, key, seconds=30.0):
+    """Runs long with a 3 s lock; a test SIGKILLs its worker midway."""
+    record(key, time.monotonic(), task_id=self.request.id, phase="start")
+    time.sleep(seconds)
+    return _ran(self, key, time.monotonic())
+
+
+@app.task(bind=True)
+@single_instance(expire=60)
+def skip_duplicate(self, key, seconds=0.0):
+    """The default mode, for canvas members that meet a held lock."""
+    time.sleep(seconds)
+    return _ran(self, key, time.monotonic())
+
+
+@app.task
+def add_one(value):
+    """A chain's next link: fails on None."""
+    return value + "+1"

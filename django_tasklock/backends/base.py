@@ -130,6 +130,18 @@ class LockBackend(abc.ABC):
         """Reset the expiry only if ``hold`` still owns it; return the new hold."""
 
     @abc.abstractmethod
+    def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        """Store ``new`` for ``expire`` seconds in place of the item ``hold`` holds
+        (whose value is ``old``), only if the store still has that very item;
+        the hold on the new item, or None if the item changed or went.
+
+        How a call's lock changes state in one step: queued to running when a
+        worker starts it, running to queued when it retries itself.
+        """
+
+    @abc.abstractmethod
     def owned(self, key: str, hold: Hold, token: str) -> bool:
         """True if ``hold`` still owns the lock."""
 

@@ -74,6 +74,15 @@ class LocMemBackend(LockBackend):
             self.cache.set(key, token, expire)
             return hold
 
+    def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        with _guard(self.alias):
+            if self.cache.get(key) != hold:
+                return None
+            self.cache.set(key, new, expire)
+            return new
+
     def owned(self, key: str, hold: Hold, token: str) -> bool:
         return bool(self.cache.get(key) == hold)
 

@@ -685,21 +685,32 @@ class MemcachedBackend(LockBackend):
     # -- extend ------------------------------------------------------------------
 
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
+        return self.replace(key, hold, token, token, expire)
+
+    def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
         assert isinstance(hold, MemcachedHold)
         client = self._client(key)
         ttl = math.ceil(expire)
         return self._once_more(
-            client, lambda: self._extend(client, key, hold, token, ttl)
+            client, lambda: self._rewrite(client, key, hold, old, new, ttl)
         )
 
-    def _extend(
-        self, client: Any, key: str, hold: MemcachedHold, token: str, ttl: int
+    def _rewrite(
+        self,
+        client: Any,
+        key: str,
+        hold: MemcachedHold,
+        old: object,
+        new: str,
+        ttl: int,
     ) -> MemcachedHold | None:
-        cas = self._owner_cas(client, key, hold, token)
+        cas = self._owner_cas(client, key, hold, old)
         if cas is None:
             return None
         if self._meta(client):
-            data = token.encode()
+            data = new.encode()
             command = b"ms %s %d C%d T%d F%d c\r\n%s" % (
                 _wire_key(client, key), len(data), cas, ttl, _TEXT_FLAG, data,
             )  # fmt: skip
@@ -710,10 +721,10 @@ class MemcachedBackend(LockBackend):
                 if reply.startswith((b"EX", b"NF")):
                     return None
                 raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-        if not client.cas(key, token, cas, expire=ttl, noreply=False):
+        if not client.cas(key, new, cas, expire=ttl, noreply=False):
             return None
         value, new_cas = client.gets(key)
-        return self._hold(client, new_cas, meta=False) if value == token else None
+        return self._hold(client, new_cas, meta=False) if value == new else None
 
     # -- inspection ----------------------------------------------------------------
 

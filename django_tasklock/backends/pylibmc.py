@@ -120,12 +120,17 @@ class PyLibMCBackend(LockBackend):
         return cas is not None and self._write(key, token, cas, _PAST)
 
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
-        cas = self._ours(key, token)
+        return self.replace(key, hold, token, token, expire)
+
+    def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        cas = self._ours(key, old)
         if cas is None or cas != hold:
             return None
-        if not self._write(key, token, cas, math.ceil(expire)):
+        if not self._write(key, new, cas, math.ceil(expire)):
             return None
-        return self._ours(key, token)
+        return self._ours(key, new)
 
     def owned(self, key: str, hold: Hold, token: str) -> bool:
         return self._ours(key, token) == hold

@@ -70,9 +70,16 @@ if redis.call("get", KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+_REPLACE = """
+if redis.call("get", KEYS[1]) == ARGV[1] then
+    redis.call("set", KEYS[1], ARGV[2], "PX", ARGV[3])
+    return 1
+end
+return 0
+"""
 _SHA = {
     script: hashlib.sha1(script.encode()).hexdigest()
-    for script in (_ACQUIRE, _FENCE, _RELEASE, _EXTEND)
+    for script in (_ACQUIRE, _FENCE, _RELEASE, _EXTEND, _REPLACE)
 }
 
 
@@ -173,6 +180,14 @@ class RedisBackend(LockBackend):
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
         if self._script(_EXTEND, (key,), hold, math.ceil(expire * 1000)):
             return hold
+        return None
+
+    def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        value = self._encode(new)
+        if self._script(_REPLACE, (key,), hold, value, math.ceil(expire * 1000)):
+            return value
         return None
 
     def owned(self, key: str, hold: Hold, token: str) -> bool:

@@ -1,0 +1,237 @@
+"""Duplicates stopped at ``.delay()``: what is published, what a duplicate gets,
+and what the store holds, on a real Redis broker (no worker consumes here; the
+worker tests are in test_calls_workers.py)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import redis
+from celery import chain, group
+from django.db import transaction
+from kombu.exceptions import OperationalError
+
+from django_tasklock import AlreadyQueued, LockBackendError, lock_id_for
+from django_tasklock.calls import QUEUE_SUFFIX, call_of
+from django_tasklock.signals import call_deduplicated
+from django_tasklock.status import lock_status
+from tests import tasks
+from tests.celery_app import app
+from tests.conftest import reset_publisher
+from tests.services import Redis
+
+
+@pytest.fixture
+def broker(redis_server):
+    """A private Redis broker (db 3), emptied before and after: nothing published
+    here may reach a later test's workers. No result backend: nothing runs."""
+    base = redis_server.url[:-2]
+    env = {"TASKLOCK_TEST_BROKER": f"{base}/3"}
+    os.environ.update(env)
+    app.conf.update(broker_url=env["TASKLOCK_TEST_BROKER"], result_backend=None)
+    reset_publisher(app)
+    queue = redis.Redis.from_url(env["TASKLOCK_TEST_BROKER"])
+    queue.flushdb()
+    yield queue
+    queue.flushdb()
+    queue.close()
+    reset_publisher(app)
+
+
+@pytest.fixture(autouse=True)
+def _memcached_locks(settings):
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
+
+
+@pytest.fixture
+def announced():
+    """Every call_deduplicated signal sent during the test."""
+    seen: list[dict[str, object]] = []
+
+    def receiver(sender, **details):
+        seen.append({"sender": sender, **details})
+
+    call_deduplicated.connect(receiver)
+    yield seen
+    call_deduplicated.disconnect(receiver)
+
+
+def published(queue, name="celery") -> list[str]:
+    """The task ids of the messages waiting in queue ``name``."""
+    import json
+
+    # kombu pushes on the left: the oldest message is last.
+    raw = reversed(queue.lrange(name, 0, -1))
+    return [json.loads(message)["headers"]["id"] for message in raw]
+
+
+def holder(lock_id):
+    return call_of(lock_status(lock_id).value)
+
+
+def test_duplicate_delay_gets_the_pending_call_and_is_not_published(
+    broker, announced
+):
+    results = [tasks.finish_once.delay("a") for _ in range(10)]
+    first = results[0].id
+    assert {result.id for result in results} == {first}
+    assert published(broker) == [first]
+    assert holder(lock_id_for(tasks.finish_once, "a")) == ("queued", first)
+    assert [(s["action"], s["task_id"], s["mode"]) for s in announced] == [
+        ("joined", first, "until_finished")
+    ] * 9
+    assert {s["sender"].name for s in announced} == {tasks.finish_once.name}
+    assert len({s["new_id"] for s in announced} | {first}) == 10
+
+
+def test_distinct_arguments_are_distinct_calls(broker):
+    ids = [tasks.finish_once.delay(key).id for key in ("a", "b", "c", "a", "b")]
+    assert ids[3:] == ids[:2]
+    assert published(broker) == ids[:3]
+
+
+def test_every_spelling_of_a_call_is_one_call(broker):
+    first = tasks.finish_once.delay("a", 0.3)
+    assert tasks.finish_once.delay("a").id == first.id
+    assert tasks.finish_once.apply_async(kwargs={"key": "a"}).id == first.id
+    assert tasks.finish_once.s("a").delay().id == first.id
+    assert published(broker) == [first.id]
+
+
+def test_send_task_by_name_is_checked_too(broker):
+    first = tasks.finish_once.delay("a")
+    again = app.send_task("tests.tasks.finish_once", args=["a"])
+    assert again.id == first.id
+    assert published(broker) == [first.id]
+
+
+def test_on_duplicate_raise_names_the_pending_call(broker, announced):
+    first = tasks.finish_once_or_raise.delay("a")
+    with pytest.raises(AlreadyQueued) as raised:
+        tasks.finish_once_or_raise.delay("a")
+    assert raised.value.task_id == first.id
+    assert raised.value.lock_id == lock_id_for(tasks.finish_once_or_raise, "a")
+    assert first.id in str(raised.value)
+    copy = pickle.loads(pickle.dumps(raised.value))
+    assert (copy.task_id, copy.lock_id, str(copy)) == (
+        raised.value.task_id,
+        raised.value.lock_id,
+        str(raised.value),
+    )
+    assert published(broker) == [first.id]
+    assert [s["action"] for s in announced] == ["raised"]
+
+
+def test_on_duplicate_replace_sends_the_newer_call_in_the_older_ones_place(
+    broker, announced
+):
+    first = tasks.latest_wins.delay("k", 1)
+    second = tasks.latest_wins.delay("k", 2)
+    assert second.id != first.id
+    assert holder(lock_id_for(tasks.latest_wins, "k", 0)) == ("queued", second.id)
+    assert published(broker) == [first.id, second.id]
+    assert [(s["action"], s["task_id"], s["new_id"]) for s in announced] == [
+        ("replaced", first.id, second.id)
+    ]
+
+
+def test_the_lock_lasts_the_countdown_plus_the_queue_allowance(broker, settings):
+    settings.TASKLOCK = {**settings.TASKLOCK, "QUEUE_EXPIRE": 100}
+    tasks.finish_once.apply_async(("a",), countdown=500)
+    ttl = lock_status(lock_id_for(tasks.finish_once, "a")).ttl
+    assert 598 <= ttl <= 601
+    tasks.finish_once.delay("b")
+    assert 98 <= lock_status(lock_id_for(tasks.finish_once, "b")).ttl <= 101
+
+
+def test_a_failed_publish_leaves_no_lock(broker):
+    dead = Redis().start()
+    app.conf.broker_url = dead.url
+    reset_publisher(app)
+    dead.stop()
+    lock_id = lock_id_for(tasks.finish_once, "a")
+    try:
+        with pytest.raises(OperationalError):
+            tasks.finish_once.apply_async(("a",), retry=False)
+        assert not lock_status(lock_id).held
+    finally:
+        app.conf.broker_url = os.environ["TASKLOCK_TEST_BROKER"]
+        reset_publisher(app)
+    # And the call goes out once the broker is back.
+    sent = tasks.finish_once.delay("a")
+    assert holder(lock_id) == ("queued", sent.id)
+    assert published(broker) == [sent.id]
+
+
+def test_a_store_that_is_down_sends_nothing(broker, memcached, settings):
+    # The restart below is this test's own doing: no grace after it.
+    settings.TASKLOCK = {**settings.TASKLOCK, "RESTART_GRACE": 0}
+    memcached.stop()
+    try:
+        with pytest.raises(LockBackendError):
+            tasks.finish_once.delay("a")
+    finally:
+        memcached.start()
+    assert published(broker) == []
+    sent = tasks.finish_once.delay("a")  # and once it is back, the call goes out
+    assert published(broker) == [sent.id]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_publish_on_commit_locks_at_commit_and_a_rollback_leaves_nothing(broker):
+    lock_id = lock_id_for(tasks.finish_once, "a")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        transaction.on_commit(lambda: tasks.finish_once.delay("a"))
+        raise RuntimeError("rolled back")
+    assert not lock_status(lock_id).held
+    assert published(broker) == []
+    with transaction.atomic():
+        transaction.on_commit(lambda: tasks.finish_once.delay("a"))
+        assert not lock_status(lock_id).held  # nothing before the commit
+    assert holder(lock_id)[0] == "queued"
+    assert len(published(broker)) == 1
+
+
+def test_canvas_members_are_never_merged_into_another_call(broker):
+    pending = tasks.finish_once.delay("a")
+    in_chain = chain(tasks.finish_once.si("a"), tasks.add_one.s()).apply_async()
+    in_group = group(tasks.finish_once.si("a"), tasks.finish_once.si("b")).apply_async()
+    ids = published(broker)
+    assert pending.id in ids
+    assert in_chain.parent.id in ids, "the chain's first link was dropped"
+    assert [r.id for r in in_group.results] == ids[-2:]
+    # The free one was claimed by its group member.
+    assert holder(lock_id_for(tasks.finish_once, "b")) == (
+        "queued",
+        in_group.results[1].id,
+    )
+    assert holder(lock_id_for(tasks.finish_once, "a")) == ("queued", pending.id)
+
+
+def test_an_explicit_task_id_is_the_callers_and_is_sent(broker):
+    pending = tasks.finish_once.delay("a")
+    mine = tasks.finish_once.apply_async(("a",), task_id="my-own-id")
+    assert mine.id == "my-own-id"
+    assert published(broker) == [pending.id, "my-own-id"]
+
+
+def test_coalesce_keeps_its_pending_call_beside_the_run_lock(broker):
+    first = tasks.coalesced.delay("a")
+    assert tasks.coalesced.delay("a").id == first.id
+    lock_id = lock_id_for(tasks.coalesced, "a")
+    assert holder(lock_id + QUEUE_SUFFIX) == ("queued", first.id)
+    assert not lock_status(lock_id).held  # the run lock is the worker's
+    assert published(broker) == [first.id]
+
+
+def test_unknown_modes_and_policies_are_refused_at_decoration():
+    from django_tasklock import single_instance
+
+    with pytest.raises(ValueError, match="mode"):
+        single_instance(mode="until_done")
+    with pytest.raises(ValueError, match="on_duplicate"):
+        single_instance(mode="until_finished", on_duplicate="drop")
+    with pytest.raises(TypeError, match="limit="):
+        single_instance(mode="coalesce", limit=2)
