@@ -446,7 +446,9 @@ def _decorated(target: Callable[..., Any]) -> tuple[Any, str, bool]:
     # A django.tasks Task:
     if hasattr(target, "module_path") and hasattr(func, "_tasklock_lock_id"):
         return func, target.module_path, getattr(target, "takes_context", False)
-    run = getattr(target, "run", None)
+    # autoretry_for replaces a task's run with a plain function over the
+    # original bound method, kept as _orig_run.
+    run = getattr(target, "_orig_run", None) or getattr(target, "run", None)
     if run is not None and hasattr(target, "name"):  # a Celery task
         function = getattr(run, "__func__", run)
         if hasattr(function, "_tasklock_lock_id"):
@@ -556,7 +558,9 @@ def _ignore() -> BaseException:
 def _drop_second_delivery(lock: Lock | Semaphore, call_id: str, name: str) -> None:
     """Raise Celery's Ignore if the lock is held by this very call: a second
     delivery of its message (a broker redelivering it while it runs)."""
-    backend, key = lock._backend()  # type: ignore[union-attr]
+    if not isinstance(lock, Lock):
+        return  # a Semaphore's slots do not name the call
+    backend, key = lock._backend()
     try:
         peek = backend.peek(key)
     except backend.errors:

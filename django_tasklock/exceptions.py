@@ -30,9 +30,13 @@ class LockNotAcquired(TaskLockError):
 
     def __init__(self, lock_id: str) -> None:
         self.lock_id = lock_id
-        super().__init__(
-            f"Lock {lock_id!r} is held by another owner; the protected code did not "
-            "run. Try again later, or wait for it with Lock.acquire(blocking=True, "
+        # args are the constructor's: Celery rebuilds a task's exception from them.
+        super().__init__(lock_id)
+
+    def __str__(self) -> str:
+        return (
+            f"Lock {self.lock_id!r} is held by another owner; the protected code did "
+            "not run. Try again later, or wait for it with Lock.acquire(blocking=True, "
             "timeout=...)."
         )
 
@@ -49,15 +53,18 @@ class AlreadyQueued(TaskLockError):
     def __init__(self, task_id: str | None, lock_id: str) -> None:
         self.task_id = task_id
         self.lock_id = lock_id
-        which = "with an unknown task id" if task_id is None else f"{task_id!r}"
-        super().__init__(
+        # args are the constructor's: pickle and Celery rebuild it from them.
+        super().__init__(task_id, lock_id)
+
+    def __str__(self) -> str:
+        which = (
+            "with an unknown task id" if self.task_id is None else repr(self.task_id)
+        )
+        return (
             f"An identical call ({which}) is already pending or running under lock "
-            f"{lock_id!r}; this call was not sent. Wait for that one "
+            f"{self.lock_id!r}; this call was not sent. Wait for that one "
             "(app.AsyncResult(exc.task_id).get()), or send again once it is over."
         )
-
-    def __reduce__(self) -> tuple[type[AlreadyQueued], tuple[str | None, str]]:
-        return type(self), (self.task_id, self.lock_id)
 
 
 class LockLost(TaskLockError):

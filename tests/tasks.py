@@ -292,3 +292,9 @@ def skip_duplicate(self, key, seconds=0.0):
 def add_one(value):
     """A chain's next link: fails on None."""
     return value + "+1"
+
+
+@app.task
+def gather(results):
+    """A chord's callback."""
+    return results

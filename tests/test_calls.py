@@ -19,7 +19,7 @@ from django_tasklock.signals import call_deduplicated
 from django_tasklock.status import lock_status
 from tests import tasks
 from tests.celery_app import app
-from tests.conftest import reset_publisher
+from tests.conftest import reset_publisher, wait_until
 from tests.services import Redis
 
 
@@ -71,9 +71,7 @@ def holder(lock_id):
     return call_of(lock_status(lock_id).value)
 
 
-def test_duplicate_delay_gets_the_pending_call_and_is_not_published(
-    broker, announced
-):
+def test_duplicate_delay_gets_the_pending_call_and_is_not_published(broker, announced):
     results = [tasks.finish_once.delay("a") for _ in range(10)]
     first = results[0].id
     assert {result.id for result in results} == {first}
@@ -163,6 +161,19 @@ def test_a_failed_publish_leaves_no_lock(broker):
     sent = tasks.finish_once.delay("a")
     assert holder(lock_id) == ("queued", sent.id)
     assert published(broker) == [sent.id]
+
+
+def test_a_message_nobody_consumes_frees_its_call_within_the_queue_allowance(
+    broker, settings
+):
+    settings.TASKLOCK = {**settings.TASKLOCK, "QUEUE_EXPIRE": 2}
+    lock_id = lock_id_for(tasks.finish_once, "lost")
+    sent = tasks.finish_once.apply_async(("lost",), queue="nobody-consumes")
+    assert holder(lock_id) == ("queued", sent.id)
+    took = wait_until(lambda: not lock_status(lock_id).held, 10)
+    assert took <= 2 + 1  # memcached counts whole seconds
+    assert published(broker, "nobody-consumes") == [sent.id]
+    assert tasks.finish_once.delay("lost").id != sent.id
 
 
 def test_a_store_that_is_down_sends_nothing(broker, memcached, settings):

@@ -8,7 +8,6 @@ and end; the tests measure overlaps instead of assuming them.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,11 +15,11 @@ from pathlib import Path
 import pytest
 from celery.contrib.testing.worker import start_worker
 
+from django_tasklock.backends import close_thread_connections
 from tests import tasks
 from tests.celery_app import app
-from tests.conftest import forget_backend
-from tests.services import celery_worker, stop_process
-from tests.workers import overlaps
+from tests.conftest import reset_publisher
+from tests.workers import overlaps, start_workers, stop_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -32,13 +31,13 @@ def broker(redis_server):
     base = redis_server.url[:-2]
     env = {"TASKLOCK_TEST_BROKER": f"{base}/3", "TASKLOCK_TEST_RESULTS": f"{base}/4"}
     os.environ.update(env)
-    forget_backend(app)
     app.conf.update(
         broker_url=env["TASKLOCK_TEST_BROKER"],
         result_backend=env["TASKLOCK_TEST_RESULTS"],
     )
+    reset_publisher(app)
     yield env
-    app.pool.force_close_all()
+    reset_publisher(app)
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +50,12 @@ def storm(calls, producers=4):
 
     def send(call):
         task, args, kwargs = call
-        return task.apply_async(args=args, kwargs=kwargs)
+        try:
+            return task.apply_async(args=args, kwargs=kwargs)
+        finally:
+            # A call with an enqueue-time mode talked to the lock store from
+            # this producer thread, which ends without closing anything.
+            close_thread_connections()
 
     with ThreadPoolExecutor(producers) as pool:
         return list(pool.map(send, calls))
@@ -92,31 +96,9 @@ def test_in_process_worker_duplicates_skip_and_distinct_run_in_parallel(broker):
 @pytest.fixture(scope="module")
 def prefork_workers(broker):
     """Two `celery worker` processes, prefork pool, two child processes each."""
-    env = {**os.environ, **broker, "DJANGO_SETTINGS_MODULE": "tests.settings"}
-    processes = [
-        celery_worker(
-            "tests.celery_app",
-            f"tasklock-test-{n}",
-            2,
-            env,
-            loglevel="WARNING",
-            stderr=subprocess.PIPE,
-        )
-        for n in (1, 2)
-    ]
-    deadline = time.monotonic() + 60
-    while len(app.control.ping(timeout=0.5)) < 2:
-        for process in processes:
-            if process.poll() is not None:
-                pytest.fail(
-                    f"celery worker died: {process.stderr.read().decode()[-2000:]}"
-                )
-        if time.monotonic() > deadline:
-            pytest.fail("celery workers did not answer a ping within 60 s")
+    processes = start_workers(broker, ["tasklock-test-1", "tasklock-test-2"])
     yield processes
-    for process in processes:
-        stop_process(process)
-        process.stderr.close()
+    stop_workers(processes)
 
 
 def test_prefork_storm_of_duplicates(prefork_workers):

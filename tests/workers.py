@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -274,3 +277,59 @@ def hold_and_restart_busiest(
     victim.stop(signal.SIGKILL)
     victim.start()
     return list(locks), valid_until, on_victim
+
+
+def start_workers(
+    broker_env: dict[str, str],
+    names: list[str],
+    concurrency: int = 2,
+    extra_env: dict[str, str] | None = None,
+    logdir: Path | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """Real ``celery worker`` processes (prefork) of tests.celery_app, answering
+    a ping before this returns; each logs to ``logdir/<name>.log`` if given."""
+    import pytest
+
+    from tests.celery_app import app
+    from tests.services import celery_worker
+
+    env = {
+        **os.environ,
+        **broker_env,
+        **(extra_env or {}),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+    }
+    processes = [
+        celery_worker(
+            "tests.celery_app",
+            name,
+            concurrency,
+            env,
+            loglevel="WARNING",
+            logfile=None if logdir is None else logdir / f"{name}.log",
+            stderr=subprocess.PIPE,
+        )
+        for name in names
+    ]
+    wanted = {f"{name}@{socket.gethostname()}" for name in names}
+    deadline = time.monotonic() + 60
+    while not wanted <= {
+        name for reply in app.control.ping(timeout=0.5) for name in reply
+    }:
+        for process in processes:
+            if process.poll() is not None:
+                pytest.fail(
+                    f"celery worker died: {process.stderr.read().decode()[-2000:]}"
+                )
+        if time.monotonic() > deadline:
+            pytest.fail("celery workers did not answer a ping within 60 s")
+    return processes
+
+
+def stop_workers(processes: list[subprocess.Popen[bytes]]) -> None:
+    from tests.services import stop_process
+
+    for process in processes:
+        stop_process(process)
+        if process.stderr is not None:
+            process.stderr.close()

@@ -1,0 +1,56 @@
+"""A broker delivering a running call's message again (Redis' visibility
+timeout with ``acks_late``): the second delivery is dropped, never run beside
+the first. Real ``celery worker`` processes; kombu is told to look for overdue
+messages every second (by default it looks every 100 s)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests import tasks
+from tests.conftest import wait_until
+from tests.test_celery_workers import broker  # noqa: F401
+from tests.workers import overlaps, start_workers, stop_workers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _memcached_locks(settings):
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
+
+
+@pytest.fixture(scope="module")
+def redelivering(broker):  # noqa: F811
+    """Workers with acks_late and a 2 s visibility timeout, kombu looking for
+    overdue messages every second: a 6 s call is delivered again while it runs."""
+    logdir = Path(tempfile.mkdtemp(prefix="redeliver-"))
+    processes = start_workers(
+        broker,
+        ["redeliver-1", "redeliver-2"],
+        extra_env={"TASKLOCK_TEST_VISIBILITY": "2"},
+        logdir=logdir,
+    )
+    yield logdir
+    stop_workers(processes)
+
+
+@pytest.mark.parametrize("task_name", ["finish_once", "skip_duplicate"])
+def test_a_redelivered_call_never_runs_beside_itself(redelivering, task_name):
+    task = getattr(tasks, task_name)
+    key = f"redeliver-{task_name}"
+    marker = f"second delivery of {task.name}"
+
+    def drops() -> int:
+        return sum(log.read_text().count(marker) for log in redelivering.glob("*.log"))
+
+    before = drops()
+    result = task.delay(key, 6.0)
+    assert result.get(timeout=60) == f"{key}:{result.id}"
+    wait_until(lambda: drops() > before, 10)
+    runs = [run for run in tasks.runs(key) if run["task_id"] == result.id]
+    # A copy restored just as the run ends may run after it: never beside it.
+    assert overlaps([(run["start"], run["end"]) for run in runs]) == 0
