@@ -439,6 +439,13 @@ def lock_cache_for(target: Callable[..., Any], /) -> str | None:
     return cache
 
 
+def lock_mode_for(target: Callable[..., Any], /) -> str:
+    """The ``mode=`` of ``target``'s ``@single_instance``."""
+    function, _name, _bound = _decorated(target)
+    mode: str = function._tasklock_options.mode
+    return mode
+
+
 def _decorated(target: Callable[..., Any]) -> tuple[Any, str, bool]:
     """The ``@single_instance`` wrapper inside ``target``, the task name its lock
     ids start with, and whether its first argument is left out of them."""

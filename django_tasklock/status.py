@@ -97,6 +97,15 @@ class LockStatus:
         return Owner.parse(self.value)
 
     @property
+    def call(self) -> tuple[str, str] | None:
+        """``(state, task id)`` of the Celery call holding it: ``"queued"``
+        (published, not started), ``"started"`` (until_started) or
+        ``"running"``; None if the holder is not a task call."""
+        from .calls import call_of
+
+        return call_of(self.value) if self.held else None
+
+    @property
     def stale(self) -> bool:
         """True if it is held by a process on this host that no longer runs."""
         owner = self.owner
@@ -112,6 +121,9 @@ class LockStatus:
             "owner": None if self.value is None else str(self.value),
             "holder": None if owner is None else dataclasses.asdict(owner),
             "stale": self.stale,
+            "call": None
+            if (call := self.call) is None
+            else {"state": call[0], "task_id": call[1]},
             "ttl": self.ttl,
             "fence": self.fence,
         }

@@ -246,3 +246,42 @@ def test_unknown_modes_and_policies_are_refused_at_decoration():
         single_instance(mode="until_finished", on_duplicate="drop")
     with pytest.raises(TypeError, match="limit="):
         single_instance(mode="coalesce", limit=2)
+
+
+def _tasklock(*args: str) -> str:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("tasklock", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_status_names_the_pending_call_and_release_needs_force(broker):
+    import json
+
+    from django.core.management import CommandError
+
+    sent = tasks.finish_once.delay("a")
+    text = _tasklock("status", "--task", "tests.tasks.finish_once", "a")
+    assert f"Call:       queued, task id {sent.id}" in text
+    assert "published and not started yet" in text
+    data = json.loads(
+        _tasklock("status", "--task", "tests.tasks.finish_once", "a", "--json")
+    )
+    assert data["call"] == {"state": "queued", "task_id": sent.id}
+    with pytest.raises(CommandError, match="--force"):
+        _tasklock("release", "--task", "tests.tasks.finish_once", "a")
+    assert holder(lock_id_for(tasks.finish_once, "a")) == ("queued", sent.id)
+    _tasklock("release", "--task", "tests.tasks.finish_once", "a", "--force")
+    assert not lock_status(lock_id_for(tasks.finish_once, "a")).held
+
+
+def test_status_of_a_coalesce_task_shows_its_pending_call_too(broker):
+    sent = tasks.coalesced.delay("a")
+    text = _tasklock("status", "--task", "tests.tasks.coalesced", "a")
+    run_part, pending_part = text.split("\n\n")
+    assert "Held:       no" in run_part
+    assert QUEUE_SUFFIX in pending_part
+    assert f"queued, task id {sent.id}" in pending_part

@@ -23,7 +23,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils.module_loading import import_string
 
-from ...decorator import lock_cache_for, lock_id_for
+from ...calls import queue_lock_id
+from ...decorator import lock_cache_for, lock_id_for, lock_mode_for
 from ...exceptions import LockBackendError, LockConfigurationError
 from ...status import LockStatus, lock_status, remove, semaphore_status
 
@@ -144,10 +145,16 @@ class Command(BaseCommand):
                 self._semaphore(lock_id, options["limit"], cache, options["json"])
             elif action == "status":
                 self._status(lock_status(lock_id, cache=cache), options["json"])
+                if self._mode == "coalesce":  # its pending call's lock too
+                    self.stdout.write("")
+                    queue_id = queue_lock_id(lock_id, "coalesce")
+                    self._status(lock_status(queue_id, cache=cache), options["json"])
             else:
                 self._release(lock_id, cache, options["force"])
         except (LockBackendError, LockConfigurationError) as exc:
             raise CommandError(str(exc)) from exc
+
+    _mode = "while_running"
 
     def _lock_id(self, options: dict[str, Any]) -> tuple[str, str | None]:
         values: list[str] = options["values"]
@@ -167,6 +174,7 @@ class Command(BaseCommand):
                 raise CommandError(f"--kwarg takes NAME=VALUE, not {item!r}.")
             kwargs[field] = _value(text)
         target = resolve_task(name)
+        self._mode = lock_mode_for(target)
         try:
             lock_id = lock_id_for(target, *map(_value, values), **kwargs)
         except TypeError as exc:
@@ -208,8 +216,13 @@ class Command(BaseCommand):
         ]
         if status.held:
             lines.append(("Owner", str(status.value)))
+            call = status.call
+            if call is not None:
+                lines.append(("Call", f"{call[0]}, task id {call[1]}"))
             if owner is not None:
                 lines.append(("Holder", owner.describe()))
+            elif call is not None:
+                lines.append(("Holder", _PENDING[call[0]]))
             else:
                 lines.append(("Holder", "not a django_tasklock token (other code)"))
             lines.append(("Expires", _expiry(status.ttl)))
@@ -240,6 +253,13 @@ class Command(BaseCommand):
             )
         why = "stale: its holder is gone" if status.stale else "forced"
         self.stdout.write(f"Released lock {lock_id!r} held by {status.value} ({why}).")
+
+
+_PENDING = {
+    "queued": "a call published and not started yet (no process holds it); it "
+    "expires after its countdown plus QUEUE_EXPIRE",
+    "started": "a call a worker started (until_started: new calls may be sent)",
+}
 
 
 def _as_json(status: LockStatus) -> dict[str, Any]:
