@@ -22,6 +22,8 @@ the ratios compare like with like on a shared, noisy machine:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import multiprocessing
 import os
 import platform
@@ -30,7 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,8 +51,10 @@ PEERS_START = ".. peers-table-start"
 PEERS_END = ".. peers-table-end"
 
 
-def setup_django(memcached: str) -> None:
+def setup_django(memcached: str, redis_url: str | None = None) -> None:
     os.environ["TASKLOCK_TEST_MEMCACHED"] = memcached
+    if redis_url is not None:  # the "redis" CACHES alias, here and in the workers
+        os.environ["TASKLOCK_TEST_REDIS"] = redis_url
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     import django
 
@@ -305,13 +309,52 @@ def measure_scale(counts: tuple[int, ...]) -> list[str]:
     return lines
 
 
+def _overlaps(runs: list[bytes]) -> int:
+    """Pairs of runs of one argument that overlapped in time."""
+    import json
+
+    by_argument: dict[int, list[tuple[float, float]]] = {}
+    for raw in runs:
+        n, start, end = json.loads(raw)
+        by_argument.setdefault(n, []).append((start, end))
+    count = 0
+    for holds in by_argument.values():
+        holds.sort()
+        for i, (_start, end) in enumerate(holds):
+            count += sum(1 for later, _ in holds[i + 1 :] if later < end)
+    return count
+
+
+def _drain(counter: Any, name: str, expected: int, limit: float = 300.0) -> float:
+    from benchmarks import celery_bench
+
+    started = time.monotonic()
+    while int(counter.get(celery_bench.DONE) or 0) < expected:
+        if time.monotonic() - started > limit:
+            raise SystemExit(f"{name}: the queue did not drain in {limit:.0f} s")
+        time.sleep(0.002)
+    return time.monotonic() - started
+
+
+@dataclasses.dataclass
+class Peers:
+    """Drain-time ratios per spread and variant, overlaps per variant, and the
+    runs of the retry probe (each call retries itself once: 2 runs per call)."""
+
+    ratios: dict[int, dict[str, list[float]]]
+    overlaps: dict[str, int]
+    retry_runs: dict[str, tuple[int, int]]
+    delay_cost: dict[str, float]
+
+
 def measure_peers(
     redis_url: str, tasks: int, spreads: tuple[int, ...], rounds: int
-) -> dict[int, dict[str, list[float]]]:
+) -> Peers:
     """Drain time of ``tasks`` sends over each number of distinct arguments, for
     each variant, as ratios to no lock in the same round, rounds interleaved in
-    random order. Peers that refuse a duplicate at ``.delay()`` publish fewer
-    messages; the drain waits for those they did publish."""
+    random order. Variants that refuse a duplicate at ``.delay()`` publish fewer
+    messages; the drain waits for those they did publish. Every run's start and
+    end are recorded, and overlapping runs of one argument counted."""
     import redis
     from celery.result import EagerResult
 
@@ -321,6 +364,8 @@ def measure_peers(
         "without lock": celery_bench.plain,
         "@single_instance (memcached)": celery_bench.locked,
         "@single_instance (Redis)": celery_bench.locked_redis,
+        "until_finished (memcached)": celery_bench.until_finished,
+        "until_finished (Redis)": celery_bench.until_finished_redis,
         "celery_once QueueOnce": celery_bench.once,
         "celery-singleton Singleton": celery_bench.singleton,
     }
@@ -329,41 +374,99 @@ def measure_peers(
     ratios: dict[int, dict[str, list[float]]] = {
         spread: {name: [] for name in variants} for spread in spreads
     }
+    overlaps = dict.fromkeys(variants, 0)
     for _ in range(rounds):
         for spread in spreads:
             took: dict[str, float] = {}
             for name in random.sample(list(variants), len(variants)):
                 peers.flushdb()
-                counter.delete(celery_bench.DONE)
+                counter.delete(celery_bench.DONE, celery_bench.RUNS)
                 started = time.monotonic()
-                results = [variants[name].delay(n % spread) for n in range(tasks)]
+                # A storm: each argument's sends back to back, as a button
+                # pressed again and again (runs of one argument can overlap).
+                results = [
+                    variants[name].delay(n * spread // tasks) for n in range(tasks)
+                ]
                 published = len(
                     {r.id for r in results if not isinstance(r, EagerResult)}
                 )
-                while int(counter.get(celery_bench.DONE) or 0) < published:
-                    if time.monotonic() - started > 300:
-                        raise SystemExit(f"{name}: the queue did not drain in 300 s")
-                    time.sleep(0.002)
+                _drain(counter, name, published)
                 took[name] = time.monotonic() - started
+                overlaps[name] += _overlaps(counter.lrange(celery_bench.RUNS, 0, -1))
             for name in variants:
                 ratios[spread][name].append(took[name] / took["without lock"])
-    return ratios
+    quick = tasks < 100
+    return Peers(
+        ratios,
+        overlaps,
+        measure_retries(counter, peers, limit=5 if quick else 20),
+        measure_delay(rounds=2 if quick else 5, per_round=50 if quick else 200),
+    )
 
 
-def render_peers(
-    ratios: dict[int, dict[str, list[float]]], tasks: int, command: str
-) -> str:
+def measure_retries(
+    counter: Any, peers: Any, calls: int = 10, limit: float = 20
+) -> dict[str, tuple[int, int]]:
+    """Runs of ``calls`` distinct calls of a task that retries itself once,
+    against the runs expected (two per call), waiting at most ``limit`` s."""
+    from benchmarks import celery_bench
+
+    variants = {
+        "without lock": celery_bench.plain_retry,
+        "until_finished (memcached)": celery_bench.until_finished_retry,
+        "celery_once QueueOnce": celery_bench.once_retry,
+        "celery-singleton Singleton": celery_bench.singleton_retry,
+    }
+    found: dict[str, tuple[int, int]] = {}
+    for name, task in variants.items():
+        peers.flushdb()
+        counter.delete(celery_bench.DONE, celery_bench.RUNS)
+        for n in range(calls):
+            task.delay(n)
+        with contextlib.suppress(SystemExit):
+            _drain(counter, name, calls, limit=limit)
+        found[name] = (counter.llen(celery_bench.RUNS), 2 * calls)
+    return found
+
+
+def measure_delay(rounds: int, per_round: int = 200) -> dict[str, float]:
+    """Microseconds per ``.delay()`` in this process (the workers consume
+    meanwhile): a plain publish; an until_finished call that is published (its
+    lock taken, then the publish); one that finds an identical call pending and
+    joins it (no publish)."""
+    from benchmarks import celery_bench
+
+    samples: dict[str, list[float]] = {"plain": [], "published": [], "joined": []}
+    base = 1_000_000
+    for round_ in range(rounds):
+        for kind in random.sample(list(samples), len(samples)):
+            offset = base + round_ * per_round
+            started = time.perf_counter()
+            for i in range(per_round):
+                if kind == "plain":
+                    celery_bench.plain.delay(offset + i)
+                elif kind == "published":
+                    celery_bench.until_finished.delay(offset + i)
+                else:
+                    celery_bench.until_finished.delay(base - 1)
+            samples[kind].append((time.perf_counter() - started) / per_round * 1e6)
+    return {kind: statistics.median(values) for kind, values in samples.items()}
+
+
+def render_peers(peers: Peers, tasks: int, command: str) -> str:
+    ratios = peers.ratios
     spreads = list(ratios)
     header = "".join(f"{f'{s} distinct':>22}" for s in spreads)
+    rounds = len(next(iter(ratios.values()))["without lock"])
     lines = [
         f"``{command}``: {tasks} sends, 5 ms bodies, two prefork workers (2 "
         "processes each) on a private Redis broker; drain time as a ratio to no "
-        f"lock in the same round, median of {len(next(iter(ratios.values()))['without lock'])} "
-        "rounds [lowest-highest]:",
+        f"lock in the same round, median of {rounds} rounds [lowest-highest]; "
+        "overlapping runs of one argument, counted over every round:",
         "",
         ".. code-block:: text",
         "",
-        f"    {'variant':<30}{header}",
+        f"    {'variant':<30}{header}{'overlaps':>10}",
     ]
     for name in ratios[spreads[0]]:
         cells = ""
@@ -371,7 +474,20 @@ def render_peers(
             values = ratios[spread][name]
             cell = f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
             cells += f"{cell:>22}"
-        lines.append(f"    {name:<30}{cells}")
+        lines.append(f"    {name:<30}{cells}{peers.overlaps[name]:>10}")
+    lines += ["", f"    {'retry probe: a call that retries once':<44}{'runs':>12}"]
+    for name, (ran, expected) in peers.retry_runs.items():
+        verdict = "" if ran == expected else "  retries lost"
+        lines.append(f"    {name:<44}{f'{ran} of {expected}':>12}{verdict}")
+    cost = peers.delay_cost
+    lines += [
+        "",
+        f"    {'one .delay() in the caller':<44}{'median':>12}",
+        f"    {'plain (publish)':<44}{cost['plain']:>10.0f}us",
+        f"    {'until_finished, published (lock + publish)':<44}"
+        f"{cost['published']:>10.0f}us",
+        f"    {'until_finished, joined (no publish)':<44}{cost['joined']:>10.0f}us",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -473,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     redis_server = Redis().start() if not options.no_storm else None
     workers: list[subprocess.Popen[bytes]] = []
     try:
-        setup_django(memcached.address)
+        setup_django(
+            memcached.address, None if redis_server is None else redis_server.url
+        )
         print(f"memcached on {memcached.address}; measuring cycles...", flush=True)
         samples = measure_cycles(
             memcached.port, rounds=3 if quick else 20, per_round=50 if quick else 250

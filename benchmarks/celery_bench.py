@@ -3,11 +3,14 @@ under the libraries users would pick instead (celery_once's ``QueueOnce`` and
 celery-singleton's ``Singleton``, both deduplicating at ``.delay()``).
 
 Every finished task (run or skipped) counts itself in Redis, so the benchmark
-knows when the queue has drained.
+knows when the queue has drained, and every body that runs records its start and
+end there, so overlaps of one argument are counted, not assumed. The ``*_retry``
+tasks retry themselves once: each call must run twice.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -26,6 +29,7 @@ from celery_singleton import Singleton  # noqa: E402
 from django_tasklock import single_instance  # noqa: E402
 
 DONE = "bench:done"
+RUNS = "bench:runs"
 _PEERS = os.environ.get("TASKLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0")[:-2] + "/5"
 app = Celery("bench", set_as_current=False)
 app.conf.update(
@@ -44,40 +48,86 @@ app.conf.update(
 _counter: redis.Redis | None = None
 
 
-def work() -> None:
+def _counter_client() -> redis.Redis:
+    global _counter
+    if _counter is None:
+        _counter = redis.Redis.from_url(os.environ["TASKLOCK_TEST_REDIS"][:-2] + "/2")
+    return _counter
+
+
+def work(n: int = 0) -> None:
+    started = time.monotonic()
     time.sleep(0.005)  # a short task: lock overhead shows most here
+    _counter_client().rpush(RUNS, json.dumps([n, started, time.monotonic()]))
 
 
 @app.task
 def plain(n: int) -> None:
-    work()
+    work(n)
 
 
 @app.task
 @single_instance
 def locked(n: int) -> None:
-    work()
+    work(n)
 
 
 @app.task
 @single_instance(cache="redis")
 def locked_redis(n: int) -> None:
-    work()
+    work(n)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished")
+def until_finished(self: Any, n: int) -> None:
+    work(n)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished", cache="redis")
+def until_finished_redis(self: Any, n: int) -> None:
+    work(n)
 
 
 @app.task(base=QueueOnce, once={"graceful": True})
 def once(n: int) -> None:
-    work()
+    work(n)
 
 
 @app.task(base=Singleton)
 def singleton(n: int) -> None:
-    work()
+    work(n)
+
+
+def _retry_once(task: Any, n: int) -> None:
+    work(n)
+    if task.request.retries == 0:
+        raise task.retry(countdown=0.05, max_retries=1)
+
+
+@app.task(bind=True)
+def plain_retry(self: Any, n: int) -> None:
+    _retry_once(self, n)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished")
+def until_finished_retry(self: Any, n: int) -> None:
+    _retry_once(self, n)
+
+
+@app.task(bind=True, base=QueueOnce, once={"graceful": True})
+def once_retry(self: Any, n: int) -> None:
+    _retry_once(self, n)
+
+
+@app.task(bind=True, base=Singleton)
+def singleton_retry(self: Any, n: int) -> None:
+    _retry_once(self, n)
 
 
 @task_postrun.connect
-def count_done(sender: Any = None, **kwargs: Any) -> None:
-    global _counter
-    if _counter is None:
-        _counter = redis.Redis.from_url(os.environ["TASKLOCK_TEST_REDIS"][:-2] + "/2")
-    _counter.incr(DONE)
+def count_done(sender: Any = None, state: str | None = None, **kwargs: Any) -> None:
+    if state != "RETRY":  # a retried call counts once, when it is over
+        _counter_client().incr(DONE)

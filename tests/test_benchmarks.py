@@ -37,6 +37,17 @@ def test_benchmark_quick_run_reports_every_variant():
     ):
         row = re.search(rf"^\s+{re.escape(peer)}\s+(\d+\.\d\d)x \[", out, re.M)
         assert row and float(row.group(1)) > 0, peer
+    for variant in ("until_finished (memcached)", "until_finished (Redis)"):
+        row = re.search(rf"^\s+{re.escape(variant)}\s+.*\]\s+(\d+)$", out, re.M)
+        assert row and int(row.group(1)) == 0, f"{variant}: runs overlapped"
+    unlocked = re.search(r"^\s+without lock\s+.*\]\s+(\d+)$", out, re.M)
+    assert unlocked and int(unlocked.group(1)) > 0, "no overlap without a lock: blind"
+    retried = re.search(
+        r"^\s+until_finished \(memcached\)\s+(\d+) of (\d+)$", out, re.M
+    )
+    assert retried and retried.group(1) == retried.group(2), "a retry was lost"
+    for kind in ("plain (publish)", "until_finished, joined (no publish)"):
+        assert re.search(rf"^\s+{re.escape(kind)}\s+\d+us$", out, re.M), kind
 
 
 @pytest.mark.slow
