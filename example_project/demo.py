@@ -10,13 +10,19 @@ local feed server with slow responses, a fresh SQLite database and real
 threads enqueue every feed many times at once. Each import records its start and
 end; the report shows per feed how many imports ran, how many duplicates were
 skipped, the most imports of that feed running at one moment, and the entries
-stored. The exit status is 1 if any feed was imported twice at once, never
-imported, or a task failed; every process the demo started is stopped.
+stored. Then the refresh button: ``refresh_feed`` (``mode="coalesce"``) clicked
+many times per feed by every producer; the report shows per feed how many clicks
+were sent, how many became a published task (at most one running plus one
+pending), how many ran, and how many were coalesced into a pending call. The
+exit status is 1 if any feed was imported twice at once, never imported, a task
+failed, or a published refresh did not run; every process the demo started is
+stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import subprocess
@@ -105,6 +111,78 @@ def storm(task_name: str, urls: list[str], duplicates: int, producers: int) -> i
     for thread in threads:
         thread.join()
     return producers * duplicates * len(urls)
+
+
+def clicks(urls: list[str], clicks: int, producers: int) -> dict[str, list[str]]:
+    """The refresh button pressed once per feed, then, while those imports run,
+    ``clicks`` times per feed by every producer at once; the task id each click
+    got back, per feed."""
+    from django_tasklock import lock_id_for
+    from django_tasklock.status import lock_status
+    from example_project.feeds import tasks
+    from example_project.feeds.models import ImportRun
+
+    # One click per feed, then the storm once each of those imports is running:
+    # the storm's clicks arrive while an import of their feed is in progress.
+    got: dict[str, list[str]] = {
+        url: [tasks.refresh_feed.delay(url).id] for url in urls
+    }
+    waiting = set(urls)
+    deadline = time.monotonic() + 60
+    while waiting and time.monotonic() < deadline:
+        for url in list(waiting):
+            call = lock_status(lock_id_for(tasks.refresh_feed, url)).call
+            if (
+                call == ("running", got[url][0])
+                or ImportRun.objects.filter(
+                    task_name=tasks.refresh_feed.name, feed_url=url
+                ).exists()
+            ):
+                waiting.discard(url)
+        time.sleep(0.01)
+    barrier = threading.Barrier(producers)
+    guard = threading.Lock()
+
+    def produce(number: int) -> None:
+        barrier.wait()
+        for url in urls:
+            ids = [tasks.refresh_feed.delay(url).id for _ in range(clicks)]
+            with guard:
+                got[url] += ids
+
+    threads = [threading.Thread(target=produce, args=(n,)) for n in range(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return got
+
+
+def report_clicks(sent: dict[str, list[str]]) -> bool:
+    from example_project.feeds.models import ImportRun
+
+    full_name = "example_project.feeds.tasks.refresh_feed"
+    say(
+        f"{'feed':<28} {'clicks':>7} {'published':>9} {'ran':>5} {'coalesced':>9} "
+        f"{'at once':>7}"
+    )
+    ok = True
+    for url, ids in sent.items():
+        runs = ImportRun.objects.filter(task_name=full_name, feed_url=url)
+        published = len(set(ids))
+        peak = most_at_once(list(runs.values_list("started", "finished")))
+        problems = []
+        if runs.count() != published:
+            problems.append("A PUBLISHED REFRESH DID NOT RUN ONCE")
+        if peak > 1:
+            problems.append("IMPORTED CONCURRENTLY")
+        ok = ok and not problems
+        say(
+            f"{url.rsplit('/', 1)[1]:<28} {len(ids):>7} {published:>9} "
+            f"{runs.count():>5} {len(ids) - published:>9} {peak:>7}"
+            + ("   <- " + ", ".join(problems) if problems else "")
+        )
+    return ok
 
 
 def wait_for(task_name: str, expected: int, timeout: float = 60) -> None:
@@ -251,6 +329,23 @@ def main(argv: list[str] | None = None) -> int:
             say(f"   sent {sent} tasks")
             wait_for(task_name, sent)
             ok = report(task_name, urls) and ok
+        say()
+        say(
+            f'{len(TASKS) + 1}. refresh_feed, @single_instance(mode="coalesce"): '
+            f"{options.producers} producers click refresh on every feed "
+            f"{options.duplicates} times each"
+        )
+        # Each refused click is logged at INFO by django_tasklock; the table
+        # below counts them instead.
+        logging.getLogger("django_tasklock.calls").setLevel(logging.WARNING)
+        sent = clicks(urls, options.duplicates, options.producers)
+        published = sum(len(set(ids)) for ids in sent.values())
+        say(
+            f"   {sum(map(len, sent.values()))} clicks became {published} published "
+            "tasks; the rest joined a pending refresh of their feed"
+        )
+        wait_for("refresh_feed", published)
+        ok = report_clicks(sent) and ok
         say()
         from django.conf import settings
 

@@ -227,10 +227,23 @@ def test_demo_end_to_end():
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "RESULT: OK" in out
+    imports_part, _, refresh_part = out.partition("clicks published")
     rows = re.findall(
-        r"^(\S+\.(?:rss|atom))\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.M
+        r"^(\S+\.(?:rss|atom))\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$",
+        imports_part,
+        re.M,
     )
     assert len(rows) == 12, out  # six feeds, two tasks
+    clicks = re.findall(
+        r"^(\S+\.(?:rss|atom))\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$",
+        refresh_part,
+        re.M,
+    )
+    assert len(clicks) == 6, out
+    for name, sent, published, ran, coalesced, at_once in clicks:
+        assert int(ran) == int(published) >= 1, name
+        assert int(coalesced) == int(sent) - int(published) > 0, name
+        assert int(at_once) == 1, name
     for name, imports, _skipped, failed, at_once, entries in rows:
         assert int(imports) >= 1, name
         assert int(failed) == 0, name

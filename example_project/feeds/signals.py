@@ -11,6 +11,7 @@ from .models import TaskOutcome
 FEED_TASKS = (
     "example_project.feeds.tasks.import_feed",
     "example_project.feeds.tasks.import_feed_single",
+    "example_project.feeds.tasks.refresh_feed",
 )
 
 

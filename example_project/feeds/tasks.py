@@ -61,3 +61,14 @@ def import_feed_single(self, feed_url: str) -> str:  # type: ignore[no-untyped-d
     lock = current_lock()
     assert lock is not None
     return _import_and_record(feed_url, self.name, lock.fence)
+
+
+@shared_task(bind=True)
+@single_instance(key="feed_url", mode="coalesce", expire=30, renew=True)
+def refresh_feed(self, feed_url: str) -> str:  # type: ignore[no-untyped-def]
+    # "Refresh this feed", clicked again and again: a click while an import of
+    # the feed runs queues one follow-up import, which picks up whatever the feed
+    # gained meanwhile; further clicks join that follow-up instead of piling up.
+    lock = current_lock()
+    assert lock is not None
+    return _import_and_record(feed_url, self.name, lock.fence)
