@@ -20,13 +20,15 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 import uuid
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from . import pending
 from .backends import LockBackend, Peek, backend_for
 from .conf import MAX_EXPIRE, settings
-from .exceptions import AlreadyQueued, LockBackendError
+from .exceptions import AlreadyQueued, LockBackendError, LockUsageError
 from .locks import Lock
 from .signals import call_deduplicated
 from .tokens import token_owner
@@ -398,52 +400,247 @@ def _spec_for(app: Any, name: str, task: Any) -> tuple[Spec | None, Any]:
 
 
 def install() -> None:
-    """Wrap ``Celery.send_task`` and connect the worker-side signals, once."""
+    """Wrap ``Celery.send_task`` and ``django.tasks``' ``Task.enqueue``, and
+    connect the signals of either side, once per process."""
     if _installed:
         return
     with _install_lock:
         if _installed:
             return
-        try:
-            from celery import Celery, signals
-        except ImportError:  # Celery is optional: django.tasks only
-            _installed.append(False)
-            return
-        original = Celery.send_task
-
-        def send_task(
-            self: Any,
-            name: str,
-            args: Any = None,
-            kwargs: Any = None,
-            countdown: Any = None,
-            eta: Any = None,
-            task_id: Any = None,
-            *more: Any,
-            **options: Any,
-        ) -> Any:
-            spec, task = (
-                (None, None)
-                if more
-                else _spec_for(self, name, options.get("task_type"))
-            )
-            if spec is None:
-                return original(
-                    self, name, args, kwargs, countdown, eta, task_id, *more, **options
-                )
-            call = (args, kwargs, countdown, eta, task_id)
-            return _Publish(original, self, spec, task, name, call, options).send()
-
-        send_task.__wrapped__ = original  # type: ignore[attr-defined]
-        send_task.__doc__ = original.__doc__
-        Celery.send_task = send_task
-        signals.task_revoked.connect(
-            _on_revoked, weak=False, dispatch_uid="django_tasklock.revoked"
-        )
-        signals.task_postrun.connect(
-            _on_postrun, weak=False, dispatch_uid="django_tasklock.postrun"
-        )
+        _install_celery()
+        _install_django_tasks()
         _installed.append(True)
+
+
+def _install_celery() -> None:
+    try:
+        from celery import Celery, signals
+    except ImportError:  # Celery is optional: django.tasks only
+        return
+    original = Celery.send_task
+
+    def send_task(
+        self: Any,
+        name: str,
+        args: Any = None,
+        kwargs: Any = None,
+        countdown: Any = None,
+        eta: Any = None,
+        task_id: Any = None,
+        *more: Any,
+        **options: Any,
+    ) -> Any:
+        spec, task = (
+            (None, None) if more else _spec_for(self, name, options.get("task_type"))
+        )
+        if spec is None:
+            return original(
+                self, name, args, kwargs, countdown, eta, task_id, *more, **options
+            )
+        call = (args, kwargs, countdown, eta, task_id)
+        return _Publish(original, self, spec, task, name, call, options).send()
+
+    send_task.__wrapped__ = original  # type: ignore[attr-defined]
+    send_task.__doc__ = original.__doc__
+    Celery.send_task = send_task
+    signals.task_revoked.connect(
+        _on_revoked, weak=False, dispatch_uid="django_tasklock.revoked"
+    )
+    signals.task_postrun.connect(
+        _on_postrun, weak=False, dispatch_uid="django_tasklock.postrun"
+    )
+
+
+# -- django.tasks (Django 6+) ---------------------------------------------------------
+
+#: The pending mark of the enqueue in progress in this thread: (backend, key,
+#: placeholder value, life). The backend's task_enqueued signal names the new
+#: result's id, which replaces the placeholder before the task can start.
+_enqueuing: ContextVar[tuple[LockBackend, str, str, float] | None] = ContextVar(
+    "tasklock_enqueuing", default=None
+)
+#: The id of the django.tasks result whose task this thread runs (task_started).
+_running_result: ContextVar[str | None] = ContextVar(
+    "tasklock_running_result", default=None
+)
+# How long a duplicate waits for an enqueue in progress to learn its result id.
+_ENQUEUING_WAIT: Final = 5.0
+_ENQUEUING_PREFIX: Final = "enqueuing-"
+
+
+def running_result_id() -> str | None:
+    """The django.tasks result id of the task this thread runs, if any."""
+    return _running_result.get()
+
+
+def _install_django_tasks() -> None:
+    try:
+        from django.tasks import base as tasks_base
+        from django.tasks import signals as task_signals
+    except ImportError:  # Django < 6
+        return
+    original = tasks_base.Task.enqueue
+
+    def enqueue(self: Any, *args: Any, **kwargs: Any) -> Any:
+        spec = spec_of(self)
+        if spec is None:
+            return original(self, *args, **kwargs)
+        return _enqueue_django(original, self, spec, args, kwargs)
+
+    async def aenqueue(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from asgiref.sync import sync_to_async
+
+        if spec_of(self) is None:
+            return await original_async(self, *args, **kwargs)
+        return await sync_to_async(enqueue)(self, *args, **kwargs)
+
+    original_async = tasks_base.Task.aenqueue
+    enqueue.__wrapped__ = original  # type: ignore[attr-defined]
+    tasks_base.Task.enqueue = enqueue  # type: ignore[method-assign]
+    tasks_base.Task.aenqueue = aenqueue  # type: ignore[method-assign]
+    task_signals.task_enqueued.connect(
+        _on_enqueued, weak=False, dispatch_uid="django_tasklock.enqueued"
+    )
+    task_signals.task_started.connect(
+        _on_started, weak=False, dispatch_uid="django_tasklock.started"
+    )
+    task_signals.task_finished.connect(
+        _on_finished, weak=False, dispatch_uid="django_tasklock.finished"
+    )
+
+
+def _on_enqueued(sender: Any = None, task_result: Any = None, **_: Any) -> None:
+    enqueuing = _enqueuing.get()
+    if enqueuing is None or task_result is None:
+        return
+    backend, key, placeholder, life = enqueuing
+    peek = backend.peek(key)
+    if peek is not None and peek.value == placeholder:
+        backend.replace(key, peek.hold, peek.value, queued(task_result.id), life)
+
+
+def _on_started(sender: Any = None, task_result: Any = None, **_: Any) -> None:
+    if task_result is not None:
+        _running_result.set(task_result.id)
+
+
+def _on_finished(sender: Any = None, task_result: Any = None, **_: Any) -> None:
+    _running_result.set(None)
+
+
+def _enqueue_django(
+    original: Callable[..., Any],
+    task: Any,
+    spec: Spec,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    options = spec.options
+    if options.on_duplicate == "replace":
+        raise LockUsageError(
+            f"on_duplicate='replace' needs Celery's revoke; {spec.name} is a "
+            "django.tasks task. Use 'join' or 'raise'."
+        )
+    lock_id = spec.lock_id(spec.name, spec.bound, args, kwargs)
+    queue_id = queue_lock_id(lock_id, options.mode)
+    backend, _alias = _store(options)
+    key = backend.keys_for(queue_id)[0]
+    life = queue_life(options.queue_expire)
+    placeholder = queued(_ENQUEUING_PREFIX + str(uuid.uuid4()))
+    waited_since = None
+    while True:
+        try:
+            claimed = backend.acquire(key, placeholder, life) is not None
+            peek = None if claimed else backend.peek(key)
+        except backend.errors as exc:
+            raise _store_error(backend, queue_id, "take the call's lock", exc) from exc
+        if claimed:
+            return _enqueue_claimed(
+                original, task, backend, key, placeholder, life, args, kwargs
+            )
+        holder = None if peek is None else call_of(peek.value)
+        if peek is None:
+            continue
+        if holder is not None and holder[0] == "started":
+            if backend.replace(key, peek.hold, peek.value, placeholder, life):
+                return _enqueue_claimed(
+                    original, task, backend, key, placeholder, life, args, kwargs
+                )
+            continue
+        if holder is not None and holder[1].startswith(_ENQUEUING_PREFIX):
+            # Another thread's enqueue, whose result id is not known yet.
+            now = time.monotonic()
+            waited_since = waited_since or now
+            if now - waited_since < _ENQUEUING_WAIT:
+                time.sleep(0.005)
+                continue
+        return _django_duplicate(task, spec, queue_id, holder)
+
+
+def _enqueue_claimed(
+    original: Callable[..., Any],
+    task: Any,
+    backend: LockBackend,
+    key: str,
+    placeholder: str,
+    life: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    reset = _enqueuing.set((backend, key, placeholder, life))
+    try:
+        result = original(task, *args, **kwargs)
+    except BaseException:
+        _enqueuing.reset(reset)
+        backend.discard(key, placeholder)
+        raise
+    _enqueuing.reset(reset)
+    # A backend that sent no task_enqueued: name the result now. One that ran
+    # the task already (ImmediateBackend) left nothing to name.
+    peek = backend.peek(key)
+    if peek is not None and peek.value == placeholder:
+        if result.is_finished:
+            backend.discard(key, placeholder)
+        else:
+            backend.replace(key, peek.hold, peek.value, queued(result.id), life)
+    return result
+
+
+def _django_duplicate(
+    task: Any, spec: Spec, queue_id: str, holder: tuple[str, str] | None
+) -> Any:
+    holder_id = None if holder is None else holder[1]
+    action = "raised"
+    result = None
+    if spec.options.on_duplicate == "join" and holder_id is not None:
+        try:
+            result = task.get_result(holder_id)
+            action = "joined"
+        except Exception:
+            result = None
+    logger.info(
+        "Not enqueued %s as a call of its own: call %s is pending or running "
+        "under lock %r (mode %s); %s.",
+        spec.name,
+        holder_id,
+        queue_id,
+        spec.options.mode,
+        "the caller got that call's result"
+        if action == "joined"
+        else "AlreadyQueued raised",
+    )
+    if call_deduplicated.receivers:
+        call_deduplicated.send_robust(
+            task,
+            lock_id=queue_id,
+            task_id=holder_id,
+            new_id=None,
+            mode=spec.options.mode,
+            action=action,
+        )
+    if result is None:
+        raise AlreadyQueued(holder_id, queue_id)
+    return result
 
 
 # -- the worker's side: a call that ends without running its body ---------------------

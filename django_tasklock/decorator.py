@@ -21,6 +21,7 @@ from .calls import (
     queue_life,
     queue_lock_id,
     queued,
+    running_result_id,
     started,
 )
 from .conf import (
@@ -340,8 +341,16 @@ def _decorate(func: F, options: _Options) -> F:
             else None
         )
         mode = options.mode
+        if call_id is None and mode != "while_running" and task is None:
+            # django.tasks: its context, or the task_started signal, names it.
+            context = args[0] if bound else None
+            call_id = (
+                context.task_result.id if context is not None else running_result_id()
+            )
         if call_id is not None and mode == "until_started":
-            return _run_started(func, args, kwargs, the_id, call_id, options, name)
+            return _run_started(
+                func, args, kwargs, the_id, call_id, options, name, task
+            )
         lock: Lock | Semaphore
         if options.limit is None or options.limit == 1:
             lock = _TaskLock(the_id, **lock_options)
@@ -361,9 +370,12 @@ def _decorate(func: F, options: _Options) -> F:
             policy = "wait"  # a pending call is never dropped: it waits its turn
         if not _acquire(lock, policy, options):
             if call_id is not None:
-                _drop_second_delivery(lock, call_id, name)
-                if mode == "coalesce":
+                if _second_delivery(lock, call_id, name):
+                    return _dropped(task)
+                if mode == "coalesce" and task is not None:
                     return _send_again(task, lock, options, name)
+                if mode == "coalesce":  # django.tasks: no way to send it again
+                    raise LockNotAcquired(lock.lock_id)
             return _contended(lock, policy, options, name, task, bound)
         if call_id is not None and mode == "coalesce":
             _leave_queue(lock, call_id, options)
@@ -562,16 +574,23 @@ def _ignore() -> BaseException:
     return ignore
 
 
-def _drop_second_delivery(lock: Lock | Semaphore, call_id: str, name: str) -> None:
-    """Raise Celery's Ignore if the lock is held by this very call: a second
+def _dropped(task: Any) -> None:
+    """End a second delivery: Celery's Ignore (no state is stored for it), or
+    None under django.tasks."""
+    if task is not None:
+        raise _ignore()
+
+
+def _second_delivery(lock: Lock | Semaphore, call_id: str, name: str) -> bool:
+    """True (and a WARNING) if the lock is held by this very call: a second
     delivery of its message (a broker redelivering it while it runs)."""
     if not isinstance(lock, Lock):
-        return  # a Semaphore's slots do not name the call
+        return False  # a Semaphore's slots do not name the call
     backend, key = lock._backend()
     try:
         peek = backend.peek(key)
     except backend.errors:
-        return
+        return False
     holder = None if peek is None else call_of(peek.value)
     if holder is not None and holder[1] == call_id and holder[0] != "queued":
         logger.warning(
@@ -582,7 +601,8 @@ def _drop_second_delivery(lock: Lock | Semaphore, call_id: str, name: str) -> No
             call_id,
             lock.lock_id,
         )
-        raise _ignore()
+        return True
+    return False
 
 
 def _send_again(task: Any, lock: Lock | Semaphore, options: _Options, name: str) -> Any:
@@ -659,6 +679,7 @@ def _run_started(
     call_id: str,
     options: _Options,
     name: str,
+    task: Any,
 ) -> Any:
     """until_started: mark the call started (a new call may be queued from now
     on) and run the body; no lock is held while it runs."""
@@ -677,7 +698,7 @@ def _run_started(
                 call_id,
                 lock_id,
             )
-            raise _ignore()
+            return _dropped(task)
         if peek is not None and peek.value == queued(call_id):
             backend.replace(key, peek.hold, peek.value, mark, expire)
         elif peek is None:

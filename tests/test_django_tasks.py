@@ -53,3 +53,68 @@ def test_django_task_context_is_not_part_of_the_key():
         failed = djtasks.with_context.enqueue("hello")
         assert failed.status == "FAILED"
         assert failed.errors[0].exception_class is LockNotAcquired
+
+
+@pytest.fixture
+def dummy_tasks(settings):
+    """A backend that stores calls and never runs them: calls stay pending."""
+    settings.TASKS = {
+        "default": {"BACKEND": "django.tasks.backends.dummy.DummyBackend"}
+    }
+    yield
+    from django.tasks import default_task_backend
+
+    default_task_backend.clear()
+
+
+def test_enqueue_of_a_pending_call_returns_its_result(dummy_tasks):
+    from django_tasklock.calls import call_of
+    from django_tasklock.status import lock_status
+    from tests import djtasks
+
+    first = djtasks.summarize.enqueue("a b")
+    again = djtasks.summarize.enqueue("a b")
+    assert again.id == first.id
+    status = lock_status(lock_id(djtasks.summarize, "a b"))
+    assert call_of(status.value) == ("queued", first.id)
+    assert djtasks.summarize.enqueue("other").id != first.id
+
+
+def test_enqueue_of_a_pending_call_can_raise(dummy_tasks):
+    from django_tasklock import AlreadyQueued
+    from tests import djtasks
+
+    first = djtasks.summarize_once.enqueue("x")
+    with pytest.raises(AlreadyQueued) as raised:
+        djtasks.summarize_once.enqueue("x")
+    assert raised.value.task_id == first.id
+
+
+def test_the_run_takes_over_its_own_call_and_frees_it_at_the_end():
+    from django_tasklock.status import lock_status
+    from tests import djtasks
+
+    result = djtasks.summarize.enqueue("a b")
+    assert result.status == "SUCCESSFUL"
+    assert result.return_value == ["running", result.id]
+    assert not lock_status(lock_id(djtasks.summarize, "a b")).held
+
+
+def test_a_duplicate_of_a_running_call_is_refused_with_its_id():
+    from django_tasklock.status import lock_status
+    from tests import djtasks
+
+    result = djtasks.summarize_once.enqueue("y")
+    assert result.status == "SUCCESSFUL", result.errors
+    own, refused = result.return_value
+    assert own == result.id
+    assert refused == result.id  # ImmediateBackend cannot look results up
+    assert not lock_status(lock_id(djtasks.summarize_once, "y")).held
+
+
+def test_replace_is_refused_under_django_tasks():
+    from django_tasklock import LockUsageError
+    from tests import djtasks
+
+    with pytest.raises(LockUsageError, match="revoke"):
+        djtasks.replaced.enqueue("z")
