@@ -100,7 +100,7 @@ def render(rows: list[Row], command: str) -> str:
 
 
 def run(quick: bool) -> list[Row]:
-    from reliability import basics, lifecycle, pools, semaphores, unknown
+    from reliability import basics, calls, lifecycle, pools, semaphores, unknown
     from tests.services import Redis
 
     main = Memcached().start()
@@ -115,6 +115,7 @@ def run(quick: bool) -> list[Row]:
         rows += unknown.run(main, redis_server, quick)
         rows += semaphores.run(main, quick)
         rows += pools.run(main, quick)
+        rows += calls.run(redis_server, quick)
     finally:
         from django.core.cache import close_caches
 

@@ -67,7 +67,7 @@ def test_bad_rows_are_the_ones_that_break_a_promise():
 def test_fault_suite_quick():
     out = run_module("reliability.faults", "--quick", timeout=900)
     rows = {row[0].split(" ", 1)[0]: row for row in table_rows(out)}
-    assert set(rows) == {f"{n}." for n in range(1, 18)}, out
+    assert set(rows) == {f"{n}." for n in range(1, 23)}, out
     for number, (case, attempts, overlapping, marked, wrong, figures) in rows.items():
         assert int(attempts) > 0, case
         assert int(wrong) == 0, f"{case}: {figures}"
@@ -101,4 +101,14 @@ def test_fault_suite_quick():
     assert "a rival took it only after that 1/1" in out
     assert "holder told before a rival took it 2/2" in out
     assert "removed by the watch 1/1" in out
+    storm = re.search(r"(\d+) sends, (\d+) published, (\d+) ran, (\d+) joined", out)
+    assert storm, out
+    sends, published, ran, joined = map(int, storm.groups())
+    assert published == ran and joined == sends - published > 0
+    killed = re.search(r"key free (\d+\.\d)-(\d+\.\d)s after the kill", out)
+    assert killed and float(killed.group(2)) <= 3 + 1
+    lost = re.search(r"key free (\d+\.\d)-(\d+\.\d)s after the send", out)
+    assert lost and 1 <= float(lost.group(1)) and float(lost.group(2)) <= 3
+    assert "error raised 2/2; keys left held 0" in out
+    assert re.search(r"second deliveries dropped [1-9]", out)
     assert re.search(r"\d+ acquisitions, \d+ refused; most at once 3 \(limit 3\)", out)
