@@ -108,7 +108,7 @@ def test_fault_suite_quick():
     killed = re.search(r"key free (\d+\.\d)-(\d+\.\d)s after the kill", out)
     assert killed and float(killed.group(2)) <= 3 + 1
     lost = re.search(r"key free (\d+\.\d)-(\d+\.\d)s after the send", out)
-    assert lost and 1 <= float(lost.group(1)) and float(lost.group(2)) <= 3
+    assert lost and float(lost.group(1)) >= 1 and float(lost.group(2)) <= 3
     assert "error raised 2/2; keys left held 0" in out
     assert re.search(r"second deliveries dropped [1-9]", out)
     assert re.search(r"\d+ acquisitions, \d+ refused; most at once 3 \(limit 3\)", out)
