@@ -10,45 +10,25 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from reliability.faults import Row
+from tests.conftest import wait_until
 from tests.services import Redis
 from tests.workers import overlaps, start_workers, stop_workers
 
 
 def _broker(redis: Redis) -> dict[str, str]:
     from tests.celery_app import app
-    from tests.conftest import reset_publisher
+    from tests.conftest import use_redis_broker
 
-    base = redis.url[:-2]
-    env = {
-        "TASKLOCK_TEST_BROKER": f"{base}/3",
-        "TASKLOCK_TEST_RESULTS": f"{base}/4",
-        "TASKLOCK_TEST_REDIS": redis.url,
-    }
-    os.environ.update(env)
-    app.conf.update(
-        broker_url=env["TASKLOCK_TEST_BROKER"],
-        result_backend=env["TASKLOCK_TEST_RESULTS"],
-    )
-    reset_publisher(app)
-    return env
+    os.environ["TASKLOCK_TEST_REDIS"] = redis.url
+    return {**use_redis_broker(app, redis.url), "TASKLOCK_TEST_REDIS": redis.url}
 
 
 def _free(lock_id: str) -> bool:
     from django_tasklock.status import lock_status
 
     return not lock_status(lock_id).held
-
-
-def _wait(condition: Any, limit: float) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > limit:
-            raise AssertionError(f"not within {limit}s")
-        time.sleep(0.01)
-    return time.monotonic() - started
 
 
 def storm(keys: int, sends: int) -> Row:
@@ -99,11 +79,11 @@ def killed_mid_call(tries: int) -> Row:
         key = f"killed-call-{attempt}"
         lock_id = lock_id_for(tasks.finish_killable, key, 30.0)
         tasks.finish_killable.delay(key, 30.0)
-        _wait(lambda key=key: tasks.runs(key), 60)
+        wait_until(lambda key=key: tasks.runs(key), 60)
         os.kill(int(tasks.runs(key)[0]["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
         killed_at = time.monotonic()
         try:
-            frees.append(_wait(lambda lock_id=lock_id: _free(lock_id), 10))
+            frees.append(wait_until(lambda lock_id=lock_id: _free(lock_id), 10))
         except AssertionError:
             wrong += 1
             continue
@@ -138,7 +118,7 @@ def never_consumed(tries: int) -> Row:
             sent_at = time.monotonic()
             tasks.finish_once.apply_async((key,), queue="nobody-consumes")
             try:
-                _wait(lambda lock_id=lock_id: _free(lock_id), 10)
+                wait_until(lambda lock_id=lock_id: _free(lock_id), 10)
             except AssertionError:
                 wrong += 1
                 continue

@@ -204,3 +204,17 @@ def reset_publisher(celery_app) -> None:
     if client is not None:
         client.connection_pool.disconnect()
     forget_backend(celery_app)
+
+
+def use_redis_broker(celery_app, redis_url: str) -> dict[str, str]:
+    """Point ``celery_app`` (and worker processes started after, through the
+    environment) at a private Redis: broker db 3, results db 4."""
+    base = redis_url[:-2]
+    env = {"TASKLOCK_TEST_BROKER": f"{base}/3", "TASKLOCK_TEST_RESULTS": f"{base}/4"}
+    os.environ.update(env)
+    celery_app.conf.update(
+        broker_url=env["TASKLOCK_TEST_BROKER"],
+        result_backend=env["TASKLOCK_TEST_RESULTS"],
+    )
+    reset_publisher(celery_app)
+    return env

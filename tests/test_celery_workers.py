@@ -7,7 +7,6 @@ and end; the tests measure overlaps instead of assuming them.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,7 @@ from celery.contrib.testing.worker import start_worker
 from django_tasklock.backends import close_thread_connections
 from tests import tasks
 from tests.celery_app import app
-from tests.conftest import reset_publisher
+from tests.conftest import reset_publisher, use_redis_broker
 from tests.workers import overlaps, start_workers, stop_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,14 +27,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def broker(redis_server):
     """Celery's broker and result backend: databases 3 and 4 of the private Redis."""
-    base = redis_server.url[:-2]
-    env = {"TASKLOCK_TEST_BROKER": f"{base}/3", "TASKLOCK_TEST_RESULTS": f"{base}/4"}
-    os.environ.update(env)
-    app.conf.update(
-        broker_url=env["TASKLOCK_TEST_BROKER"],
-        result_backend=env["TASKLOCK_TEST_RESULTS"],
-    )
-    reset_publisher(app)
+    env = use_redis_broker(app, redis_server.url)
     yield env
     reset_publisher(app)
 
