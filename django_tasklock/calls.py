@@ -340,9 +340,20 @@ class _Publish:
         if replaced is None:
             return self.send()  # it changed meanwhile: look again
         result = self._publish(restore=peek)
-        # Only once this call is out: the pending one, should it still start,
-        # finds the lock is no longer its own and does not run.
-        self.app.control.revoke(holder_id)
+        # Only once this call is out. Should the revoke not reach a worker, the
+        # pending call meets the newer call's lock when it starts, and its
+        # on_contention decides (skipped by default).
+        try:
+            self.app.control.revoke(holder_id)
+        except Exception:
+            logger.warning(
+                "Could not revoke call %s, replaced by %s under lock %r; when it "
+                "starts it meets the newer call's lock (see on_contention).",
+                holder_id,
+                self.task_id,
+                self.queue_id,
+                exc_info=True,
+            )
         self._announce(holder_id, "replaced")
         return result
 
