@@ -66,6 +66,8 @@ _STARTED: Final = "started:"
 _CANVAS: Final = ("link", "link_error", "chord", "group_id", "chain")
 # How often a publish looks again when the lock changes hands under it.
 _TRIES: Final = 5
+# The call being sent again runs in another thread or process.
+_ELSEWHERE: Final = object()
 
 
 def queued(task_id: str) -> str:
@@ -218,7 +220,12 @@ class _Publish:
         holder = call_of(peek.value)
         if holder is not None and holder[1] == self.task_id:
             # The same call sent again: its own retry, or a re-publish.
-            if self._hand_over(peek) is None:
+            handed = self._hand_over(peek, running=holder[0] == "running")
+            if handed is _ELSEWHERE:
+                # Sent again while it runs in another thread or process: that
+                # run keeps its lock, and this copy is dropped when it starts.
+                return self._publish_unclaimed
+            if handed is None:
                 return None
             return self._publish
         if holder is not None and holder[0] == "started":
@@ -240,7 +247,9 @@ class _Publish:
         outcome: Callable[[], Any] = self._duplicate(holder, peek)
         return outcome
 
-    def _hand_over(self, peek: Peek) -> object:
+    def _hand_over(self, peek: Peek, *, running: bool) -> object:
+        """Make the lock this message's: the new hold, None if it changed in
+        between, or ``_ELSEWHERE`` if the call runs elsewhere."""
         # The running call retrying itself holds the lock in this thread: it
         # hands it over, so its heartbeat stops and it does not report a loss.
         from .decorator import _held
@@ -252,6 +261,8 @@ class _Publish:
                 and lock.lock_id == self.queue_id
             ):
                 return True if lock.hand_over(self.value, self.life) else None
+        if running:
+            return _ELSEWHERE
         return self.backend.replace(
             self.key, peek.hold, peek.value, self.value, self.life
         )
