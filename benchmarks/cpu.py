@@ -18,6 +18,7 @@ valgrind; it is not meant to be called by hand.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import shutil
@@ -50,6 +51,13 @@ OPERATIONS: list[tuple[str, str, float | None]] = [
     ("Semaphore(limit=3) cycle", "floor: raw add + delete", None),
     ("floor: redis-py SET NX PX + Lua delete", "", None),
     ("Lock cycle on Redis", "floor: redis-py SET NX PX + Lua delete", 1.3),
+    ("floor: plain .delay() (memory broker)", "", None),
+    (
+        "until_finished .delay(), published",
+        "floor: plain .delay() (memory broker)",
+        None,
+    ),
+    ("until_finished .delay(), joined", "floor: plain .delay() (memory broker)", None),
 ]
 
 
@@ -117,10 +125,27 @@ def _operations() -> dict[str, Callable[[], object]]:
         lock.acquire()
         lock.release()
 
+    # .delay() on kombu's in-memory broker: the client's cost of a publish,
+    # with the enqueue-time lock (new arguments every time) and without one
+    # (the same arguments: every call after the first joins it).
+    from benchmarks import celery_bench
+
+    arguments = itertools.count()
+
+    def plain_delay() -> None:
+        celery_bench.plain.delay(next(arguments))
+
+    def published_delay() -> None:
+        celery_bench.until_finished.delay(next(arguments))
+
+    def joined_delay() -> None:
+        celery_bench.until_finished.delay(-1)
+
     functions = [
         floor, recipe, with_memcache_lock, lock_cycle,
         lambda: decorated("https://feeds.example/a.xml"),
         refused_raw, refused, semaphore_cycle, redis_floor, redis_lock_cycle,
+        plain_delay, published_delay, joined_delay,
     ]  # fmt: skip
     return dict(zip([name for name, _, _ in OPERATIONS], functions, strict=True))
 

@@ -196,10 +196,19 @@ def reset_publisher(celery_app) -> None:
     publish connects anew (to the broker_url configured by then)."""
     from kombu import pools
 
+    import gc
+
     pools.reset()
     celery_app._pool = None
     celery_app.amqp._producer_pool = None
     backend = celery_app._local.__dict__.get("backend")
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is not None:
+        gc.collect()  # results already gone unsubscribe while it still runs
+        consumer.stop()
+        # A result that outlives it must not reconnect to unsubscribe (a
+        # socket nobody closes) when it is collected.
+        consumer.cancel_for = lambda task_id: None
     client = getattr(backend, "client", None)
     if client is not None:
         client.connection_pool.disconnect()
