@@ -194,9 +194,9 @@ def forget_backend(celery_app):
 def reset_publisher(celery_app) -> None:
     """Close the app's broker connections and forget them, so that the next
     publish connects anew (to the broker_url configured by then)."""
-    from kombu import pools
-
     import gc
+
+    from kombu import pools
 
     pools.reset()
     celery_app._pool = None
