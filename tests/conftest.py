@@ -194,25 +194,37 @@ def forget_backend(celery_app):
 def reset_publisher(celery_app) -> None:
     """Close the app's broker connections and forget them, so that the next
     publish connects anew (to the broker_url configured by then)."""
-    import gc
-
     from kombu import pools
 
     pools.reset()
     celery_app._pool = None
     celery_app.amqp._producer_pool = None
-    backend = celery_app._local.__dict__.get("backend")
-    consumer = getattr(backend, "result_consumer", None)
-    if consumer is not None:
-        gc.collect()  # results already gone unsubscribe while it still runs
-        consumer.stop()
-        # A result that outlives it must not reconnect to unsubscribe (a
-        # socket nobody closes) when it is collected.
-        consumer.cancel_for = lambda task_id: None
-    client = getattr(backend, "client", None)
-    if client is not None:
-        client.connection_pool.disconnect()
+    close_result_backends()
     forget_backend(celery_app)
+
+
+def close_result_backends() -> None:
+    """Close every Celery Redis result backend of this process, those of
+    threads that ended (an in-process worker's) included, before the garbage
+    collector finds their sockets open."""
+    import gc
+
+    from celery.backends.redis import RedisBackend
+
+    # Not gc.collect() first: objects already unreachable are still listed
+    # here, and must be closed before they are collected.
+    # type(), not isinstance(): that would read __class__, which evaluates
+    # Django's lazy objects.
+    backends = [o for o in gc.get_objects() if issubclass(type(o), RedisBackend)]
+    for backend in backends:
+        consumer = backend.__dict__.get("result_consumer")
+        if consumer is not None:
+            consumer.stop()
+            # A result that outlives it must not reconnect to unsubscribe.
+            consumer.cancel_for = lambda task_id: None
+        client = backend.__dict__.get("client")  # a cached_property
+        if client is not None:
+            client.connection_pool.disconnect()
 
 
 def use_redis_broker(celery_app, redis_url: str) -> dict[str, str]:
