@@ -33,8 +33,8 @@ typecheck: $(STAMP)
 # that only rises.
 pytest: services $(STAMP)
 	$(BIN)/python -m pytest --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
-	if ls .coverage.matrix-* >/dev/null 2>&1; then \
-		$(BIN)/python -m coverage combine --append --keep .coverage.matrix-*; fi
+	if ls .coverage-matrix/* >/dev/null 2>&1; then \
+		$(BIN)/python -m coverage combine --append --keep .coverage-matrix/*; fi
 	$(BIN)/python -m coverage report --skip-covered
 
 # sdist and wheel built, twine-checked, and the wheel used in a clean venv.
