@@ -29,8 +29,8 @@ typecheck: $(STAMP)
 	$(BIN)/mypy django_tasklock
 
 # With branch coverage of django_tasklock, combined with the matrix runs' (code
-# only Django 6 runs is measured there); fail_under in pyproject.toml is a floor
-# that only rises.
+# only Django 6 runs is measured there); fail_under in pyproject.toml is the floor
+# (code run only in the tests' worker processes is not measured yet).
 pytest: services $(STAMP)
 	$(BIN)/python -m pytest --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
 	if ls .coverage-matrix/* >/dev/null 2>&1; then \
