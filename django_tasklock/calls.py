@@ -137,7 +137,7 @@ def _store(options: Any) -> tuple[LockBackend, str]:
     return backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL), alias
 
 
-def _store_error(
+def store_error(
     backend: LockBackend, lock_id: str, doing: str, exc: BaseException
 ) -> LockBackendError:
     return LockBackendError(
@@ -197,7 +197,7 @@ class _Publish:
             try:
                 outcome = self._claim()
             except self.backend.errors as exc:
-                raise _store_error(
+                raise store_error(
                     self.backend, self.queue_id, "take the call's lock", exc
                 ) from exc
             if outcome is not None:
@@ -345,7 +345,7 @@ class _Publish:
                 self.key, peek.hold, peek.value, self.value, self.life
             )
         except backend.errors as exc:
-            raise _store_error(
+            raise store_error(
                 backend, self.queue_id, "take the call's lock", exc
             ) from exc
         if replaced is None:
@@ -575,7 +575,7 @@ def _enqueue_django(
             claimed = backend.acquire(key, placeholder, life) is not None
             peek = None if claimed else backend.peek(key)
         except backend.errors as exc:
-            raise _store_error(backend, queue_id, "take the call's lock", exc) from exc
+            raise store_error(backend, queue_id, "take the call's lock", exc) from exc
         if claimed:
             return _enqueue_claimed(
                 original, task, backend, key, placeholder, life, args, kwargs

@@ -23,6 +23,7 @@ from .calls import (
     queued,
     running_result_id,
     started,
+    store_error,
 )
 from .conf import (
     CONTENTION_POLICIES,
@@ -704,11 +705,7 @@ def _run_started(
         elif peek is None:
             backend.acquire(key, mark, expire)
     except backend.errors as exc:
-        raise LockBackendError(
-            f"Could not mark the call started: {type(exc).__name__}: {exc}",
-            lock_id=lock_id,
-            store=backend.describe(key),
-        ) from exc
+        raise store_error(backend, lock_id, "mark the call started", exc) from exc
     try:
         return func(*args, **kwargs)
     finally:
