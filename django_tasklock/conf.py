@@ -50,6 +50,13 @@ DEFAULTS: Final[dict[str, Any]] = {
 
 
 _UNSET: Final = object()
+_LOCK_KEYS: Final = ("LOCK_EXPIRE", "CACHE", "MEMCACHED_PROTOCOL", "RENEW")
+# Django's settings object keeps each setting it read in its own __dict__ and
+# empties it whenever settings change (LazySettings.__setattr__, which
+# override_settings goes through too); a hit there is the current value.
+_django_settings_cache: dict[str, Any] = object.__getattribute__(
+    django_settings, "__dict__"
+)
 
 
 def validate_expire(value: object, *, name: str = "expire") -> float:
@@ -167,6 +174,10 @@ class Settings:
         # The last value found valid per key: a value object seen before (the
         # very same object) is not validated again on this hot path.
         self._valid: dict[str, object] = {}
+        # lock_defaults(): the TASKLOCK values it last read, and what they gave.
+        self._lock_memo: (
+            tuple[tuple[object, ...], tuple[float, str, Protocol, bool]] | None
+        ) = None
 
     def _get(self, key: str) -> Any:
         raw = getattr(django_settings, "TASKLOCK", None)
@@ -187,20 +198,43 @@ class Settings:
 
     def lock_defaults(self) -> tuple[float, str, Protocol, bool]:
         """``LOCK_EXPIRE``, ``CACHE``, ``MEMCACHED_PROTOCOL`` and ``RENEW`` in one
-        read."""
-        raw = getattr(django_settings, "TASKLOCK", None)
+        read, the hot path of every acquire: the TASKLOCK dict is taken from
+        the cache Django's settings object keeps of it (emptied by Django on
+        every change: override_settings, assignment), and the four values it
+        gave last time are reused while it holds the same ones."""
+        raw = _django_settings_cache.get("TASKLOCK", _UNSET)
+        if raw is _UNSET:  # not read yet since it last changed, or not set
+            raw = getattr(django_settings, "TASKLOCK", None)
         if not isinstance(raw, dict):
             return self.LOCK_EXPIRE, self.CACHE, self.MEMCACHED_PROTOCOL, self.RENEW
+        given = (
+            raw.get("LOCK_EXPIRE", _UNSET),
+            raw.get("CACHE", _UNSET),
+            raw.get("MEMCACHED_PROTOCOL", _UNSET),
+            raw.get("RENEW", _UNSET),
+        )
+        memo = self._lock_memo
+        if memo is not None:
+            seen = memo[0]
+            # The very same objects (an equal value of another type, 1 for
+            # True, must be validated).
+            if (
+                seen[0] is given[0]
+                and seen[1] is given[1]
+                and seen[2] is given[2]
+                and seen[3] is given[3]
+            ):
+                return memo[1]
         valid = self._valid
         values = []
-        for key in ("LOCK_EXPIRE", "CACHE", "MEMCACHED_PROTOCOL", "RENEW"):
-            value = raw.get(key, _UNSET)
+        for key, value in zip(_LOCK_KEYS, given, strict=True):
             if value is _UNSET:
                 value = DEFAULTS[key]
             elif valid.get(key, _UNSET) is not value:
                 value = self._get(key)
             values.append(value)
         expire, cache, protocol, renew = values
+        self._lock_memo = given, (expire, cache, protocol, renew)
         return expire, cache, protocol, renew
 
     @property

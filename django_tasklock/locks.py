@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import logging
 import os
 import random
@@ -164,46 +165,57 @@ class Lock(Holding):
         on_lost: OnLost = "warn",
     ) -> None:
         self.lock_id = check_lock_id(lock_id)
-        self._expire = None if expire is None else validate_expire(expire)
-        if cache is not None and (not isinstance(cache, str) or not cache):
-            raise TypeError(f"cache must be the name of a CACHES entry, not {cache!r}.")
-        if oid is not None and not isinstance(oid, str):
-            raise TypeError(f"oid must be a str, not {type(oid).__name__}.")
-        self._renew_option = (
-            None if renew is None else validate_bool(renew, name="renew")
-        )
-        self.max_hold = (
-            None if max_hold is None else validate_seconds(max_hold, name="max_hold")
-        )
-        self.on_lost: OnLost = (
-            on_lost
-            if on_lost == "warn"
-            else validate_choice(  # type: ignore[assignment]
+        # Options left out keep the class's defaults below: a Lock is made for
+        # every locked call, so it sets only what it was given.
+        if expire is not None:
+            self._expire = validate_expire(expire)
+        if cache is not None:
+            if not isinstance(cache, str) or not cache:
+                raise TypeError(
+                    f"cache must be the name of a CACHES entry, not {cache!r}."
+                )
+            self._cache = cache
+        if oid is not None:
+            if not isinstance(oid, str):
+                raise TypeError(f"oid must be a str, not {type(oid).__name__}.")
+            if oid:
+                self.owner = f"{oid}@{_HOSTNAME}"
+        if renew is not None:
+            self._renew_option = validate_bool(renew, name="renew")
+        if max_hold is not None:
+            self.max_hold = validate_seconds(max_hold, name="max_hold")
+        if on_lost != "warn":
+            self.on_lost = validate_choice(  # type: ignore[assignment]
                 on_lost, name="on_lost", choices=ON_LOST_POLICIES
             )
-        )
-        self._cache = cache
-        #: Who this holder is, as written at the start of its tokens.
-        self.owner = f"{oid}@{_HOSTNAME}" if oid else _HOSTNAME
-        self._hold: Hold | None = None
-        self._alias: str | None = None
-        self._key: str | None = None
-        self._held_backend: LockBackend | None = None
-        self._holder_thread: int | None = None
-        self._held_fork = -1
-        # When the store may drop the lock unless renewed before (monotonic).
-        self._valid_until: float | None = None
-        self._life = 0.0
         # Serialises the heartbeat's extend with the holder's release and extend;
         # reentrant, so a lock_lost receiver may call release() on this lock.
-        self._guard = threading.RLock()
-        self._heartbeat: Heartbeat | None = None
-        self._deadline: float | None = None
-        self._held_expire: float = 0.0
-        self.token: str | None = None
-        self._fence: int | None = None
-        self.acquired_at: float | None = None
-        self._lost = self._reported = False
+        self._guard = _thread.RLock()
+
+    # What a Lock starts with (see __init__).
+    _expire: float | None = None
+    _cache: str | None = None
+    _renew_option: bool | None = None
+    max_hold: float | None = None
+    on_lost: OnLost = "warn"
+    #: Who this holder is, as written at the start of its tokens.
+    owner: str = _HOSTNAME
+    _hold: Hold | None = None
+    _alias: str | None = None
+    _key: str | None = None
+    _held_backend: LockBackend | None = None
+    _holder_thread: int | None = None
+    _held_fork = -1
+    # When the store may drop the lock unless renewed before (monotonic).
+    _valid_until: float | None = None
+    _life = 0.0
+    _heartbeat: Heartbeat | None = None
+    _deadline: float | None = None
+    _held_expire: float = 0.0
+    token: str | None = None
+    _fence: int | None = None
+    acquired_at: float | None = None
+    _lost = _reported = False
 
     #: The stored value of the queued call this lock's first acquire may take
     #: over (see ``calls``); None: take it only if free.

@@ -11,7 +11,9 @@ looks at it. ``dropped`` counts the replies it withheld and ``refused`` the
 requests it kept from the server, so a test can tell the fault happened;
 ``requests`` counts the writes clients sent through it: one per round trip for a
 client that sends each request, pipelined or not, in one write and waits for the
-answer.
+answer. ``split_replies(at)`` passes each reply on in two writes, its first
+``at`` bytes and, a moment later, the rest, as a slow network may deliver it;
+``split`` counts the replies it cut.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 
 
 class FaultProxy:
@@ -32,6 +35,8 @@ class FaultProxy:
         self.dropped = 0
         self.refused = 0
         self.requests = 0
+        self.split = 0
+        self._split_at = 0
         self._pattern = b""
         self._times = 0
         self._refusing = b""
@@ -51,10 +56,15 @@ class FaultProxy:
         with self._mutex:
             self._refusing = pattern
 
+    def split_replies(self, at: int) -> None:
+        with self._mutex:
+            self._split_at = at
+
     def heal(self) -> None:
-        """Every request and reply passes again."""
+        """Every request and reply passes again, whole."""
         with self._mutex:
             self._pattern, self._times, self._refusing = b"", 0, b""
+            self._split_at = 0
 
     def _accept(self) -> None:
         while True:
@@ -104,6 +114,15 @@ class FaultProxy:
                     with self._mutex:
                         self.dropped += 1
                     return
+                at = self._split_at
+                if 0 < at < len(data):
+                    # The client reads the first piece alone: it is sent well
+                    # before the rest.
+                    client.sendall(data[:at])
+                    time.sleep(0.05)
+                    data = data[at:]
+                    with self._mutex:
+                        self.split += 1
                 client.sendall(data)
         except OSError:
             pass

@@ -278,3 +278,37 @@ def test_another_thread_cannot_release_a_retaken_lock(any_store):
     assert in_thread(old.release) is False
     assert new.owned()
     new.release()
+
+
+def test_meta_replies_in_pieces_are_read_whole(settings, memcached):
+    """A reply that reaches the client in two pieces (its first two bytes, then
+    the rest) is read to its end, for each answer acquire and release get."""
+    from tests.conftest import close_connections
+    from tests.faultproxy import FaultProxy
+
+    proxy = FaultProxy(memcached.port)
+    settings.CACHES = {
+        **settings.CACHES,
+        "pieces": {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": proxy.address,
+        },
+    }
+    settings.TASKLOCK = {"CACHE": "pieces", "LOCK_EXPIRE": 60}
+    try:
+        warm = Lock("pieces-warm")  # connects, and learns the server's run
+        assert warm.acquire() and warm.release()
+        proxy.split_replies(2)
+        holder = Lock("pieces")
+        assert holder.acquire()  # HD c<cas>
+        assert not Lock("pieces").acquire()  # NS c0
+        assert holder.release()  # HD
+        gone = Lock("pieces-gone")
+        assert gone.acquire()
+        memcached.raw(b"delete " + gone._key.encode())  # type: ignore[union-attr]
+        assert gone.release() is False  # NF: reported lost, nothing removed
+        assert gone.lost
+        assert proxy.split >= 5
+    finally:
+        proxy.close()
+        close_connections()

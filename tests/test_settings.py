@@ -82,6 +82,45 @@ def test_setting_read_on_every_use(settings, any_store):
     lock.release()
 
 
+def test_acquire_sees_every_kind_of_settings_change(settings, any_store):
+    """acquire() reuses the TASKLOCK values it read last while they are the
+    same objects; each way of changing them is seen at the next acquire."""
+    from django.conf import settings as django_settings
+    from django.test import override_settings
+
+    def acquired_ttl() -> float:
+        lock = Lock("changes")
+        assert lock.acquire()
+        ttl = lock.ttl()
+        assert lock.release()
+        assert ttl is not None
+        return ttl
+
+    settings.TASKLOCK = {**any_store.tasklock, "LOCK_EXPIRE": 100}
+    assert 50 < acquired_ttl() <= 100
+    # Assigned straight to django.conf.settings (no setting_changed signal).
+    django_settings.TASKLOCK = {**any_store.tasklock, "LOCK_EXPIRE": 300}
+    assert 250 < acquired_ttl() <= 300
+    with override_settings(TASKLOCK={**any_store.tasklock, "LOCK_EXPIRE": 20}):
+        assert acquired_ttl() <= 20
+    assert 250 < acquired_ttl() <= 300
+    # Changed inside the same dict: seen, and validated.
+    django_settings.TASKLOCK["LOCK_EXPIRE"] = 500
+    assert 450 < acquired_ttl() <= 500
+    django_settings.TASKLOCK["LOCK_EXPIRE"] = -1
+    with pytest.raises(LockConfigurationError, match="LOCK_EXPIRE"):
+        Lock("changes").acquire()
+    # An equal value of the wrong type is not taken for the valid one.
+    django_settings.TASKLOCK["LOCK_EXPIRE"] = 500
+    django_settings.TASKLOCK["RENEW"] = False
+    assert acquired_ttl() > 450
+    django_settings.TASKLOCK["RENEW"] = 0
+    with pytest.raises(LockConfigurationError, match="RENEW"):
+        Lock("changes").acquire()
+    del django_settings.TASKLOCK
+    assert Lock("changes").expire == 600  # LOCK_EXPIRE's default
+
+
 def test_argument_beats_setting(settings, any_store):
     settings.TASKLOCK = {**any_store.tasklock, "LOCK_EXPIRE": 500}
     lock = Lock("arg", expire=20)

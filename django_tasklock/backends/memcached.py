@@ -65,6 +65,8 @@ _TEXT_FLAG = 16
 _T = TypeVar("_T")
 # What a server that went away since the last command looks like on its socket.
 _DROPPED = (MemcacheUnexpectedCloseError, BrokenPipeError, ConnectionResetError)
+# What _learnt holds for a client whose connection's server run was never read.
+_UNLEARNT: Any = object()
 # Servers that refused a meta command; they get the classic commands.
 _classic_servers: set[Any] = set()
 # An absolute expiry (memcached reads any above 30 days as a Unix time) long past:
@@ -142,7 +144,7 @@ class MemcachedHold:
 
     __slots__ = ("cas", "sock")
 
-    def __init__(self, cas: int, sock: object) -> None:
+    def __init__(self, cas: int, sock: Any) -> None:
         self.cas, self.sock = cas, sock
 
     def __repr__(self) -> str:
@@ -233,7 +235,7 @@ class MemcachedBackend(LockBackend):
             django_cache.client_servers, **django_cache._options
         )
         # Per server client, the connection whose server run was learnt.
-        self._learnt: dict[Any, object] = {}
+        self._learnt: dict[Any, Any] = {}
 
     def close(self) -> None:
         self._hash_client.close()
@@ -334,6 +336,17 @@ class MemcachedBackend(LockBackend):
         try:
             sock.sendall(commands + b"\r\n")
             buffer = sock.recv(4096)
+        except BaseException as exc:
+            self._broken(client, fresh, exc)
+            return None
+        return self._replies(client, sock, buffer, count, fresh)
+
+    def _replies(
+        self, client: Any, sock: Any, buffer: bytes, count: int, fresh: bool
+    ) -> list[bytes] | None:
+        """The ``count`` replies that start with ``buffer``, read to their end
+        from ``sock`` (see ``_exchange``)."""
+        try:
             while True:
                 replies = _split_replies(buffer, count)
                 if replies is not None:
@@ -342,16 +355,9 @@ class MemcachedBackend(LockBackend):
                 if not chunk:
                     raise MemcacheUnexpectedCloseError()
                 buffer += chunk
-        except _DROPPED:
-            client.close()
-            # A fresh connection closed at the first meta command: a proxy that
-            # speaks only the classic protocol does that instead of ERROR.
-            if fresh and self._closes_on_meta(client):
-                return None
-            raise
-        except BaseException:
-            client.close()
-            raise
+        except BaseException as exc:
+            self._broken(client, fresh, exc)
+            return None
         if b"ERROR" not in buffer:  # no reply of ours carries text of its own
             return replies
         if replies[0].startswith(b"ERROR"):
@@ -365,6 +371,26 @@ class MemcachedBackend(LockBackend):
                 client.close()
                 raise MemcacheError(reply.strip().decode(errors="replace"))
         return replies
+
+    def _one_reply(self, client: Any, sock: Any, buffer: bytes) -> bytes | None:
+        """``_command``'s reading half, for a command already sent on ``sock``
+        whose reply starts with ``buffer``."""
+        replies = self._replies(client, sock, buffer, 1, False)
+        if replies is None:
+            return None
+        if replies[0].startswith(b"CLIENT_ERROR"):
+            raise MemcacheError(replies[0].decode(errors="replace"))
+        return replies[0]
+
+    def _broken(self, client: Any, fresh: bool, exc: BaseException) -> None:
+        """After ``exc`` on the connection: close it, as pymemcache does, and
+        raise ``exc``; None if it shows the server refuses meta commands."""
+        client.close()
+        # A fresh connection closed at the first meta command: a proxy that
+        # speaks only the classic protocol does that instead of ERROR.
+        if isinstance(exc, _DROPPED) and fresh and self._closes_on_meta(client):
+            return None
+        raise exc
 
     def _closes_on_meta(self, client: Any) -> bool:
         """After a closed connection: whether the server refuses meta commands."""
@@ -430,7 +456,50 @@ class MemcachedBackend(LockBackend):
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         client = self._client(key)
         ttl = math.ceil(expire)
-        tries = 0
+        sock: Any = getattr(client, "sock", None)
+        if (
+            sock is not None
+            and sock is self._learnt.get(client, _UNLEARNT)
+            and not _refused
+            and self._meta(client)
+        ):
+            # The common case: a connection whose server run is known, in one
+            # send and one read. Anything unusual goes the long way below.
+            data = token.encode()
+            wire = client.key_prefix + key.encode()
+            try:
+                sock.sendall(
+                    b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (wire, len(data), ttl, data)
+                )
+                reply = sock.recv(4096)
+                if not reply:
+                    raise MemcacheUnexpectedCloseError()
+            except _DROPPED:
+                # A connection from before had dropped; the command may have
+                # been carried out before it went.
+                client.close()
+                return self._acquire_tries(client, key, token, ttl, 1)
+            except BaseException:
+                client.close()
+                raise
+            if reply[-2:] == b"\r\n":  # the whole reply (one line)
+                if reply[:4] == b"HD c":
+                    cas = reply[4:-2]
+                    if cas.isdigit() and cas != b"0":
+                        return MemcachedHold(int(cas), sock)
+                elif reply[:2] == b"NS":  # "NS c0": someone else holds it
+                    return None
+            line = self._one_reply(client, sock, reply)
+            if line is not None:
+                return self._added(client, wire, line)
+        return self._acquire_tries(client, key, token, ttl, 0)
+
+    def _acquire_tries(
+        self, client: Any, key: str, token: str, ttl: int, tries: int
+    ) -> MemcachedHold | None:
+        """The acquire, learning the server's run on a new connection, and tried
+        once more if a connection from before had dropped; ``tries``: how many
+        were already sent."""
 
         def attempt() -> MemcachedHold | None:
             nonlocal tries
@@ -453,6 +522,8 @@ class MemcachedBackend(LockBackend):
                     return self._hold(client, cas, meta=False)
             return hold
 
+        if tries:
+            return attempt()
         return self._once_more(client, attempt)
 
     def _acquire(
@@ -467,14 +538,7 @@ class MemcachedBackend(LockBackend):
             )  # fmt: skip
             reply = self._command(client, command)
             if reply is not None:
-                if reply.startswith(b"NS"):
-                    return None
-                if not reply.startswith(b"HD"):
-                    raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-                cas = _flag(reply, b"c")
-                if not cas:
-                    self._command(client, b"md %s" % wire)
-                return self._hold(client, cas)
+                return self._added(client, wire, reply)
         if not client.add(key, token, expire=ttl, noreply=False):
             return None
         value, cas = client.gets(key)
@@ -482,6 +546,18 @@ class MemcachedBackend(LockBackend):
         if value != token:
             return None
         return self._hold(client, cas, meta=False)
+
+    def _added(self, client: Any, wire: bytes, reply: bytes) -> MemcachedHold | None:
+        """The hold an add-mode ``ms`` answered with ``reply`` gives; None if the
+        key was taken."""
+        if reply.startswith(b"NS"):
+            return None
+        if not reply.startswith(b"HD"):
+            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+        cas = _flag(reply, b"c")
+        if not cas:
+            self._command(client, b"md %s" % wire)
+        return self._hold(client, cas)
 
     # -- fencing tokens ------------------------------------------------------------
 
@@ -545,6 +621,31 @@ class MemcachedBackend(LockBackend):
     def release(self, key: str, hold: Hold, token: object) -> bool:
         assert isinstance(hold, MemcachedHold)
         client = self._client(key)
+        sock: Any = getattr(client, "sock", None)
+        if sock is not None and sock is hold.sock:
+            # The common case: the connection that took the lock (so it speaks
+            # meta commands), where the CAS id alone proves ownership; one send
+            # and one read. Anything unusual goes the long way below.
+            wire = client.key_prefix + key.encode()
+            try:
+                sock.sendall(b"md %s C%d\r\n" % (wire, hold.cas))
+                reply = sock.recv(4096)
+                if not reply:
+                    raise MemcacheUnexpectedCloseError()
+            except _DROPPED:
+                # A new connection checks the stored token first.
+                client.close()
+                return self._release(client, key, hold, token)
+            except BaseException:
+                client.close()
+                raise
+            if reply == b"HD\r\n":
+                return True
+            if reply == b"EX\r\n" or reply == b"NF\r\n":
+                return False
+            line = self._one_reply(client, sock, reply)
+            if line is not None:
+                return self._deleted(line)
         return self._once_more(client, lambda: self._release(client, key, hold, token))
 
     def _release(
@@ -560,14 +661,19 @@ class MemcachedBackend(LockBackend):
         if self._meta(client):
             reply = self._command(client, b"md %s C%d" % (_wire_key(client, key), cas))
             if reply is not None:
-                if reply.startswith(b"HD"):
-                    return True
-                if reply.startswith((b"EX", b"NF")):
-                    return False
-                raise MemcacheError(f"unexpected reply to md: {reply!r}")
+                return self._deleted(reply)
         # cas() answers True (STORED), False (EXISTS: another owner's) or None
         # (NOT_FOUND); an expiry in the past makes the stored item expire at once.
         return bool(client.cas(key, token, cas, expire=_PAST, noreply=False))
+
+    @staticmethod
+    def _deleted(reply: bytes) -> bool:
+        """Whether an ``md <key> C<cas>`` that answered ``reply`` deleted it."""
+        if reply.startswith(b"HD"):
+            return True
+        if reply.startswith((b"EX", b"NF")):
+            return False
+        raise MemcacheError(f"unexpected reply to md: {reply!r}")
 
     def discard(self, key: str, token: str) -> bool:
         client = self._client(key)
