@@ -44,16 +44,22 @@ def md5_hex(text: str) -> str:
     ).hexdigest()
 
 
+_ENCODER = _Encoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+# What that encoder writes for a str, in C: the most common argument, and the
+# encoder itself costs more than the rest of a lock id.
+_encode_str: Callable[[str], str] = json.encoder.encode_basestring
+
+
 def canonical_json(value: object) -> str:
     """``value`` as compact JSON with sorted keys; raises TypeError if it can't be."""
-    return json.dumps(
-        value,
-        cls=_Encoder,
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-        allow_nan=False,
-    )
+    kind = type(value)
+    if kind is str:
+        return _encode_str(value)  # type: ignore[arg-type]
+    if kind is int:
+        return repr(value)
+    return _ENCODER.encode(value)
 
 
 def bind_arguments(
@@ -91,6 +97,8 @@ def binder(
     count = len(names)
 
     def bind(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if not kwargs and len(args) == count:  # every argument by position
+            return dict(zip(names, args, strict=True))
         if len(args) > count:
             return bind_arguments(signature, args, kwargs)
         arguments = dict(zip(names, args, strict=False))  # args may be fewer

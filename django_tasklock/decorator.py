@@ -70,10 +70,26 @@ def _is_django_task_context(value: object) -> bool:
     return context_class is not None and isinstance(value, context_class)
 
 
+def _celery_tasks_here(state: Any) -> bool:
+    """False when no Celery task runs in this thread (nothing to look up); True
+    when one may.
+
+    ``get_current_task()`` costs a raised and caught exception when the stack
+    is empty, more than the rest of a lock id; Celery's thread-local stack keeps
+    an entry per thread only while something is pushed, which is cheap to ask.
+    Any other make of stack is simply asked.
+    """
+    local = getattr(getattr(state, "_task_stack", None), "_local", None)
+    storage = getattr(local, "__storage__", None)
+    if type(storage) is not dict:
+        return True
+    return local.__ident_func__() in storage  # type: ignore[union-attr]
+
+
 def _current_celery_task(wrapper: Callable[..., Any]) -> Any:
     """The Celery task whose run() is ``wrapper``, if one is executing it."""
     state = sys.modules.get("celery._state")
-    if state is None:
+    if state is None or not _celery_tasks_here(state):
         return None
     task = state.get_current_task()
     run = getattr(task, "run", None)
@@ -325,17 +341,13 @@ def _decorate(func: F, options: _Options) -> F:
             # Django's @task(takes_context=True) passes its TaskContext first.
             bound, name = True, args[0].task_result.task.module_path
         the_id = lock_id(name, bound, args[1:] if bound else args, kwargs)
-        lock_options: dict[str, Any] = {
-            "expire": options.expire,
-            "cache": options.cache,
-            "oid": getattr(getattr(task, "app", None), "oid", None),
-            "renew": options.renew,
-            "max_hold": options.max_hold
-            if options.max_hold is not None
-            else _time_limit(task),
-            "on_lost": options.on_lost,
-        }
-        request = getattr(task, "request", None) if task is not None else None
+        oid = max_hold = request = None
+        if task is not None:
+            oid = getattr(getattr(task, "app", None), "oid", None)
+            max_hold = _time_limit(task)
+            request = getattr(task, "request", None)
+        if options.max_hold is not None:
+            max_hold = options.max_hold
         call_id: str | None = (
             request.id
             if request is not None and not request.called_directly and request.id
@@ -354,7 +366,15 @@ def _decorate(func: F, options: _Options) -> F:
             )
         lock: Lock | Semaphore
         if options.limit is None or options.limit == 1:
-            lock = _TaskLock(the_id, **lock_options)
+            lock = _TaskLock(
+                the_id,
+                expire=options.expire,
+                cache=options.cache,
+                oid=oid,
+                renew=options.renew,
+                max_hold=max_hold,
+                on_lost=options.on_lost,
+            )
             if call_id is not None:
                 # The token names the call, for a second delivery of its message
                 # and for ``tasklock status``.
@@ -364,7 +384,16 @@ def _decorate(func: F, options: _Options) -> F:
                     lock._take_over = queued(call_id)
                     lock.hands_over = True
         else:
-            lock = _TaskSemaphore(the_id, options.limit, **lock_options)
+            lock = _TaskSemaphore(
+                the_id,
+                options.limit,
+                expire=options.expire,
+                cache=options.cache,
+                oid=oid,
+                renew=options.renew,
+                max_hold=max_hold,
+                on_lost=options.on_lost,
+            )
         lock.task = task
         policy = options.on_contention or settings.ON_CONTENTION
         if call_id is not None and mode == "coalesce":
