@@ -418,12 +418,8 @@ class Lock(Holding):
         """Take the lock from the queued call this run is (see ``calls``): only
         while it stores ``_take_over``, in one conditional write; a free lock is
         taken as usual (its queued mark expired, or was never made)."""
-        peek = backend.peek(key)
-        if peek is None:
-            return backend.acquire(key, token, expire)
-        if peek.value != self._take_over:
-            return None
-        return backend.replace(key, peek.hold, peek.value, token, expire)
+        assert self._take_over is not None
+        return backend.take_over(key, self._take_over, token, expire)
 
     def hand_over(self, value: str, expire: float) -> bool:
         """Store ``value`` in place of this holder's token, in one conditional
@@ -546,8 +542,10 @@ class Lock(Holding):
         have overlapped), and False is returned. Raises ``LockBackendError`` if
         the store cannot be reached; the lock then stays until it expires.
         """
-        self._require_hold("release()")
-        self._stop_heartbeat()
+        if self._hold is None or self._held_fork != fork_generation[0]:
+            self._require_hold("release()")
+        if self._heartbeat is not None:
+            self._stop_heartbeat()
         with self._guard:
             if self._hold is None:  # lost earlier, and reported then
                 return False

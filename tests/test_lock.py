@@ -312,3 +312,28 @@ def test_meta_replies_in_pieces_are_read_whole(settings, memcached):
     finally:
         proxy.close()
         close_connections()
+
+
+def test_take_over_replaces_only_the_expected_mark(any_store):
+    """A worker's run takes its queued call's lock: from the call's mark, or
+    free; never from anybody else. What it took is an ordinary hold."""
+    from django_tasklock.backends import backend_for
+
+    backend = backend_for(any_store.alias, protocol=any_store.protocol)
+    key = backend.key_for("take-over")
+    queued = backend.acquire(key, "queued:call-1", 60)
+    assert queued is not None
+    # Someone else's mark: refused, and left as it was.
+    assert backend.take_over(key, "queued:call-2", "run-2", 60) is None
+    assert backend.peek(key).value == "queued:call-1"  # type: ignore[union-attr]
+    # Its own mark: replaced, in one step, by a hold that releases it.
+    hold = backend.take_over(key, "queued:call-1", "run-1", 60)
+    assert hold is not None
+    assert backend.peek(key).value == "run-1"  # type: ignore[union-attr]
+    assert backend.take_over(key, "queued:call-1", "run-3", 60) is None
+    assert backend.release(key, hold, "run-1")
+    # Free (the mark expired, or was never made): taken as usual.
+    hold = backend.take_over(key, "queued:call-4", "run-4", 60)
+    assert hold is not None and backend.owned(key, hold, "run-4")
+    assert backend.release(key, hold, "run-4")
+    assert backend.peek(key) is None

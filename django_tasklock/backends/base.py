@@ -141,6 +141,19 @@ class LockBackend(abc.ABC):
         worker starts it, running to queued when it retries itself.
         """
 
+    def take_over(
+        self, key: str, expected: str, token: str, expire: float
+    ) -> Hold | None:
+        """Store ``token`` for ``expire`` seconds if the lock stores ``expected``
+        (a queued call's mark) or is free; the hold, or None if it holds
+        anything else. A backend that can do it in one round trip does."""
+        peek = self.peek(key)
+        if peek is None:
+            return self.acquire(key, token, expire)
+        if peek.value != expected:
+            return None
+        return self.replace(key, peek.hold, peek.value, token, expire)
+
     @abc.abstractmethod
     def owned(self, key: str, hold: Hold, token: str) -> bool:
         """True if ``hold`` still owns the lock."""

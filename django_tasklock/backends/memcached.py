@@ -865,11 +865,16 @@ class MemcachedBackend(LockBackend):
         return _ttl_of(reply)
 
     def peek(self, key: str) -> Peek | None:
-        value, cas = self._client(key).gets(key)
+        client = self._client(key)
+        value, cas = client.gets(key)
         if cas is None:
             return None
-        # No socket: a release through this hold checks the value first.
-        return Peek(value, MemcachedHold(int(cas), None))
+        # The CAS id was read on this connection: while it stays the one in
+        # use, it proves the item unchanged (see _owner_cas), so a replace
+        # through this hold is one round trip. Classic-protocol servers, maybe
+        # behind a proxy, always check the value first.
+        sock = getattr(client, "sock", None) if self._meta(client) else None
+        return Peek(value, MemcachedHold(int(cas), sock))
 
     def last_fence(self, key: str, fence_key: str) -> int | None:
         value = self._client(key).get(fence_key)
