@@ -39,16 +39,16 @@ class _Tokens:
         self.counter = itertools.count()
 
     def new(self, owner: str) -> str:
+        """``owner:pid:random:thread:count``, where owner is ``oid@host`` or
+        ``host``."""
         # next() on itertools.count is atomic under the GIL: threads never share one.
         return f"{owner}:{self.prefix}:{threading.get_ident()}:{next(self.counter)}"
 
 
 _tokens = _Tokens()
-
-
-def new_token(owner: str) -> str:
-    """``owner:pid:random:thread:count``, where owner is ``oid@host`` or ``host``."""
-    return _tokens.new(owner)
+#: A new token for ``owner`` (see ``_Tokens.new``); a bound method, called once
+#: per acquire.
+new_token = _tokens.new
 
 
 def token_owner(value: object) -> tuple[str, int] | None:

@@ -236,22 +236,26 @@ class MemcachedBackend(LockBackend):
         )
         # Per server client, the connection whose server run was learnt.
         self._learnt: dict[Any, Any] = {}
+        # The one client every key goes to, if there is one (this backend's own
+        # HashClient never gains or loses servers): one server, even while
+        # HashClient has marked it dead after errors of other cache calls,
+        # since there is nowhere else to go and talking to it directly means
+        # locking resumes the moment it is back.
+        hash_client = self._hash_client
+        self._only_client: Any = None
+        if not isinstance(hash_client, HashClient):
+            self._only_client = hash_client
+        elif len(hash_client.clients) == 1:
+            self._only_client = next(iter(hash_client.clients.values()))
 
     def close(self) -> None:
         self._hash_client.close()
 
     def _client(self, key: str) -> Any:
         """The server Django's own ``cache.add(key)`` talks to."""
-        hash_client = self._hash_client
-        if not isinstance(hash_client, HashClient):
-            return hash_client
-        clients = hash_client.clients
-        if len(clients) == 1:
-            # One server: nowhere else to go, even while HashClient has marked it
-            # dead after errors of other cache calls; talking to it directly means
-            # locking resumes the moment it is back.
-            return next(iter(clients.values()))
-        client = hash_client._get_client(key)
+        if self._only_client is not None:
+            return self._only_client
+        client = self._hash_client._get_client(key)
         if client is None:  # HashClient with ignore_exc=True and every server dead
             raise MemcacheError("All memcached servers are marked dead")
         return client
@@ -454,14 +458,17 @@ class MemcachedBackend(LockBackend):
     # -- acquire -----------------------------------------------------------------
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        client = self._client(key)
+        client = self._only_client
+        if client is None:
+            client = self._client(key)
         ttl = math.ceil(expire)
         sock: Any = getattr(client, "sock", None)
         if (
             sock is not None
             and sock is self._learnt.get(client, _UNLEARNT)
             and not _refused
-            and self._meta(client)
+            and self.protocol != "classic"
+            and (self.protocol == "meta" or client.server not in _classic_servers)
         ):
             # The common case: a connection whose server run is known, in one
             # send and one read. Anything unusual goes the long way below.
@@ -620,7 +627,9 @@ class MemcachedBackend(LockBackend):
 
     def release(self, key: str, hold: Hold, token: object) -> bool:
         assert isinstance(hold, MemcachedHold)
-        client = self._client(key)
+        client = self._only_client
+        if client is None:
+            client = self._client(key)
         sock: Any = getattr(client, "sock", None)
         if sock is not None and sock is hold.sock:
             # The common case: the connection that took the lock (so it speaks
