@@ -364,36 +364,27 @@ def _decorate(func: F, options: _Options) -> F:
             return _run_started(
                 func, args, kwargs, the_id, call_id, options, name, task
             )
-        lock: Lock | Semaphore
-        if options.limit is None or options.limit == 1:
-            lock = _TaskLock(
-                the_id,
-                expire=options.expire,
-                cache=options.cache,
-                oid=oid,
-                renew=options.renew,
-                max_hold=max_hold,
-                on_lost=options.on_lost,
-            )
-            if call_id is not None:
-                # The token names the call, for a second delivery of its message
-                # and for ``tasklock status``.
-                lock.owner += "#" + call_id
-                lock.call_id = call_id
-                if mode == "until_finished":
-                    lock._take_over = queued(call_id)
-                    lock.hands_over = True
-        else:
-            lock = _TaskSemaphore(
-                the_id,
-                options.limit,
-                expire=options.expire,
-                cache=options.cache,
-                oid=oid,
-                renew=options.renew,
-                max_hold=max_hold,
-                on_lost=options.on_lost,
-            )
+        # One slot (limit 1) is a Lock; more are a Semaphore's.
+        kind: Callable[..., _TaskLock | _TaskSemaphore] = _TaskLock
+        if options.limit is not None and options.limit != 1:
+            kind = functools.partial(_TaskSemaphore, limit=options.limit)
+        lock = kind(
+            the_id,
+            expire=options.expire,
+            cache=options.cache,
+            oid=oid,
+            renew=options.renew,
+            max_hold=max_hold,
+            on_lost=options.on_lost,
+        )
+        if isinstance(lock, _TaskLock) and call_id is not None:
+            # The token names the call, for a second delivery of its message
+            # and for ``tasklock status``.
+            lock.owner += "#" + call_id
+            lock.call_id = call_id
+            if mode == "until_finished":
+                lock._take_over = queued(call_id)
+                lock.hands_over = True
         lock.task = task
         policy = options.on_contention or settings.ON_CONTENTION
         if call_id is not None and mode == "coalesce":
