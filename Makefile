@@ -28,9 +28,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy django_tasklock
 
-# With branch coverage of django_tasklock, combined with the matrix runs' (code
-# only Django 6 runs is measured there); fail_under in pyproject.toml is the floor
-# (code run only in the tests' worker processes is not measured yet).
+# With branch coverage of django_tasklock, in the worker processes the tests
+# start as well, combined with the matrix runs' (code only Django 6 runs is
+# measured there); fail_under in pyproject.toml is the floor.
 pytest: services $(STAMP)
 	$(BIN)/python -m pytest --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
 	if ls .coverage-matrix/* >/dev/null 2>&1; then \
