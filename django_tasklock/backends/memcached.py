@@ -386,6 +386,25 @@ class MemcachedBackend(LockBackend):
             raise MemcacheError(replies[0].decode(errors="replace"))
         return replies[0]
 
+    @staticmethod
+    def _round_trip(client: Any, sock: Any, command: bytes) -> bytes | None:
+        """Send ``command`` on ``sock``, a connection from before, and read
+        what the server has answered so far (the hot path's one read); None if
+        the connection had dropped, which is then closed. Any other error
+        closes it too, and is raised."""
+        try:
+            sock.sendall(command)
+            reply: bytes = sock.recv(4096)
+            if not reply:
+                raise MemcacheUnexpectedCloseError()
+        except _DROPPED:
+            client.close()
+            return None
+        except BaseException:
+            client.close()
+            raise
+        return reply
+
     def _broken(self, client: Any, fresh: bool, exc: BaseException) -> None:
         """After ``exc`` on the connection: close it, as pymemcache does, and
         raise ``exc``; None if it shows the server refuses meta commands."""
@@ -458,37 +477,24 @@ class MemcachedBackend(LockBackend):
     # -- acquire -----------------------------------------------------------------
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        client = self._only_client
-        if client is None:
-            client = self._client(key)
+        client = self._client(key)
         ttl = math.ceil(expire)
         sock: Any = getattr(client, "sock", None)
         if (
             sock is not None
             and sock is self._learnt.get(client, _UNLEARNT)
             and not _refused
-            and self.protocol != "classic"
-            and (self.protocol == "meta" or client.server not in _classic_servers)
+            and self._meta(client)
         ):
             # The common case: a connection whose server run is known, in one
             # send and one read. Anything unusual goes the long way below.
             data = token.encode()
             wire = client.key_prefix + key.encode()
-            try:
-                sock.sendall(
-                    b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (wire, len(data), ttl, data)
-                )
-                reply = sock.recv(4096)
-                if not reply:
-                    raise MemcacheUnexpectedCloseError()
-            except _DROPPED:
-                # A connection from before had dropped; the command may have
-                # been carried out before it went.
-                client.close()
+            command = b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (wire, len(data), ttl, data)
+            reply = self._round_trip(client, sock, command)
+            if reply is None:
+                # The command may have been carried out before it went.
                 return self._acquire_tries(client, key, token, ttl, 1)
-            except BaseException:
-                client.close()
-                raise
             if reply[-2:] == b"\r\n":  # the whole reply (one line)
                 if reply[:4] == b"HD c":
                     cas = reply[4:-2]
@@ -627,27 +633,17 @@ class MemcachedBackend(LockBackend):
 
     def release(self, key: str, hold: Hold, token: object) -> bool:
         assert isinstance(hold, MemcachedHold)
-        client = self._only_client
-        if client is None:
-            client = self._client(key)
+        client = self._client(key)
         sock: Any = getattr(client, "sock", None)
         if sock is not None and sock is hold.sock:
             # The common case: the connection that took the lock (so it speaks
             # meta commands), where the CAS id alone proves ownership; one send
             # and one read. Anything unusual goes the long way below.
             wire = client.key_prefix + key.encode()
-            try:
-                sock.sendall(b"md %s C%d\r\n" % (wire, hold.cas))
-                reply = sock.recv(4096)
-                if not reply:
-                    raise MemcacheUnexpectedCloseError()
-            except _DROPPED:
+            reply = self._round_trip(client, sock, b"md %s C%d\r\n" % (wire, hold.cas))
+            if reply is None:
                 # A new connection checks the stored token first.
-                client.close()
                 return self._release(client, key, hold, token)
-            except BaseException:
-                client.close()
-                raise
             if reply == b"HD\r\n":
                 return True
             if reply == b"EX\r\n" or reply == b"NF\r\n":
