@@ -129,13 +129,25 @@ def test_max_retries_exhausted_frees_the_call(workers):
 def test_autoretry_keeps_the_call_locked_and_final_failure_frees_it(workers):
     lock_id = lock_id_for(tasks.finish_autoretry, "auto", 1)
     first = tasks.finish_autoretry.delay("auto", 1)
-    duplicates = []
+    duplicates, joined = [], []
     while not first.ready():
-        duplicates.append(tasks.finish_autoretry.delay("auto", 1))
+        duplicate = tasks.finish_autoretry.delay("auto", 1)
+        duplicates.append(duplicate)
+        # The first call's lock still, after the send: it was all through it
+        # (nothing gives the lock back to a finished call), so the duplicate
+        # must have joined. A send after the last run freed the lock, before
+        # its result was stored, is a new call.
+        holder = held(lock_id)
+        if holder is not None and holder[1] == first.id:
+            joined.append(duplicate)
         time.sleep(0.05)
     assert first.get(timeout=60) == 1
-    assert {d.id for d in duplicates} == {first.id}
-    assert [run["retries"] for run in tasks.runs("auto")] == [0, 1]
+    assert len(joined) >= 2  # the retry's countdown alone is 0.5 s
+    assert {d.id for d in joined} == {first.id}
+    runs = [run["retries"] for run in tasks.runs("auto") if run["task_id"] == first.id]
+    assert runs == [0, 1]
+    for later in {d.id: d for d in duplicates if d.id != first.id}.values():
+        later.get(timeout=60)
     wait_until(lambda: free(lock_id), 5)
 
     failing_id = lock_id_for(tasks.finish_autoretry, "auto-fail", 5)
