@@ -16,11 +16,20 @@ Ids are stable and documented in README.rst:
 - E011 TASKLOCK['RENEW'] is not True or False.
 - E013 TASKLOCK['RESTART_GRACE'] is not None or a number of seconds >= 0.
 - E014 TASKLOCK['QUEUE_EXPIRE'] is not a number of seconds in (0, 30 days].
+- E015 CACHES is not set: Django's implicit default is a LocMemCache per
+  process, so no lock is shared between worker processes.
 - E012 TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
   refuses meta commands (memcached < 1.6, or a proxy such as twemproxy).
 - W001 the lock cache is LocMemCache: locks hold within one process only.
 - W002 a server of the lock cache refuses meta commands and MEMCACHED_PROTOCOL is
   'auto': locks use the classic commands; set it to 'classic' to say so.
+- W003 an installed app's ``tasks`` module could not be imported, so the
+  ``cache=`` aliases of its ``@single_instance`` tasks were not checked.
+
+Each of E003-E006, E012, E015, W001 and W002 is reported for TASKLOCK['CACHE']
+and for every alias a ``@single_instance(cache=...)`` names: those of the task
+modules loaded by then, and of each installed app's ``tasks`` module, which the
+check imports as Celery's autodiscovery would.
 
 E012 and W002 come from asking each reachable memcached server once (a
 connection with a 0.5 s timeout); a server that does not answer is left to the
@@ -37,9 +46,15 @@ from django.core.cache.backends.memcached import PyMemcacheCache
 from django.core.checks import CheckMessage, Error, Warning
 from django.utils.module_loading import import_string
 
-from .backends import unsafe_options, unsupported_reason
+from .backends import (
+    IMPLICIT_CACHES,
+    caches_implicit,
+    unsafe_options,
+    unsupported_reason,
+)
 from .backends.memcached import meta_support
-from .conf import DEFAULTS, setting_problems
+from .conf import DEFAULTS, setting_problems, suggested_key
+from .registry import named_aliases
 
 __all__ = ["check_settings"]
 
@@ -70,18 +85,77 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     """Report TASKLOCK and lock-cache problems before anything runs."""
     raw = getattr(django_settings, "TASKLOCK", {})
     messages: list[CheckMessage] = [
-        Error(message, id=_SETTING_IDS.get(key, "django_tasklock.E001"))
-        for key, message in setting_problems(raw)
+        _setting_error(key, message) for key, message in setting_problems(raw)
     ]
-    alias = raw.get("CACHE", DEFAULTS["CACHE"]) if isinstance(raw, dict) else "default"
-    if isinstance(alias, str) and alias:
-        # The servers are asked only when every setting is valid.
-        protocol = (
-            None
-            if messages
-            else raw.get("MEMCACHED_PROTOCOL", DEFAULTS["MEMCACHED_PROTOCOL"])
+    # The servers are asked only when every setting is valid.
+    protocol = (
+        None
+        if messages or not isinstance(raw, dict)
+        else raw.get("MEMCACHED_PROTOCOL", DEFAULTS["MEMCACHED_PROTOCOL"])
+    )
+    if caches_implicit():
+        messages.append(
+            Error(
+                IMPLICIT_CACHES.split(": ", 1)[0] + ": no lock is shared between "
+                "worker processes.",
+                hint=IMPLICIT_CACHES,
+                id="django_tasklock.E015",
+            )
         )
-        messages.extend(_check_cache(alias, protocol))
+    alias = raw.get("CACHE", DEFAULTS["CACHE"]) if isinstance(raw, dict) else "default"
+    checked = set()
+    if isinstance(alias, str) and alias:
+        checked.add(alias)
+        messages.extend(_check_cache(alias, protocol, "TASKLOCK['CACHE']"))
+    messages.extend(_import_task_modules())
+    for named, users in sorted(named_aliases().items()):
+        if named in checked:
+            continue
+        checked.add(named)
+        by = f"@single_instance(cache={named!r}) of {', '.join(sorted(users))}"
+        messages.extend(_check_cache(named, protocol, by))
+    return messages
+
+
+def _setting_error(key: str, message: str) -> Error:
+    known = key in _SETTING_IDS
+    hint = None
+    if not known:
+        meant = suggested_key(key)
+        hint = (
+            f"Rename {key!r} to {meant!r}."
+            if meant
+            else f"Remove {key!r}; known keys: {', '.join(sorted(DEFAULTS))}."
+        )
+    return Error(
+        message, hint=hint, id=_SETTING_IDS[key] if known else "django_tasklock.E001"
+    )
+
+
+def _import_task_modules() -> list[CheckMessage]:
+    """Import each installed app's ``tasks`` module, as Celery's autodiscovery
+    does, so the aliases its tasks name are registered before they are checked."""
+    from importlib import import_module
+    from importlib.util import find_spec
+
+    from django.apps import apps
+
+    messages: list[CheckMessage] = []
+    for config in apps.get_app_configs():
+        name = f"{config.name}.tasks"
+        try:
+            if find_spec(name) is None:
+                continue
+            import_module(name)
+        except Exception as exc:
+            messages.append(
+                Warning(
+                    f"Could not import {name} ({type(exc).__name__}: {exc}), so the "
+                    "cache= aliases of its @single_instance tasks were not checked.",
+                    hint=f"Make {name} importable; run the check again.",
+                    id="django_tasklock.W003",
+                )
+            )
     return messages
 
 
@@ -141,18 +215,18 @@ def _check_protocol(
     return messages
 
 
-def _check_cache(alias: str, protocol: object) -> list[CheckMessage]:
+def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessage]:
     """The alias's backend and options; with ``protocol`` (None: skip, another
-    setting is already wrong), how its memcached servers meet meta commands."""
+    setting is already wrong), how its memcached servers meet meta commands.
+    ``named_by`` says where the alias comes from, for the messages."""
     caches_setting: dict[str, Any] = django_settings.CACHES
     config = caches_setting.get(alias)
     if config is None:
         return [
             Error(
-                f"TASKLOCK['CACHE'] is {alias!r}, which is not in CACHES.",
+                f"{named_by} names {alias!r}, which is not in CACHES.",
                 hint=(
-                    f"Add CACHES[{alias!r}], or set TASKLOCK['CACHE'] to an "
-                    "existing alias."
+                    f"Add CACHES[{alias!r}], or make {named_by} name an existing alias."
                 ),
                 id="django_tasklock.E003",
             )
@@ -184,11 +258,12 @@ def _check_cache(alias: str, protocol: object) -> list[CheckMessage]:
                 id=_OPTION_IDS[option],
             )
         )
-    if issubclass(backend_class, LocMemCache):
+    if issubclass(backend_class, LocMemCache) and not caches_implicit():
         messages.append(
             Warning(
-                f"CACHES[{alias!r}] is LocMemCache: each process has its own, so a "
-                "lock taken in one worker process is invisible to the others.",
+                f"CACHES[{alias!r}] ({named_by}) is LocMemCache: each process has "
+                "its own, so a lock taken in one worker process is invisible to "
+                "the others.",
                 hint="Use it for single-process tests only. " + _HINT_ALIAS,
                 id="django_tasklock.W001",
             )

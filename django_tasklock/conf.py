@@ -7,6 +7,7 @@ Every value is validated where it is read: a bad value raises
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -50,6 +51,7 @@ DEFAULTS: Final[dict[str, Any]] = {
 
 
 _UNSET: Final = object()
+_KNOWN_KEYS: Final = frozenset(DEFAULTS)
 _LOCK_KEYS: Final = ("LOCK_EXPIRE", "CACHE", "MEMCACHED_PROTOCOL", "RENEW")
 # Django's settings object keeps each setting it read in its own __dict__ and
 # empties it whenever settings change (LazySettings.__setattr__, which
@@ -155,16 +157,39 @@ def setting_problems(raw: object) -> list[tuple[str, str]]:
     for key, value in raw.items():
         validator = _VALIDATORS.get(key)
         if validator is None:
-            known = ", ".join(sorted(DEFAULTS))
-            problems.append(
-                (str(key), f"Unknown TASKLOCK key {key!r}; known keys: {known}.")
-            )
+            problems.append((str(key), unknown_key_message(key)))
             continue
         try:
             validator(value)
         except ValueError as exc:
             problems.append((key, str(exc)))
     return problems
+
+
+def suggested_key(key: object) -> str | None:
+    """The known TASKLOCK key an unknown ``key`` most likely misspells."""
+    meant = difflib.get_close_matches(str(key), list(DEFAULTS), n=1, cutoff=0.6)
+    return meant[0] if meant else None
+
+
+def unknown_key_message(key: object) -> str:
+    """What to say of a TASKLOCK key this app does not know, with the known key
+    it most likely meant."""
+    known = ", ".join(sorted(DEFAULTS))
+    meant = suggested_key(key)
+    guess = f" Did you mean {meant!r}?" if meant else ""
+    return (
+        f"Unknown TASKLOCK key {key!r}: it is not read, so its value is not used."
+        f"{guess} Known keys: {known}."
+    )
+
+
+def _check_known_keys(raw: dict[Any, Any]) -> None:
+    """Raise LockConfigurationError for the first key of ``raw`` not known."""
+    if not _KNOWN_KEYS.issuperset(raw):
+        for key in raw:
+            if key not in _KNOWN_KEYS:
+                raise LockConfigurationError(unknown_key_message(key))
 
 
 class Settings:
@@ -185,6 +210,7 @@ class Settings:
             return DEFAULTS[key]
         if not isinstance(raw, dict):
             raise LockConfigurationError(setting_problems(raw)[0][1])
+        _check_known_keys(raw)
         if key not in raw:
             return DEFAULTS[key]
         value = raw[key]
@@ -207,6 +233,10 @@ class Settings:
             raw = getattr(django_settings, "TASKLOCK", None)
         if not isinstance(raw, dict):
             return self.LOCK_EXPIRE, self.CACHE, self.MEMCACHED_PROTOCOL, self.RENEW
+        # A misspelt key must not leave its value silently unused (a frozenset
+        # test of a few keys: cheap enough for every acquire).
+        if not _KNOWN_KEYS.issuperset(raw):
+            _check_known_keys(raw)
         given = (
             raw.get("LOCK_EXPIRE", _UNSET),
             raw.get("CACHE", _UNSET),

@@ -36,6 +36,7 @@ from .conf import (
 )
 from .exceptions import LockBackendError, LockNotAcquired
 from .locks import ON_LOST_POLICIES, Lock, OnLost
+from .registry import name_alias
 from .semaphores import Semaphore, validate_limit
 
 __all__ = ["current_lock", "lock_id_for", "single_instance"]
@@ -316,12 +317,10 @@ def _decorate(func: F, options: _Options) -> F:
     _check_key(func, options.key, signature)
     bind_plain, bind_unbound = binder(signature), binder(unbound_signature)
     if options.on_contention == "retry" and not takes_self:
-        raise TypeError(
-            f"on_contention='retry' needs a bound Celery task, but {func.__qualname__} "
-            "takes no 'self' argument. Use @app.task(bind=True) and def "
-            f"{func.__name__}(self, ...), or another on_contention."
-        )
+        raise TypeError(_retry_unbound(func.__qualname__))
     plain_name = f"{func.__module__}.{func.__qualname__}"
+    if options.cache is not None:
+        name_alias(options.cache, plain_name)
 
     def lock_id(
         name: str, bound: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -387,6 +386,10 @@ def _decorate(func: F, options: _Options) -> F:
                 lock.hands_over = True
         lock.task = task
         policy = options.on_contention or settings.ON_CONTENTION
+        if policy == "retry" and (task is None or not bound):
+            # Refused before the lock is tried: a duplicate that met the lock
+            # could no longer be retried, and would be lost.
+            raise TypeError(_retry_unbound(name))
         if call_id is not None and mode == "coalesce":
             policy = "wait"  # a pending call is never dropped: it waits its turn
         if not _acquire(lock, policy, options):
@@ -421,6 +424,15 @@ def _decorate(func: F, options: _Options) -> F:
     wrapper._tasklock_name = plain_name  # type: ignore[attr-defined]
     wrapper._tasklock_options = options  # type: ignore[attr-defined]
     return cast(F, wrapper)
+
+
+def _retry_unbound(name: str) -> str:
+    return (
+        f"on_contention='retry' needs a bound Celery task, but {name} runs without "
+        "one (no Celery task as its first argument, 'self'), so a duplicate could "
+        "not be retried and would be lost. Use @app.task(bind=True) with "
+        "def f(self, ...), or another on_contention."
+    )
 
 
 def current_lock() -> Lock | Semaphore | None:
@@ -552,10 +564,7 @@ def _contended(
         raise LockNotAcquired(lock.lock_id)
     if policy == "retry":
         if not bound:
-            raise TypeError(
-                f"on_contention='retry' needs a bound Celery task; {name} was called "
-                "without one. Use @app.task(bind=True), or another on_contention."
-            )
+            raise TypeError(_retry_unbound(name))
         countdown = (
             options.countdown
             if options.countdown is not None

@@ -254,8 +254,31 @@ def test_retry_on_plain_function_call_rejected(any_store):
         return x
 
     with Lock(plain_id(looks_bound, None, 1)):
-        with pytest.raises(TypeError, match="called without one"):
+        with pytest.raises(TypeError, match="runs without one"):
             looks_bound(None, 1)
+
+
+@pytest.mark.parametrize("where", ["option", "setting"])
+def test_retry_without_a_task_refused_on_first_call_with_the_lock_free(
+    any_store, settings, where
+):
+    """A first parameter that is not 'self' passes decoration; the first call
+    is refused before any lock is taken, not when a duplicate meets one."""
+    ran = []
+    if where == "setting":
+        settings.TASKLOCK = {**any_store.tasklock, "ON_CONTENTION": "retry"}
+        decorate = single_instance
+    else:
+        decorate = single_instance(on_contention="retry")
+
+    @decorate
+    def refresh(feed_url):
+        ran.append(feed_url)
+
+    with pytest.raises(TypeError, match=r"needs a bound Celery task.*would be lost"):
+        refresh("https://a.example/")
+    assert ran == []
+    assert not Lock(plain_id(refresh, "https://a.example/")).locked()
 
 
 def test_positional_non_callable_rejected():

@@ -29,11 +29,13 @@ from .pylibmc import PyLibMCBackend
 from .redis import DjangoRedisBackend, RedisBackend
 
 __all__ = [
+    "IMPLICIT_CACHES",
     "FenceCounter",
     "Hold",
     "LockBackend",
     "Peek",
     "backend_for",
+    "caches_implicit",
     "close_thread_connections",
     "unsafe_options",
     "unsupported_reason",
@@ -218,6 +220,25 @@ def _warn_if_not_installed() -> None:
         )
 
 
+#: Why Django's own default cache cannot hold locks (run time and check E015).
+IMPLICIT_CACHES = (
+    "CACHES is not set, so Django gives every process a LocMemCache of its own: "
+    "a lock taken in one worker process is invisible to the others, and "
+    "duplicate runs overlap. Set CACHES (its 'default', or the alias "
+    "TASKLOCK['CACHE'] names) to "
+    "django.core.cache.backends.memcached.PyMemcacheCache, "
+    "django.core.cache.backends.redis.RedisCache or django_redis.cache.RedisCache."
+)
+
+
+def caches_implicit() -> bool:
+    """True when the project never set CACHES: Django's per-process default."""
+    from django.conf import settings
+
+    overridden: bool = settings.is_overridden("CACHES")  # type: ignore[misc]
+    return not overridden
+
+
 def _lookup(alias: str) -> LockBackend:
     _warn_if_not_installed()
     try:
@@ -242,6 +263,8 @@ def _lookup(alias: str) -> LockBackend:
             f"CACHES[{alias!r}] cannot hold locks: {reason}. (Run 'manage.py check'.)"
         )
     if isinstance(cache, LocMemCache):
+        if caches_implicit():
+            raise LockConfigurationError(IMPLICIT_CACHES)
         return LocMemBackend(cache, alias)
     reason = unsupported_reason(type(cache))
     raise LockConfigurationError(
