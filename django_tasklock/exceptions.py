@@ -72,17 +72,23 @@ class LockLost(TaskLockError):
     still ran: another owner may be running the protected code now.
 
     Raised by ``Lock.check()`` on a lock made with ``on_lost="raise"``. Stop the
-    work, or carry on only with writes fenced by ``lock.fence``.
+    work, or carry on only with writes fenced by ``lock.fence``. ``lock_id`` is
+    the lock, ``held_for`` the seconds it had been held when found lost.
     """
 
     def __init__(self, lock_id: str, held_for: float) -> None:
         self.lock_id = lock_id
         self.held_for = held_for
-        super().__init__(
-            f"Lock {lock_id!r} was lost {held_for:.1f}s after it was taken: it "
-            "expired, was evicted, flushed or released by force, and another owner "
-            "may hold it now. Stop the protected work; writes fenced with lock.fence "
-            "are refused from here on."
+        # args are the constructor's: pickle and Celery's result backends
+        # rebuild it from them.
+        super().__init__(lock_id, held_for)
+
+    def __str__(self) -> str:
+        return (
+            f"Lock {self.lock_id!r} was lost {self.held_for:.1f}s after it was taken: "
+            "it expired, was evicted, flushed or released by force, and another "
+            "owner may hold it now. Stop the protected work; writes fenced with "
+            "lock.fence are refused from here on."
         )
 
 
@@ -90,13 +96,21 @@ class LockBackendError(TaskLockError):
     """The store that holds the locks could not be reached or answered an error.
 
     When this is raised by an acquire, the protected code has not run: nothing
-    happened unlocked, and the caller decides whether to retry.
+    happened unlocked, and the caller decides whether to retry. ``lock_id`` is
+    the lock, ``store`` names the store (kind, alias and server), ``message``
+    what failed.
     """
 
-    def __init__(self, message: str, *, lock_id: str, store: str) -> None:
+    def __init__(self, message: str, lock_id: str, store: str) -> None:
+        self.message = message
         self.lock_id = lock_id
         self.store = store
-        super().__init__(f"{message} (lock {lock_id!r}, store {store})")
+        # args are the constructor's: pickle and Celery's result backends
+        # rebuild it from them.
+        super().__init__(message, lock_id, store)
+
+    def __str__(self) -> str:
+        return f"{self.message} (lock {self.lock_id!r}, store {self.store})"
 
 
 class LockConfigurationError(TaskLockError, ImproperlyConfigured):

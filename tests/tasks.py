@@ -298,3 +298,13 @@ def add_one(value):
 def gather(results):
     """A chord's callback."""
     return results
+
+
+@app.task
+def raise_lock_error(kind: str, lock_id: str) -> None:
+    """Fail with one of django_tasklock's exceptions, for the result backend."""
+    from django_tasklock import LockBackendError, LockLost
+
+    if kind == "backend":
+        raise LockBackendError("Could not take the lock", lock_id=lock_id, store="s")
+    raise LockLost(lock_id, 3.5)

@@ -216,3 +216,20 @@ def test_prefork_limited_task_runs_at_most_two_at_once(prefork_workers):
     assert most_at_once(holds) == 2
     assert any(run["retries"] > 0 for run in runs), "never full: nothing tested"
     assert len({run["pid"] for run in runs}) >= 2
+
+
+@pytest.mark.parametrize("kind", ["backend", "lost"])
+def test_prefork_exceptions_reach_the_caller_with_their_type(prefork_workers, kind):
+    """Through the JSON result serializer on Redis: ``except LockBackendError``
+    around ``result.get()`` matches, and the attributes are there."""
+    from django_tasklock import LockBackendError, LockLost
+
+    expected = {"backend": LockBackendError, "lost": LockLost}[kind]
+    result = tasks.raise_lock_error.delay(kind, f"worker-{kind}")
+    with pytest.raises(expected) as caught:
+        result.get(timeout=60)
+    assert caught.value.lock_id == f"worker-{kind}"
+    if kind == "lost":
+        assert caught.value.held_for == 3.5
+    else:
+        assert caught.value.store == "s"

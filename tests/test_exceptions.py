@@ -1,0 +1,89 @@
+"""Every public exception survives a result backend: pickle, and Celery's
+JSON result serializer, keep its type, its message and its attributes."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from django_tasklock import exceptions
+from django_tasklock.exceptions import (
+    AlreadyQueued,
+    InvalidLockExpire,
+    LockBackendError,
+    LockConfigurationError,
+    LockLost,
+    LockNotAcquired,
+    LockUsageError,
+    TaskLockError,
+)
+
+#: One of each, with the attributes README documents.
+EXAMPLES = [
+    (TaskLockError("something went wrong"), {}),
+    (LockNotAcquired("feeds-lock-abc"), {"lock_id": "feeds-lock-abc"}),
+    (
+        AlreadyQueued("5e0c-id", "feeds-lock-abc"),
+        {"task_id": "5e0c-id", "lock_id": "feeds-lock-abc"},
+    ),
+    (AlreadyQueued(None, "feeds-lock-abc"), {"task_id": None}),
+    (LockLost("feeds-lock-abc", 12.5), {"lock_id": "feeds-lock-abc", "held_for": 12.5}),
+    (
+        LockBackendError(
+            "Could not take the lock: ConnectionRefusedError",
+            lock_id="feeds-lock-abc",
+            store="memcached cache 'default' at 127.0.0.1:11211",
+        ),
+        {
+            "lock_id": "feeds-lock-abc",
+            "store": "memcached cache 'default' at 127.0.0.1:11211",
+            "message": "Could not take the lock: ConnectionRefusedError",
+        },
+    ),
+    (LockConfigurationError("TASKLOCK must be a dict"), {}),
+    (InvalidLockExpire("expire must be ..."), {}),
+    (LockUsageError("release() called on ..."), {}),
+]
+
+
+def test_every_public_exception_has_an_example():
+    public = {getattr(exceptions, name) for name in exceptions.__all__}
+    assert public == {type(exc) for exc, _ in EXAMPLES}
+
+
+def same(rebuilt: BaseException, original: BaseException, attributes: dict) -> None:
+    assert type(rebuilt) is type(original)
+    assert str(rebuilt) == str(original)
+    for name, value in attributes.items():
+        assert getattr(rebuilt, name) == value, name
+
+
+@pytest.mark.parametrize(
+    ("exc", "attributes"), EXAMPLES, ids=lambda e: type(e).__name__
+)
+def test_pickle_keeps_type_message_and_attributes(exc, attributes):
+    same(pickle.loads(pickle.dumps(exc)), exc, attributes)
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+@pytest.mark.parametrize(
+    ("exc", "attributes"), EXAMPLES, ids=lambda e: type(e).__name__
+)
+def test_celery_result_serializers_keep_type_message_and_attributes(
+    exc, attributes, serializer
+):
+    """What a Celery result backend stores for a failed task, and what
+    ``result.get()`` raises from it (Celery's own encode/decode)."""
+    from celery import Celery
+
+    app = Celery(set_as_current=False)
+    app.conf.update(
+        result_backend="cache+memory://",
+        result_serializer=serializer,
+        result_accept_content=[serializer],
+    )
+    backend = app.backend
+    stored = backend.encode(backend.prepare_exception(exc))
+    rebuilt = backend.exception_to_python(backend.decode(stored))
+    same(rebuilt, exc, attributes)
