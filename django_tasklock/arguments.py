@@ -53,13 +53,62 @@ _encode_str: Callable[[str], str] = json.encoder.encode_basestring
 
 
 def canonical_json(value: object) -> str:
-    """``value`` as compact JSON with sorted keys; raises TypeError if it can't be."""
+    """``value`` as compact JSON with sorted keys, written as it reads after any
+    serializer's round trip; raises TypeError (or ValueError) if it can't be.
+
+    Dict keys are written as JSON makes them (``1`` as ``"1"``, ``True`` as
+    ``"true"``, ``None`` as ``"null"``) before they are sorted, so a dict with
+    int keys has one text at ``.delay()`` and in the worker, after JSON turned
+    its keys to strings (and msgpack or pickle did not).
+    """
     kind = type(value)
     if kind is str:
         return _encode_str(value)  # type: ignore[arg-type]
     if kind is int:
         return repr(value)
+    if isinstance(value, (dict, list, tuple)):
+        value = _with_json_keys(value)
     return _ENCODER.encode(value)
+
+
+def _json_key(key: object) -> str:
+    """A dict key as JSON writes it (json.encoder's own rules)."""
+    if isinstance(key, str):
+        return str.__str__(key)
+    if key is True:
+        return "true"
+    if key is False:
+        return "false"
+    if key is None:
+        return "null"
+    if isinstance(key, int):
+        return int.__repr__(key)
+    if isinstance(key, float):
+        text: str = _ENCODER.encode(key)  # refuses NaN and infinities
+        return text
+    raise TypeError(
+        f"a dict key must be a str, int, float, bool or None, not "
+        f"{type(key).__name__} ({key!r}): JSON cannot send it"
+    )
+
+
+def _with_json_keys(value: object) -> object:
+    """``value`` with every dict's keys as JSON writes them."""
+    if isinstance(value, dict):
+        converted: dict[str, object] = {}
+        for key, item in value.items():
+            text = _json_key(key)
+            if text in converted:
+                raise TypeError(
+                    f"a dict has two keys that JSON writes as {text!r} (such as 1 "
+                    "and '1'): after the message's round trip only one is left. "
+                    "Use keys of one type"
+                )
+            converted[text] = _with_json_keys(item)
+        return converted
+    if isinstance(value, (list, tuple)):
+        return [_with_json_keys(item) for item in value]
+    return value
 
 
 def bind_arguments(

@@ -308,3 +308,10 @@ def raise_lock_error(kind: str, lock_id: str) -> None:
     if kind == "backend":
         raise LockBackendError("Could not take the lock", lock_id=lock_id, store="s")
     raise LockLost(lock_id, 3.5)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished", expire=60)
+def finish_with_options(self, name, options):
+    """until_finished with a dict argument (int keys turn to str in JSON)."""
+    return _ran(self, name, time.monotonic(), keys=sorted(options))

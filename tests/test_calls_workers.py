@@ -311,3 +311,27 @@ def test_beat_ticking_faster_than_the_body_runs_publishes_once_per_run(
     assert overlaps([(run["start"], run["end"]) for run in runs]) == 0
     assert len({run["task_id"] for run in runs}) == len(runs)
     assert ticks > 2 * len(runs), f"beat sent {ticks} for {len(runs)} runs"
+
+
+def test_int_keyed_dict_argument_has_one_lock_id_at_delay_and_in_the_worker(workers):
+    """JSON turns the keys to str ("10" < "2" sorted as text): the queued mark
+    and the run must still share one id, so the call frees its lock at the end
+    and the same call made again runs again instead of joining a finished one."""
+    options = {10: "ten", 2: "two", 1: "one"}
+    lock_id = lock_id_for(tasks.finish_with_options, "int-keys", options)
+    first = tasks.finish_with_options.delay("int-keys", options)
+    assert first.get(timeout=60) == f"int-keys:{first.id}"
+    wait_until(lambda: free(lock_id), 10)
+    again = tasks.finish_with_options.delay("int-keys", options)
+    assert again.id != first.id
+    assert again.get(timeout=60) == f"int-keys:{again.id}"
+    assert [run["task_id"] for run in tasks.runs("int-keys")] == [first.id, again.id]
+    # Mixed int and str keys can be sent as well (kombu sends them).
+    mixed = tasks.finish_with_options.delay("mixed-keys", {1: "a", "b": 2})
+    assert mixed.get(timeout=60) == f"mixed-keys:{mixed.id}"
+    wait_until(
+        lambda: free(
+            lock_id_for(tasks.finish_with_options, "mixed-keys", {1: "a", "b": 2})
+        ),
+        10,
+    )
