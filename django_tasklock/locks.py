@@ -73,6 +73,32 @@ def backoff(pause: float, deadline: float | None, now: float) -> float | None:
     return min(pause * 2, POLL_MAX)
 
 
+#: The longest oid kept in a token: it is for people reading the store.
+MAX_OID = 200
+
+
+def check_oid(oid: object) -> str:
+    """Return ``oid`` if it can be written into a stored token, else raise."""
+    if not isinstance(oid, str):
+        raise TypeError(f"oid must be a str, not {type(oid).__name__}.")
+    problem = None
+    if "#" in oid:
+        problem = "'#' separates the task id in a token"
+    elif len(oid) > MAX_OID:
+        problem = f"it is longer than {MAX_OID} characters"
+    else:
+        try:
+            oid.encode("utf-8")
+        except UnicodeEncodeError:
+            problem = "it is not valid text (a lone surrogate): no store can keep it"
+    if problem is not None:
+        raise ValueError(
+            f"oid {oid[:40]!r} cannot be stored in a lock's token: {problem}. Pass "
+            "a short name of the holder (Celery's app.oid), or leave oid out."
+        )
+    return oid
+
+
 _Holder = TypeVar("_Holder", bound="Holding")
 
 
@@ -176,10 +202,10 @@ class Lock(Holding):
                 )
             self._cache = cache
         if oid is not None:
-            if not isinstance(oid, str):
-                raise TypeError(f"oid must be a str, not {type(oid).__name__}.")
             if oid:
-                self.owner = f"{oid}@{_HOSTNAME}"
+                self.owner = f"{check_oid(oid)}@{_HOSTNAME}"
+            elif not isinstance(oid, str):
+                raise TypeError(f"oid must be a str, not {type(oid).__name__}.")
         if renew is not None:
             self._renew_option = validate_bool(renew, name="renew")
         if max_hold is not None:

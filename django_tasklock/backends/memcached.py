@@ -45,6 +45,7 @@ from pymemcache.exceptions import (
     MemcacheClientError,
     MemcacheError,
     MemcacheUnexpectedCloseError,
+    MemcacheUnknownCommandError,
 )
 
 from ..conf import MAX_EXPIRE
@@ -128,8 +129,14 @@ def meta_support(server: Any, timeout: float = 2.0) -> str:
     reply = _talk(server, b"mn", timeout)
     if reply.startswith(b"MN"):
         return "meta"
-    if reply.startswith(b"ERROR"):
+    if reply == b"ERROR\r\n":
         return "error"
+    if reply.startswith(b"ERROR"):
+        # "ERROR Too many open connections": refused, not an answer to mn.
+        raise ConnectionRefusedError(
+            f"memcached at {_server_name(server)} refused the connection: "
+            f"{reply.strip().decode(errors='replace')}"
+        )
     if reply == b"" and _talk(server, b"version", timeout).startswith(b"VERSION"):
         return "closed"
     raise ConnectionError(f"memcached at {server} answered {reply!r} to mn")
@@ -178,8 +185,10 @@ def _split_replies(buffer: bytes, count: int) -> list[bytes] | None:
         line = buffer[start:end]
         start = end + 2
         if line.startswith(b"VA "):
-            end = buffer.find(b"\r\n", start)
-            if end < 0:
+            # The value is as long as the header says: it may hold CR LF itself.
+            size = _value_size(line)
+            end = start + size
+            if len(buffer) < end + 2:
                 return None
             line += b" " + buffer[start:end]
             start = end + 2
@@ -187,6 +196,70 @@ def _split_replies(buffer: bytes, count: int) -> list[bytes] | None:
         if line.startswith(b"ERROR"):
             break
     return replies
+
+
+class ServerRefused(MemcacheError):  # type: ignore[misc]
+    """A server answered ``ERROR <reason>`` (its connection limit) and closed."""
+
+
+def _refusal(client: Any, line: bytes) -> ServerRefused:
+    """The error for a server that answered ``ERROR <reason>`` and closed."""
+    return ServerRefused(
+        f"memcached at {_server_name(client.server)} refused the connection: "
+        f"{line.strip().decode(errors='replace')} (over its connection limit, -c?). "
+        "Raise its -c or use fewer connections; try again"
+    )
+
+
+def _read_stats(client: Any) -> dict[bytes, bytes]:
+    """``stats`` on the client's own connection, read whole.
+
+    pymemcache's ``stats()`` reports every ``ERROR`` line alike; here a bare
+    ``ERROR`` (a server or proxy without ``stats``) raises
+    MemcacheUnknownCommandError, and ``ERROR <reason>`` (a refusal, such as
+    memcached's connection limit) the refusal itself.
+    """
+    if client.sock is None:
+        client._connect()
+    sock: Any = client.sock
+    buffer = b""
+    try:
+        sock.sendall(b"stats\r\n")
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise MemcacheUnexpectedCloseError()
+            buffer += chunk
+            if buffer.endswith(b"END\r\n") or (
+                b"\r\n" in buffer and not buffer.startswith(b"STAT ")
+            ):
+                break
+    except BaseException:
+        client.close()
+        raise
+    first = buffer[: buffer.find(b"\r\n")]
+    if first.startswith(b"ERROR"):
+        client.close()
+        if first == b"ERROR":
+            raise MemcacheUnknownCommandError(b"stats")
+        raise _refusal(client, first)
+    if not first.startswith(b"STAT "):
+        client.close()
+        raise MemcacheClientError(first)
+    stats: dict[bytes, bytes] = {}
+    for line in buffer.split(b"\r\n"):
+        parts = line.split(b" ", 2)
+        if len(parts) == 3 and parts[0] == b"STAT":
+            stats[parts[1]] = parts[2]
+    return stats
+
+
+def _value_size(header: bytes) -> int:
+    """The data length a ``VA <size> <flags>*`` reply header states."""
+    parts = header.split()
+    if len(parts) < 2 or not parts[1].isdigit():
+        raise MemcacheError(f"unexpected reply header from memcached: {header!r}")
+    return int(parts[1])
 
 
 def _bad_counter(fence: FenceCounter, reply: bytes) -> MemcacheError:
@@ -368,6 +441,10 @@ class MemcachedBackend(LockBackend):
             # An old server also answers the rest (a data line, the other
             # commands) with ERROR, which must not be read as the next reply.
             client.close()
+            if replies[0] != b"ERROR":
+                # "ERROR <reason>": a refusal (over its connection limit), which
+                # says nothing about the commands it knows; it stays transient.
+                raise _refusal(client, replies[0])
             self._no_meta(client, "error")
             return None
         for reply in replies:
@@ -694,8 +771,8 @@ class MemcachedBackend(LockBackend):
     def lost_with_store(self, exc: BaseException) -> bool:
         # Nothing listens: the memcached process is gone, and with it every item
         # it held (it keeps nothing on disk). A refused restarted server was sent
-        # nothing.
-        return isinstance(exc, (ConnectionRefusedError, NodeRestarted))
+        # nothing, and one over its connection limit refused it unread.
+        return isinstance(exc, (ConnectionRefusedError, NodeRestarted, ServerRefused))
 
     # -- restarts ------------------------------------------------------------------
 
@@ -716,7 +793,7 @@ class MemcachedBackend(LockBackend):
         if server in _unlearnable:
             return
         try:
-            stats = client.stats()
+            stats = _read_stats(client)
             run = (int(stats[b"pid"]), int(stats[b"time"]) - int(stats[b"uptime"]))
             server_now = int(stats[b"time"])
         except MemcacheUnexpectedCloseError:
@@ -724,8 +801,11 @@ class MemcachedBackend(LockBackend):
             _unlearnable.add(server)  # twemproxy closes the connection on stats
             return
         except (KeyError, ValueError, MemcacheClientError):
+            # No stats here, for good (MemcacheUnknownCommandError is one).
             _unlearnable.add(server)
             return
+        except ServerRefused:
+            raise  # over its connection limit: this lock fails, nothing else
         except self.errors:
             return  # down: the lock's own command reports it
         with _runs_mutex:
@@ -804,9 +884,22 @@ class MemcachedBackend(LockBackend):
         assert isinstance(hold, MemcachedHold)
         client = self._client(key)
         ttl = math.ceil(expire)
-        return self._once_more(
-            client, lambda: self._rewrite(client, key, hold, old, new, ttl)
-        )
+        tries = 0
+
+        def attempt() -> MemcachedHold | None:
+            nonlocal tries
+            tries += 1
+            done = self._rewrite(client, key, hold, old, new, ttl)
+            if done is None and tries > 1:
+                # The first try may have been carried out before its reply was
+                # lost: the store then holds ``new`` (a token, or a call's
+                # mark: unique to this holder) under a CAS id of its own.
+                value, cas = client.gets(key)
+                if value == new and cas is not None:
+                    return self._hold(client, cas, meta=False)
+            return done
+
+        return self._once_more(client, attempt)
 
     def _rewrite(
         self,
