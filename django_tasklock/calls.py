@@ -197,9 +197,7 @@ class _Publish:
             try:
                 outcome = self._claim()
             except self.backend.errors as exc:
-                raise store_error(
-                    self.backend, self.queue_id, "take the call's lock", exc
-                ) from exc
+                raise self._unknown_fate(exc) from exc
             if outcome is not None:
                 return outcome()
         raise LockBackendError(
@@ -208,6 +206,22 @@ class _Publish:
             lock_id=self.queue_id,
             store=self.backend.describe(self.key),
         )
+
+    def _unknown_fate(self, exc: BaseException) -> LockBackendError:
+        """The error for a store call that failed while writing this call's
+        mark. The write may still be carried out (a store paused past the
+        client's timeout, a reply lost): the mark would then name a call no
+        broker ever saw, and identical calls would join it. Nothing was sent,
+        so it is removed, owner-checked, as soon as the store answers."""
+        if not self.backend.lost_with_store(exc):
+            pending.watch(
+                self.queue_id,
+                self.alias,
+                settings.MEMCACHED_PROTOCOL,
+                self.key,
+                self.value,
+            )
+        return store_error(self.backend, self.queue_id, "take the call's lock", exc)
 
     def _claim(self) -> Callable[[], Any] | None:
         """What to do, once the store has been asked; None: ask again."""
@@ -301,14 +315,8 @@ class _Publish:
                     )
                     return
             backend.discard(self.key, self.value)
-        except backend.errors:
-            pending.watch(
-                self.queue_id,
-                self.alias,
-                settings.MEMCACHED_PROTOCOL,
-                self.key,
-                self.value,
-            )
+        except backend.errors as exc:
+            self._unknown_fate(exc)
 
     def _duplicate(self, holder: tuple[str, str] | None, peek: Peek) -> Any:
         holder_id = None if holder is None else holder[1]
@@ -345,9 +353,7 @@ class _Publish:
                 self.key, peek.hold, peek.value, self.value, self.life
             )
         except backend.errors as exc:
-            raise store_error(
-                backend, self.queue_id, "take the call's lock", exc
-            ) from exc
+            raise self._unknown_fate(exc) from exc
         if replaced is None:
             return self.send()  # it changed meanwhile: look again
         result = self._publish(restore=peek)

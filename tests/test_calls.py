@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 
 import pytest
 import redis
@@ -285,3 +286,51 @@ def test_status_of_a_coalesce_task_shows_its_pending_call_too(broker):
     assert "Held:       no" in run_part
     assert QUEUE_SUFFIX in pending_part
     assert f"queued, task id {sent.id}" in pending_part
+
+
+@pytest.mark.parametrize("kind", ["memcached", "redis"])
+def test_a_publish_that_timed_out_on_a_paused_store_leaves_no_phantom_call(
+    broker, settings, kind
+):
+    """The mark's write lands after the client gave up (SIGSTOP, then SIGCONT):
+    nothing was sent, so the mark is removed once the store answers, and the
+    same call made again is published instead of joining a call no broker saw."""
+    from django_tasklock import pending
+    from tests.services import Memcached, stop_and_wait
+
+    server = Memcached().start() if kind == "memcached" else Redis().start()
+    if kind == "memcached":
+        config = {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": server.address,
+            "OPTIONS": {"timeout": 0.5, "connect_timeout": 0.5},
+        }
+    else:
+        config = {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": server.url,
+            "OPTIONS": {"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+        }
+    settings.CACHES = {**settings.CACHES, "paused": config}
+    settings.TASKLOCK = {"CACHE": "paused", "LOCK_EXPIRE": 60}
+    lock_id = lock_id_for(tasks.finish_once, "phantom")
+    try:
+        warm = tasks.finish_once.delay("warm-up")  # connected, scripts loaded
+        removed = pending.removed_count()
+        stop_and_wait(server.process.pid)
+        try:
+            with pytest.raises(LockBackendError, match="take the call's lock"):
+                tasks.finish_once.delay("phantom")
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        assert published(broker) == [warm.id]
+        wait_until(lambda: pending.removed_count() > removed, 10)
+        assert not lock_status(lock_id).held
+        again = tasks.finish_once.delay("phantom")
+        assert published(broker) == [warm.id, again.id]
+        assert holder(lock_id) == ("queued", again.id)
+    finally:
+        from tests.conftest import close_connections
+
+        close_connections()
+        server.stop()
