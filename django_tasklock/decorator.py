@@ -38,6 +38,7 @@ from .exceptions import LockBackendError, LockNotAcquired
 from .locks import ON_LOST_POLICIES, Lock, OnLost
 from .registry import name_alias
 from .semaphores import Semaphore, validate_limit
+from .tokens import holder_alive
 
 __all__ = ["current_lock", "lock_id_for", "single_instance"]
 
@@ -360,8 +361,18 @@ def _decorate(func: F, options: _Options) -> F:
                 context.task_result.id if context is not None else running_result_id()
             )
         if call_id is not None and mode == "until_started":
+            run_lock = _TaskLock(
+                f"{the_id}-run-{call_id}",
+                expire=options.expire,
+                cache=options.cache,
+                oid=oid,
+                renew=options.renew,
+                max_hold=max_hold,
+                on_lost=options.on_lost,
+            )
+            run_lock.owner += "#" + call_id
             return _run_started(
-                func, args, kwargs, the_id, call_id, options, name, task
+                func, args, kwargs, the_id, call_id, options, name, task, run_lock
             )
         # One slot (limit 1) is a Lock; more are a Semaphore's.
         kind: Callable[..., _TaskLock | _TaskSemaphore] = _TaskLock
@@ -392,10 +403,22 @@ def _decorate(func: F, options: _Options) -> F:
             raise TypeError(_retry_unbound(name))
         if call_id is not None and mode == "coalesce":
             policy = "wait"  # a pending call is never dropped: it waits its turn
-        if not _acquire(lock, policy, options):
-            if call_id is not None:
-                if _second_delivery(lock, call_id, name):
+        if call_id is None:
+            acquired = _acquire(lock, policy, options)
+        else:
+            # A worker's call: a lock held by this very call is a second
+            # delivery of its message, told apart before any wait.
+            acquired = lock.acquire()
+            if not acquired:
+                verdict = _redelivery(lock, call_id, name)
+                if verdict is _DROP:
                     return _dropped(task)
+                if verdict is _DEFER:
+                    return _defer(task, lock, name)
+                if verdict is _FREED or policy == "wait":
+                    acquired = _acquire(lock, policy, options)
+        if not acquired:
+            if call_id is not None:
                 if mode == "coalesce" and task is not None:
                     return _send_again(task, lock, options, name)
                 if mode == "coalesce":  # django.tasks: no way to send it again
@@ -611,18 +634,39 @@ def _dropped(task: Any) -> None:
         raise _ignore()
 
 
-def _second_delivery(lock: Lock | Semaphore, call_id: str, name: str) -> bool:
-    """True (and a WARNING) if the lock is held by this very call: a second
-    delivery of its message (a broker redelivering it while it runs)."""
+#: What a call finds when the lock it meets names the call itself.
+_DROP, _FREED, _DEFER = object(), object(), object()
+#: The longest a copy whose run's host cannot be asked is put back for.
+MAX_DEFER = 3600.0
+
+
+def _redelivery(lock: Lock | Semaphore, call_id: str, name: str) -> object:
+    """What to do with a call whose lock is held, if the holder is this very
+    call (its message delivered again); None if it is not.
+
+    ``_DROP``: the run holding it is alive, so this copy must not run beside it.
+    ``_FREED``: the run's process on this host is gone (killed, out of memory;
+    Celery redelivers with ``task_reject_on_worker_lost``): its lock was
+    removed, owner-checked, and this copy may take it. ``_DEFER``: the run is
+    on another host, whose processes cannot be looked at from here: the copy
+    goes back to the broker until the lock would have expired.
+    """
     if not isinstance(lock, Lock):
-        return False  # a Semaphore's slots do not name the call
+        return None  # a Semaphore's slots do not name the call
     backend, key = lock._backend()
     try:
         peek = backend.peek(key)
     except backend.errors:
-        return False
+        return None
     holder = None if peek is None else call_of(peek.value)
-    if holder is not None and holder[1] == call_id and holder[0] != "queued":
+    if peek is None or holder is None or holder[1] != call_id:
+        return None
+    if holder[0] == "queued":
+        return None  # its own queued mark: taken over by the acquire
+    alive = holder_alive(peek.value)
+    if alive is None:
+        return _DEFER
+    if alive:
         logger.warning(
             "Dropped a second delivery of %s[%s]: that call is already running "
             "(lock %r). The broker delivered its message again (a visibility "
@@ -631,8 +675,45 @@ def _second_delivery(lock: Lock | Semaphore, call_id: str, name: str) -> bool:
             call_id,
             lock.lock_id,
         )
-        return True
-    return False
+        return _DROP
+    try:
+        freed = backend.release(key, peek.hold, peek.value)
+    except backend.errors:
+        freed = False
+    logger.warning(
+        "%s[%s] was delivered again after the process running it (%s) died; %s",
+        name,
+        call_id,
+        peek.value,
+        "its lock was removed and this copy runs"
+        if freed
+        else "its lock changed meanwhile, and this copy takes its chances",
+    )
+    return _FREED
+
+
+def _defer(task: Any, lock: Lock | Semaphore, name: str) -> Any:
+    """A copy of a call running on another host: sent back to the broker until
+    the lock would have expired, so a run that died there is not lost; it runs
+    then if nothing holds the lock (never beside the first run)."""
+    if task is None or not isinstance(lock, Lock):
+        raise LockNotAcquired(lock.lock_id)  # django.tasks: no way to send it again
+    try:
+        left = lock.ttl()
+    except LockBackendError:
+        left = None
+    countdown = min(MAX_DEFER, (left if left is not None else 0.0) + 1.0)
+    logger.warning(
+        "%s[%s] was delivered again while lock %r names its run on another host, "
+        "whose process cannot be looked at from here; sent again with a countdown "
+        "of %.0fs (the lock's time left), to run then if the lock is free.",
+        name,
+        task.request.id,
+        lock.lock_id,
+        countdown,
+    )
+    task.signature_from_request(task.request, countdown=countdown).apply_async()
+    raise _ignore()
 
 
 def _send_again(task: Any, lock: Lock | Semaphore, options: _Options, name: str) -> Any:
@@ -710,9 +791,47 @@ def _run_started(
     options: _Options,
     name: str,
     task: Any,
+    run_lock: _TaskLock,
 ) -> Any:
     """until_started: mark the call started (a new call may be queued from now
-    on) and run the body; no lock is held while it runs."""
+    on) and run the body. The call-wide lock is free for a newer call while it
+    runs; ``run_lock``, named after this call, tells a second delivery of its
+    message (which a newer call's mark no longer shows) from a new call."""
+    if not run_lock.acquire():
+        verdict = _redelivery(run_lock, call_id, name)
+        if verdict is _DEFER:
+            return _defer(task, run_lock, name)
+        if verdict is not _FREED or not run_lock.acquire():
+            if verdict is not _DROP:
+                logger.warning(
+                    "Dropped a second delivery of %s[%s]: that call is already "
+                    "running (lock %r).",
+                    name,
+                    call_id,
+                    run_lock.lock_id,
+                )
+            return _dropped(task)
+    # current_lock() is the run's lock, and a self.retry() frees it before the
+    # retry is sent (its copy would look like a second delivery).
+    run_lock.task = task
+    if task is not None:
+        _releasing_retry(task)
+    reset = _held.set((*_held.get(), run_lock))
+    try:
+        return _run_marked(func, args, kwargs, lock_id, call_id, options)
+    finally:
+        _held.reset(reset)
+        run_lock.release_quietly()
+
+
+def _run_marked(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lock_id: str,
+    call_id: str,
+    options: _Options,
+) -> Any:
     alias = options.cache or settings.CACHE
     backend = backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL)
     key = backend.keys_for(lock_id)[0]
@@ -720,15 +839,6 @@ def _run_started(
     expire = options.expire if options.expire is not None else settings.LOCK_EXPIRE
     try:
         peek = backend.peek(key)
-        if peek is not None and peek.value == mark:
-            logger.warning(
-                "Dropped a second delivery of %s[%s]: that call has already started "
-                "(lock %r).",
-                name,
-                call_id,
-                lock_id,
-            )
-            return _dropped(task)
         if peek is not None and peek.value == queued(call_id):
             backend.replace(key, peek.hold, peek.value, mark, expire)
         elif peek is None:

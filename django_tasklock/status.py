@@ -7,15 +7,13 @@ views and health checks too.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 from typing import Any
 
 from .backends import LockBackend, backend_for
 from .conf import settings
 from .exceptions import LockBackendError
 from .keys import check_lock_id
-from .tokens import token_owner
+from .tokens import holder_alive, token_host, token_owner
 
 __all__ = [
     "LockChanged",
@@ -49,25 +47,13 @@ class Owner:
         if parsed is None:
             return None
         name, pid = parsed
-        host = name.partition("#")[0].rpartition("@")[2]
-        alive = _process_alive(pid) if host == socket.gethostname() else None
-        return cls(name=name, host=host, pid=pid, alive=alive)
+        return cls(name=name, host=token_host(name), pid=pid, alive=holder_alive(value))
 
     def describe(self) -> str:
         where = f"process {self.pid} on {self.host}"
         if self.alive is None:
             return f"{where} (another host: cannot tell whether it runs)"
         return f"{where} (this host: {'running' if self.alive else 'not running'})"
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import itertools
 import math
 import os
 import secrets
+import socket
 import threading
 import time
 from typing import Final
@@ -20,7 +21,15 @@ from typing import Final
 from .backends import FenceCounter
 from .conf import MAX_EXPIRE
 
-__all__ = ["FENCE_COUNTER_TTL", "fence_counter", "new_token", "token_owner"]
+__all__ = [
+    "FENCE_COUNTER_TTL",
+    "fence_counter",
+    "holder_alive",
+    "new_token",
+    "process_alive",
+    "token_host",
+    "token_owner",
+]
 
 #: Shortest life of a fencing counter after its last acquisition, in seconds.
 FENCE_COUNTER_TTL: Final = 24 * 60 * 60
@@ -60,6 +69,38 @@ def token_owner(value: object) -> tuple[str, int] | None:
     if len(parts) != 5 or not parts[1].isdigit():
         return None
     return parts[0], int(parts[1])
+
+
+def token_host(owner: str) -> str:
+    """The host in a token's owner: ``oid@host#task id``, ``host#task id``..."""
+    return owner.partition("#")[0].rpartition("@")[2]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host (its pid namespace) still runs; a
+    zombie (dead, not yet reaped by its parent) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc: kill(0) said it exists
+
+
+def holder_alive(value: object) -> bool | None:
+    """Whether the process whose token ``value`` is still runs: True or False
+    for a process of this host (hosts are told apart by hostname, so one pid
+    namespace per hostname), None for another host's or a value not made by
+    ``new_token``."""
+    owner = token_owner(value)
+    if owner is None or token_host(owner[0]) != socket.gethostname():
+        return None
+    return process_alive(owner[1])
 
 
 def fence_counter(key: str, expire: float) -> FenceCounter:

@@ -35,6 +35,11 @@ if os.environ.get("TASKLOCK_TEST_VISIBILITY"):
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
     }
+if os.environ.get("TASKLOCK_TEST_REJECT_ON_LOST"):
+    # A pool process killed mid-call (an OOM kill): its message goes back to
+    # the queue and runs again.
+    app.conf.task_acks_late = True
+    app.conf.task_reject_on_worker_lost = True
 if os.environ.get("TASKLOCK_TEST_BEAT"):
     app.conf.beat_schedule = {
         "often": {

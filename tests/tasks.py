@@ -315,3 +315,40 @@ def raise_lock_error(kind: str, lock_id: str) -> None:
 def finish_with_options(self, name, options):
     """until_finished with a dict argument (int keys turn to str in JSON)."""
     return _ran(self, name, time.monotonic(), keys=sorted(options))
+
+
+def _go_flag(key: str) -> str:
+    return f"go:{key}"
+
+
+def let_go(key: str) -> None:
+    """Let every run of ``finish_when_told``/``skip_when_told`` for ``key`` end."""
+    with _redis() as client:
+        client.set(_go_flag(key), 1)
+
+
+def _wait_to_be_told(key: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    with _redis() as client:
+        while not client.exists(_go_flag(key)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished", expire=60)
+def finish_when_told(self, key):
+    """until_finished, running until the test lets it go."""
+    started = time.monotonic()
+    record(key, started, task_id=self.request.id, phase="start")
+    _wait_to_be_told(key)
+    return _ran(self, key, started)
+
+
+@app.task(bind=True)
+@single_instance(expire=60)
+def skip_when_told(self, key):
+    """while_running, running until the test lets it go."""
+    started = time.monotonic()
+    record(key, started, task_id=self.request.id, phase="start")
+    _wait_to_be_told(key)
+    return _ran(self, key, started)

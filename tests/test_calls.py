@@ -334,3 +334,28 @@ def test_a_publish_that_timed_out_on_a_paused_store_leaves_no_phantom_call(
 
         close_connections()
         server.stop()
+
+
+def test_a_copy_of_a_call_running_on_another_host_is_sent_back_until_its_lock_expires(
+    broker, caplog
+):
+    """That host's processes cannot be looked at from here: the copy is neither
+    run beside the first run nor dropped (lost, if that run died), but put back
+    with a countdown of the lock's time left."""
+    import json
+
+    from django.core.cache import caches
+
+    call_id = "call-on-another-host"
+    lock_id = lock_id_for(tasks.skip_duplicate, "remote")
+    token = f"oid@elsewhere.example#{call_id}:4242:0123456789abcdef:1:0"
+    caches["default"].set(lock_id, token, 30)
+    assert lock_status(lock_id).owner.alive is None
+    outcome = tasks.skip_duplicate.apply(args=("remote",), task_id=call_id)
+    assert outcome.state == "IGNORED"
+    assert lock_status(lock_id).value == token  # left alone
+    [message] = broker.lrange("celery", 0, -1)
+    headers = json.loads(message)["headers"]
+    assert headers["id"] == call_id
+    assert headers["eta"] is not None
+    assert any("on another host" in r.getMessage() for r in caplog.records)

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from django_tasklock import lock_id_for
+from django_tasklock.calls import call_of
+from django_tasklock.status import lock_status
 from tests import tasks
 from tests.conftest import wait_until
 from tests.test_celery_workers import broker  # noqa: F401
@@ -54,3 +57,36 @@ def test_a_redelivered_call_never_runs_beside_itself(redelivering, task_name):
     runs = [run for run in tasks.runs(key) if run["task_id"] == result.id]
     # A copy restored just as the run ends may run after it: never beside it.
     assert overlaps([(run["start"], run["end"]) for run in runs]) == 0
+
+
+@pytest.mark.parametrize("task_name", ["debounced", "coalesced"])
+def test_until_started_and_coalesce_drop_a_copy_delivered_during_the_run(
+    redelivering, task_name
+):
+    """until_started: a newer call has replaced the started mark by the time
+    the copy comes, so only the run's own lock tells it apart. coalesce: the
+    copy must not wait for the run lock and then run the body again."""
+    task = getattr(tasks, task_name)
+    key = f"redeliver-{task_name}"
+    marker = f"second delivery of {task.name}"
+
+    def drops() -> int:
+        return sum(log.read_text().count(marker) for log in redelivering.glob("*.log"))
+
+    before = drops()
+    result = task.delay(key, 6.0)
+    if task_name == "debounced":
+        # A newer call, queued while the first runs: it takes the started mark.
+        lock_id = lock_id_for(task, key, 6.0)
+        wait_until(
+            lambda: call_of(lock_status(lock_id).value) == ("started", result.id), 10
+        )
+        newer = task.apply_async((key, 6.0), countdown=1)
+        assert newer.id != result.id
+        assert call_of(lock_status(lock_id).value) == ("queued", newer.id)
+    assert result.get(timeout=60) == f"{key}:{result.id}"
+    wait_until(lambda: drops() > before, 10)
+    runs = [run for run in tasks.runs(key) if run["task_id"] == result.id]
+    assert len(runs) == 1, runs
+    if task_name == "debounced":
+        assert newer.get(timeout=60) == f"{key}:{newer.id}"
