@@ -11,6 +11,7 @@ import os
 import time
 
 import redis
+from celery.signals import task_postrun
 
 from django_tasklock import Lock, current_lock, single_instance
 from tests.celery_app import app
@@ -30,6 +31,19 @@ def record(run_key: str, started: float, **details: object) -> None:
 def runs(run_key: str) -> list[dict[str, object]]:
     with _redis() as client:
         return [json.loads(item) for item in client.lrange(f"runs:{run_key}", 0, -1)]
+
+
+def ignored() -> list[str]:
+    """Task ids of the runs that ended with Celery's Ignore (dropped copies)."""
+    with _redis() as client:
+        return [item.decode() for item in client.lrange("ignored", 0, -1)]
+
+
+@task_postrun.connect
+def _record_ignored(task_id: str | None = None, state: str | None = None, **_):
+    if state == "IGNORED" and task_id and os.environ.get("TASKLOCK_TEST_REDIS"):
+        with _redis() as client:
+            client.rpush("ignored", task_id)
 
 
 def forget_runs() -> None:

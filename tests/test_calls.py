@@ -359,3 +359,25 @@ def test_a_copy_of_a_call_running_on_another_host_is_sent_back_until_its_lock_ex
     assert headers["id"] == call_id
     assert headers["eta"] is not None
     assert any("on another host" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("option", ["link", "link_error"])
+def test_a_call_with_links_and_no_task_id_is_never_merged(broker, option):
+    """Its links belong to it: merged into the pending call, they would be
+    lost without a word."""
+    import base64
+    import json
+
+    pending_call = tasks.finish_once.delay("linked")
+    linked = tasks.finish_once.apply_async(("linked",), **{option: tasks.add_one.s()})
+    assert linked.id != pending_call.id
+    assert published(broker) == [pending_call.id, linked.id]
+    message = json.loads(broker.lrange("celery", 0, 0)[0])
+    body = json.loads(base64.b64decode(message["body"]))
+    embed = body[2]
+    key = "callbacks" if option == "link" else "errbacks"
+    assert [sig["task"] for sig in embed[key]] == ["tests.tasks.add_one"]
+    assert holder(lock_id_for(tasks.finish_once, "linked")) == (
+        "queued",
+        pending_call.id,
+    )

@@ -335,3 +335,90 @@ def test_int_keyed_dict_argument_has_one_lock_id_at_delay_and_in_the_worker(work
         ),
         10,
     )
+
+
+class MutationWatch:
+    """memcached's ``watch mutations`` stream: every store the server carried
+    out, with the command that did it (``add`` for an add-mode ``ms``, ``cas``
+    for a conditional rewrite)."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.sock.sendall(b"watch mutations\r\n")
+        assert self.sock.recv(4) == b"OK\r\n"
+        self.buffer = b""
+
+    def commands(self, key: str) -> list[str]:
+        """The commands that stored ``key`` so far, in order."""
+        import re
+
+        self.sock.settimeout(0.2)
+        try:
+            while chunk := self.sock.recv(65536):
+                self.buffer += chunk
+        except TimeoutError:
+            pass
+        from urllib.parse import quote
+
+        return re.findall(
+            rf"key={re.escape(quote(key, safe=''))} status=stored cmd=(\w+)",
+            self.buffer.decode(),
+        )
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("how", ["retry", "autoretry_for"])
+def test_a_retry_takes_the_lock_over_in_one_write_never_freeing_it(
+    workers, memcached, how
+):
+    """What the store did, step by step: the publish adds the mark, and from
+    there every change (worker takes over, run hands over to its retry, the
+    retry takes over) is a conditional rewrite of that item. A release and a
+    new add in between, however short the gap, shows up as a second add."""
+    watch = MutationWatch(memcached.port)
+    try:
+        if how == "retry":
+            lock_id = lock_id_for(tasks.finish_retrying, "one-write", 2, 0.1, 0.2)
+            result = tasks.finish_retrying.delay("one-write", 2, 0.1, 0.2)
+            assert result.get(timeout=60) == 2
+        else:
+            lock_id = lock_id_for(tasks.finish_autoretry, "one-write", 2)
+            result = tasks.finish_autoretry.apply_async(
+                ("one-write", 2), retry_policy=None
+            )
+            assert result.get(timeout=60) == 2
+        wait_until(lambda: free(lock_id), 5)
+        commands = watch.commands(f":1:{lock_id}")
+    finally:
+        watch.close()
+    # Added once when published; then per run a take-over, per retry a
+    # hand-over (autoretry_for's re-publish rewrites the mark once more).
+    assert commands[0] == "add", commands
+    assert "add" not in commands[1:], commands
+    assert commands.count("cas") >= 5, commands
+
+
+def test_a_call_sent_again_with_its_own_task_id_while_it_runs_leaves_its_lock(
+    workers,
+):
+    """``apply_async(task_id=<the running call's id>)``: published, and the copy
+    dropped when it starts; the run keeps its very lock (same token) to the end."""
+    lock_id = lock_id_for(tasks.finish_when_told, "own-id")
+    result = tasks.finish_when_told.delay("own-id")
+    wait_until(lambda: held(lock_id) == ("running", result.id), 30)
+    token = lock_status(lock_id).value
+    again = tasks.finish_when_told.apply_async(("own-id",), task_id=result.id)
+    assert again.id == result.id
+    assert lock_status(lock_id).value == token, "the running call's lock was taken"
+    # The copy reaches a worker and is dropped (Ignore) while the run goes on.
+    wait_until(lambda: result.id in tasks.ignored(), 30)
+    assert lock_status(lock_id).value == token
+    tasks.let_go("own-id")
+    assert result.get(timeout=60) == f"own-id:{result.id}"
+    starts = [run for run in tasks.runs("own-id") if run.get("phase") == "start"]
+    assert len(starts) == 1, starts
+    wait_until(lambda: free(lock_id), 5)
