@@ -193,15 +193,35 @@ def test_release_after_expiry_and_retake_spares_new_holder(any_store, caplog):
     assert new.release() is True
 
 
-def test_extend_after_loss_does_not_revive(store, memcached):
+def test_extend_after_loss_does_not_revive(store, memcached, caplog):
+    from django_tasklock.signals import lock_lost
+
     old = Lock("revive", expire=60)
     old.acquire()
     caches[store.alias].delete("revive")
     new = Lock("revive")
     assert new.acquire()
-    assert old.extend(600) is False
+    reports = []
+
+    def receiver(sender, **details):
+        reports.append(details)
+
+    lock_lost.connect(receiver)
+    try:
+        with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
+            assert old.lost is False
+            assert old.extend(600) is False
+    finally:
+        lock_lost.disconnect(receiver)
+    assert old.lost is True
+    assert "no longer held by this owner at extend" in caplog.text
+    assert [(r["lock_id"], r["during"], r["lock"]) for r in reports] == [
+        ("revive", "extend", old)
+    ]
+    assert reports[0]["owner"] == old.token
     ttl = new.ttl()
     assert ttl is not None and ttl <= 60
+    assert new.owned()
     assert new.release()
 
 
