@@ -296,13 +296,22 @@ class Lock(Holding):
         found it gone or someone else's, or the least time the store keeps it ran
         out with no extension since (the store unreachable, or no renewal)."""
         if not self._reported and self._lapsed():
-            self._report_lost(
-                "check",
-                "no extension reached the store within the "
-                f"{self._life:.0f}s it is sure to keep the lock",
-                clear=False,
-            )
+            self._report_lost("check", self._unextended(), clear=False)
         return self._lost
+
+    def _unextended(self, cause: str = "no extension reached the store") -> str:
+        """Why a lock whose sure life ran out is lost, and what to do."""
+        if self._life < 1:
+            return (
+                f"{cause} in time: the store may drop a lock stored for "
+                f"{self._held_expire}s at any moment (memcached counts whole "
+                "seconds, so it keeps it for less than a second for sure). Use "
+                "an expire of 2 seconds or more, with renew=True for long work"
+            )
+        return (
+            f"{cause} within the {self._life:.0f}s the store is sure to keep the "
+            "lock. Use a longer expire, or renew=True for long work"
+        )
 
     def _lapsed(self) -> bool:
         valid_until = self._valid_until
@@ -669,8 +678,7 @@ class Lock(Holding):
                 if left <= 0:
                     self._report_lost(
                         "renew",
-                        f"the store could not be reached for longer than the "
-                        f"{self._life:.0f}s it is sure to keep the lock ({exc})",
+                        self._unextended(f"the store could not be reached ({exc})"),
                         clear=False,
                     )
                     return None

@@ -272,8 +272,11 @@ def test_status_names_the_pending_call_and_release_needs_force(broker):
         _tasklock("status", "--task", "tests.tasks.finish_once", "a", "--json")
     )
     assert data["call"] == {"state": "queued", "task_id": sent.id}
-    with pytest.raises(CommandError, match="--force"):
+    with pytest.raises(CommandError, match="--force") as refused:
         _tasklock("release", "--task", "tests.tasks.finish_once", "a")
+    message = str(refused.value)
+    assert f"holds call {sent.id}, published and not started yet" in message
+    assert "QUEUE_EXPIRE" in message and "unknown holder" not in message
     assert holder(lock_id_for(tasks.finish_once, "a")) == ("queued", sent.id)
     _tasklock("release", "--task", "tests.tasks.finish_once", "a", "--force")
     assert not lock_status(lock_id_for(tasks.finish_once, "a")).held

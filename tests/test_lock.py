@@ -16,7 +16,7 @@ from django_tasklock import (
     LockUsageError,
     memcache_lock,
 )
-from tests.conftest import in_thread
+from tests.conftest import in_thread, wait_until
 
 
 def test_acquire_second_owner_refused(any_store):
@@ -357,3 +357,23 @@ def test_take_over_replaces_only_the_expected_mark(any_store):
     assert hold is not None and backend.owned(key, hold, "run-4")
     assert backend.release(key, hold, "run-4")
     assert backend.peek(key) is None
+
+
+@pytest.mark.parametrize(("expire", "says"), [(1, "2 seconds or more"), (3, "2s")])
+def test_a_lock_lost_by_the_clock_says_what_happened_and_what_to_do(
+    settings, memcached, caplog, expire, says
+):
+    """memcached counts whole seconds: a 1 s lock is sure to live less than a
+    second, and the message says so instead of "within the 0s"."""
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
+    lock = Lock(f"by-the-clock-{expire}", expire=expire)
+    assert lock.acquire()
+    with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
+        wait_until(lambda: lock.lost, expire + 5)
+    [warning] = [
+        r.getMessage() for r in caplog.records if "no longer held" in r.getMessage()
+    ]
+    assert "within the 0s" not in warning
+    assert says in warning
+    assert "renew=True" in warning
+    lock.release()

@@ -142,17 +142,27 @@ class Command(BaseCommand):
         cache = options.get("cache") or cache
         try:
             if action == "status" and options["limit"] is not None:
-                self._semaphore(lock_id, options["limit"], cache, options["json"])
+                held = self._semaphore(
+                    lock_id, options["limit"], cache, options["json"]
+                )
             elif action == "status":
-                self._status(lock_status(lock_id, cache=cache), options["json"])
+                status = lock_status(lock_id, cache=cache)
+                self._status(status, options["json"])
+                held = status.held
                 if self._mode == "coalesce":  # its pending call's lock too
                     self.stdout.write("")
                     queue_id = queue_lock_id(lock_id, "coalesce")
-                    self._status(lock_status(queue_id, cache=cache), options["json"])
+                    pending = lock_status(queue_id, cache=cache)
+                    self._status(pending, options["json"])
+                    held = held or pending.held
             else:
                 self._release(lock_id, cache, options["force"])
+                return
         except (LockBackendError, LockConfigurationError) as exc:
             raise CommandError(str(exc)) from exc
+        if not held:
+            # Exit status 1, as grep: "status X && ..." runs only while held.
+            raise CommandError(f"Lock {lock_id!r} is not held.", returncode=1)
 
     _mode = "while_running"
 
@@ -183,7 +193,8 @@ class Command(BaseCommand):
 
     def _semaphore(
         self, name: str, limit: int, cache: str | None, as_json: bool
-    ) -> None:
+    ) -> bool:
+        """Print a Semaphore's slots; True if any is held."""
         try:
             slots = semaphore_status(name, limit, cache=cache)
         except (TypeError, ValueError) as exc:
@@ -197,12 +208,13 @@ class Command(BaseCommand):
                 "slots": [_as_json(slot) for slot in slots],
             }
             self.stdout.write(json.dumps(data, default=str))
-            return
+            return bool(held)
         self.stdout.write(f"{'Semaphore:':<12}{name}")
         self.stdout.write(f"{'Held:':<12}{len(held)} of {limit} slots")
         for status in held:
             self.stdout.write("")
             self._status(status, False)
+        return bool(held)
 
     def _status(self, status: LockStatus, as_json: bool) -> None:
         if as_json:
@@ -226,7 +238,11 @@ class Command(BaseCommand):
             else:
                 lines.append(("Holder", "not a django_tasklock token (other code)"))
             lines.append(("Expires", _expiry(status.ttl)))
-        fence = "none (the counter is gone)" if status.fence is None else status.fence
+        fence = (
+            "none (no fencing counter: no fence was drawn, or it expired)"
+            if status.fence is None
+            else status.fence
+        )
         lines.append(("Last fence", str(fence)))
         for label, text in lines:
             self.stdout.write(f"{label + ':':<12}{text}")
@@ -236,8 +252,22 @@ class Command(BaseCommand):
         if not status.held:
             raise CommandError(f"Lock {lock_id!r} is not held; nothing to release.")
         owner = status.owner
+        call = status.call
         if not force and not status.stale:
-            holder = owner.describe() if owner is not None else "unknown holder"
+            if owner is None and call is not None and call[0] == "queued":
+                raise CommandError(
+                    f"Lock {lock_id!r} holds call {call[1]}, published and not "
+                    f"started yet; it expires {_expiry(status.ttl)} (its countdown "
+                    "plus QUEUE_EXPIRE). Its message may still be in the queue: "
+                    "releasing it lets an identical call be sent beside it. Pass "
+                    "--force only if the message is gone (a purged queue)."
+                )
+            if owner is not None:
+                holder = owner.describe()
+            elif call is not None:
+                holder = _PENDING[call[0]]
+            else:
+                holder = "not a django_tasklock token: no process to look at"
             raise CommandError(
                 f"Lock {lock_id!r} is held by {status.value} ({holder}), "
                 f"expiring {_expiry(status.ttl)}. Its holder may still be running: "
