@@ -6,7 +6,8 @@ Every case returns one row. Its cells are all measured, none is filled in:
 
 - ``attempts``: how many times the case was carried out (each counted as it ran);
 - ``overlaps``: holds that began while another holder still believed it held
-  the lock, from their start and end times. Most cases must show 0. The cases
+  the lock, from their start and end times (``-`` where the case has no
+  second holder to overlap with). Most cases must show 0. The cases
   marked ``by design`` build one on purpose (a holder that outlives its lock, is
   paused, or whose key the store loses): no lock can prevent that overlap, and
   their ``wrong`` column counts what must still hold (the holder told, its fence
@@ -41,11 +42,13 @@ README_END = ".. fault-table-end"
 
 @dataclass
 class Row:
-    """One case's measurements; ``by_design``: the case builds an overlap."""
+    """One case's measurements; ``by_design``: the case builds an overlap.
+    ``overlaps`` is None where no second holder can exist to overlap with (a
+    call that never ran, a lock never taken): the table shows ``-``."""
 
     case: str
     attempts: int
-    overlaps: int
+    overlaps: int | None
     wrong: int
     by_design: bool = False
     figures: list[str] = field(default_factory=list)
@@ -86,7 +89,9 @@ def render(rows: list[Row], command: str) -> str:
         f"    {'case':<46} {'attempts':>8} {'overlaps':>10} {'wrong':>5}  figures",
     ]
     for row in rows:
-        overlaps = f"{row.overlaps}" + (" (b)" if row.by_design else "")
+        overlaps = ("-" if row.overlaps is None else f"{row.overlaps}") + (
+            " (b)" if row.by_design else ""
+        )
         figures = "; ".join(row.figures) or "-"
         lines.append(
             f"    {row.case:<46} {row.attempts:>8} {overlaps:>10} {row.wrong:>5}  "
@@ -100,7 +105,15 @@ def render(rows: list[Row], command: str) -> str:
 
 
 def run(quick: bool) -> list[Row]:
-    from reliability import basics, calls, lifecycle, pools, semaphores, unknown
+    from reliability import (
+        basics,
+        calls,
+        lifecycle,
+        limits,
+        pools,
+        semaphores,
+        unknown,
+    )
     from tests.services import Redis
 
     main = Memcached().start()
@@ -116,6 +129,7 @@ def run(quick: bool) -> list[Row]:
         rows += semaphores.run(main, quick)
         rows += pools.run(main, quick)
         rows += calls.run(redis_server, quick)
+        rows += limits.run(quick)
     finally:
         from django.core.cache import close_caches
 
@@ -135,7 +149,7 @@ def bad(rows: list[Row]) -> list[Row]:
         for row in rows
         if row.wrong
         or row.attempts == 0
-        or (row.overlaps != row.attempts if row.by_design else row.overlaps)
+        or (row.overlaps != row.attempts if row.by_design else bool(row.overlaps))
     ]
 
 
