@@ -9,7 +9,7 @@ import logging
 import sys
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any, Literal, TypeVar, cast, overload
+from typing import Any, Literal, NoReturn, TypeVar, cast, overload
 
 from .arguments import KeySpec, binder, call_digest
 from .backends import backend_for
@@ -712,6 +712,12 @@ def _defer(task: Any, lock: Lock | Semaphore, name: str) -> Any:
         lock.lock_id,
         countdown,
     )
+    _send_back(task, countdown)
+
+
+def _send_back(task: Any, countdown: float) -> NoReturn:
+    """Put this very call (same task id) back on the broker, and end this run
+    of it without a state of its own (Celery's Ignore)."""
     task.signature_from_request(task.request, countdown=countdown).apply_async()
     raise _ignore()
 
@@ -729,8 +735,7 @@ def _send_again(task: Any, lock: Lock | Semaphore, options: _Options, name: str)
         lock.lock_id,
         countdown,
     )
-    task.signature_from_request(task.request, countdown=countdown).apply_async()
-    raise _ignore()
+    _send_back(task, countdown)
 
 
 def _leave_queue(lock: Lock | Semaphore, call_id: str, options: _Options) -> None:

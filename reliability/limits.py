@@ -9,6 +9,7 @@ import signal
 import socket
 
 from reliability.faults import Row, use_cache
+from tests.conftest import wait_until
 from tests.services import Memcached
 
 
@@ -57,6 +58,8 @@ def connection_limit(tries: int) -> Row:
                 finally:
                     for sock in held:
                         sock.close()
+                # The server frees the slots when it sees them closed.
+                wait_until(server.idle, 10)
                 verdicts += address in backend._classic_servers
                 verdicts += address in backend._unlearnable
                 holder = Lock(f"limit-{attempt}")

@@ -117,6 +117,19 @@ class Memcached(Server):
                 reply += chunk
             return reply.strip()
 
+    def idle(self) -> bool:
+        """True when no connection but the one asking is open (and the server
+        had room to answer it)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+            sock.sendall(b"stats\r\n")
+            data = b""
+            while not data.endswith((b"END\r\n", b"connections\r\n")):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return False
+                data += chunk
+        return b"STAT curr_connections 1\r\n" in data
+
     def flush_all(self) -> None:
         assert self.raw(b"flush_all") == b"OK"
 

@@ -41,14 +41,19 @@ def redelivering(broker):  # noqa: F811
     stop_workers(processes)
 
 
+def dropped_copies(logdir: Path, task) -> int:
+    """How many second deliveries of ``task`` the workers logged as dropped."""
+    marker = f"second delivery of {task.name}"
+    return sum(log.read_text().count(marker) for log in logdir.glob("*.log"))
+
+
 @pytest.mark.parametrize("task_name", ["finish_once", "skip_duplicate"])
 def test_a_redelivered_call_never_runs_beside_itself(redelivering, task_name):
     task = getattr(tasks, task_name)
     key = f"redeliver-{task_name}"
-    marker = f"second delivery of {task.name}"
 
     def drops() -> int:
-        return sum(log.read_text().count(marker) for log in redelivering.glob("*.log"))
+        return dropped_copies(redelivering, task)
 
     before = drops()
     result = task.delay(key, 6.0)
@@ -68,10 +73,9 @@ def test_until_started_and_coalesce_drop_a_copy_delivered_during_the_run(
     copy must not wait for the run lock and then run the body again."""
     task = getattr(tasks, task_name)
     key = f"redeliver-{task_name}"
-    marker = f"second delivery of {task.name}"
 
     def drops() -> int:
-        return sum(log.read_text().count(marker) for log in redelivering.glob("*.log"))
+        return dropped_copies(redelivering, task)
 
     before = drops()
     result = task.delay(key, 6.0)

@@ -13,7 +13,7 @@ import pytest
 from django_tasklock import Lock, LockBackendError
 from django_tasklock.backends import memcached as memcached_backend
 from django_tasklock.checks import check_settings
-from tests.conftest import close_connections
+from tests.conftest import close_connections, wait_until
 from tests.faultproxy import FaultProxy
 from tests.services import Memcached
 
@@ -129,6 +129,8 @@ def test_connection_limit_is_a_transient_error_not_a_protocol_verdict(
     finally:
         for sock in held:
             sock.close()
+    # The server frees the slots when it sees them closed.
+    wait_until(limited.idle, 10)
     assert server not in memcached_backend._classic_servers
     assert server not in memcached_backend._unlearnable
     assert not [r for r in caplog.records if "needs 1.6+" in r.getMessage()]
