@@ -7,6 +7,7 @@ session would."""
 
 from __future__ import annotations
 
+import logging
 from hashlib import md5
 from pathlib import Path
 
@@ -57,10 +58,19 @@ def namespace(redis_server, memcached):
         with Lock(lock_id):
             assert task(url) is None  # skipped: the Feed was never touched
 
+    root = logging.getLogger()
+    logging_before = (root.level, list(root.handlers))
+
     def start_a_worker():
         use_redis_broker(app, redis_server.url)
+        # The worker sets the root logger's level (to ERROR by default): the
+        # WARNINGs later tests capture would be dropped. It is put back below.
         worker = start_worker(
-            app, pool="threads", concurrency=2, perform_ping_check=False
+            app,
+            pool="threads",
+            concurrency=2,
+            perform_ping_check=False,
+            loglevel="WARNING",
         )
         worker.__enter__()
         return worker
@@ -68,6 +78,8 @@ def namespace(redis_server, memcached):
     def stop_the_worker(worker):
         worker.__exit__(None, None, None)
         close_result_backends()
+        root.setLevel(logging_before[0])
+        root.handlers[:] = logging_before[1]
 
     DOCUMENT.namespace.update(
         __name__="readme",  # the module of the tasks the examples define
@@ -77,6 +89,8 @@ def namespace(redis_server, memcached):
         stop_the_worker=stop_the_worker,
     )
     yield DOCUMENT.namespace
+    root.setLevel(logging_before[0])  # also when an example failed midway
+    root.handlers[:] = logging_before[1]
     previous.set_current()
     reset_publisher(app)
 
