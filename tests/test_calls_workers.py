@@ -362,10 +362,14 @@ class MutationWatch:
             pass
         from urllib.parse import quote
 
-        return re.findall(
-            rf"key={re.escape(quote(key, safe=''))} status=stored cmd=(\w+)",
+        # memcached's worker threads write their lines in batches: ordered by
+        # gid, the server's global sequence, not by arrival.
+        found = re.findall(
+            rf"gid=(\d+) type=item_store key={re.escape(quote(key, safe=''))} "
+            rf"status=stored cmd=(\w+)",
             self.buffer.decode(),
         )
+        return [command for _gid, command in sorted(found, key=lambda f: int(f[0]))]
 
     def close(self) -> None:
         self.sock.close()

@@ -37,7 +37,7 @@ def namespace(redis_server, memcached):
     from celery.contrib.testing.worker import start_worker
 
     from tests.celery_app import app
-    from tests.conftest import close_result_backends, reset_publisher, use_redis_broker
+    from tests.conftest import reset_publisher, use_redis_broker
 
     previous = current_app._get_current_object()
     app.set_current()
@@ -76,8 +76,11 @@ def namespace(redis_server, memcached):
         return worker
 
     def stop_the_worker(worker):
+        import gc
+
         worker.__exit__(None, None, None)
-        close_result_backends()
+        reset_publisher(app)  # the broker connections and result consumers too
+        gc.collect()  # a socket left open surfaces here, not in a later test
         root.setLevel(logging_before[0])
         root.handlers[:] = logging_before[1]
 
