@@ -67,7 +67,12 @@ def test_good_expires_accepted(any_store, expire):
     ttl = lock.ttl()
     # memcached counts whole seconds and rounds a fraction up.
     assert ttl is not None and 0 < ttl <= math.ceil(expire)
-    assert lock.release()
+    if lock._life >= 1:
+        assert lock.release()
+    else:
+        # A lock memcached is sure to keep for less than a second (its clock
+        # ticks once a second) may be gone by now: then the release says so.
+        assert lock.release() or lock.lost
 
 
 def test_setting_read_on_every_use(settings, any_store):
