@@ -61,7 +61,17 @@ def namespace(redis_server, memcached):
     root = logging.getLogger()
     logging_before = (root.level, list(root.handlers))
 
+    from celery.signals import task_postrun
+
+    from django_tasklock.backends import close_thread_connections
+
+    def close_in_worker_thread(**_):
+        # The pool's threads end with the worker: their lock connections are
+        # closed as a thread pool's should be (README, Threads of your own).
+        close_thread_connections()
+
     def start_a_worker():
+        task_postrun.connect(close_in_worker_thread, weak=False)
         use_redis_broker(app, redis_server.url)
         # The worker sets the root logger's level (to ERROR by default): the
         # WARNINGs later tests capture would be dropped. It is put back below.
@@ -79,6 +89,7 @@ def namespace(redis_server, memcached):
         import gc
 
         worker.__exit__(None, None, None)
+        task_postrun.disconnect(close_in_worker_thread)
         reset_publisher(app)  # the broker connections and result consumers too
         gc.collect()  # a socket left open surfaces here, not in a later test
         root.setLevel(logging_before[0])
