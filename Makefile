@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lock-demo bench bench-cpu faults test lint typecheck matrix pytest package services venv clean
+.PHONY: demo lock-demo bench bench-cpu faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -19,20 +19,42 @@ demo: services $(STAMP)
 lock-demo: services $(STAMP)
 	$(BIN)/python scripts/lock_demo.py
 
-test: services $(STAMP) lint typecheck package matrix pytest
+# In three steps, each running its parts side by side: the checks, then the
+# matrix beside the main run (their tests mostly wait on servers and workers:
+# together they keep both cores busy), then the coverage of both.
+test: services $(STAMP)
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint shape typecheck docs package
+	$(MAKE) --no-print-directory -j2 --output-sync=target matrix pytest-run
+	$(MAKE) --no-print-directory coverage
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# No class over 300 lines, no function over 60, no import circle in the package.
+shape: $(STAMP)
+	$(BIN)/python scripts/shape.py
+
+# The documentation (Sphinx), warnings as errors; its examples run in the suite.
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
 typecheck: $(STAMP)
 	$(BIN)/mypy django_tasklock
 
-# With branch coverage of django_tasklock, in the worker processes the tests
-# start as well, combined with the matrix runs' (code only Django 6 runs is
-# measured there); fail_under in pyproject.toml is the floor.
-pytest: services $(STAMP)
-	$(BIN)/python -m pytest --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
+# In parallel (pytest-xdist: each worker process starts its own servers on free
+# ports; a module's tests stay on one worker, so its shared Celery workers start
+# once), with branch coverage of django_tasklock, in the worker processes the
+# tests start as well, combined with the matrix runs' (code only Django 6 runs
+# is measured there); fail_under in pyproject.toml is the floor.
+PYTEST_WORKERS ?= 4
+pytest: pytest-run
+	$(MAKE) --no-print-directory coverage
+
+pytest-run: services $(STAMP)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
+
+coverage: $(STAMP)
 	if ls .coverage-matrix/* >/dev/null 2>&1; then \
 		$(BIN)/python -m coverage combine --append --keep .coverage-matrix/*; fi
 	$(BIN)/python -m coverage report --skip-covered
@@ -41,12 +63,12 @@ pytest: services $(STAMP)
 package: $(STAMP)
 	./scripts/check-package $(BIN)/python
 
-# The benchmark (see README.rst, Performance); BENCH_ARGS="--write-readme" updates it.
+# The benchmark (see docs/explanation/performance.rst); BENCH_ARGS="--write-docs" updates it.
 bench: services $(STAMP)
 	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS)
 
-# Client CPU per operation in instructions (valgrind's callgrind; see README.rst,
-# Performance); BENCH_ARGS="--write-readme" updates its table.
+# Client CPU per operation in instructions (valgrind's callgrind; see the docs,
+# Performance); BENCH_ARGS="--write-docs" updates its table.
 bench-cpu: services $(STAMP)
 	$(BIN)/python -m benchmarks.cpu $(BENCH_ARGS)
 
@@ -54,9 +76,11 @@ bench-cpu: services $(STAMP)
 faults: services $(STAMP)
 	$(BIN)/python -m reliability.faults $(FAULTS_ARGS)
 
-# The other supported Python/Django pairs (the main run is python3 with Django 5.2).
-matrix: services
-	./scripts/matrix
+# The other supported Python/Django pairs (the main run is python3 with Django
+# 5.2), each in an environment of nox's (uv-made); see noxfile.py.
+matrix: services $(STAMP)
+	rm -rf .coverage-matrix
+	$(BIN)/nox $(NOX_ARGS)
 
 services:
 	@./scripts/ensure-services
@@ -70,4 +94,4 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) .venv-3.* build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-3.* .nox build dist docs/_build *.egg-info .pytest_cache .mypy_cache .ruff_cache

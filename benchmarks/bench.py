@@ -1,6 +1,6 @@
 """django_tasklock against the cookbook recipe and the raw memcached floor.
 
-    python -m benchmarks.bench [--quick] [--write-readme]
+    python -m benchmarks.bench [--quick] [--write-docs]
 
 Everything runs in one process tree against one private memcached, in one run, so
 the ratios compare like with like on a shared, noisy machine:
@@ -16,7 +16,8 @@ the ratios compare like with like on a shared, noisy machine:
    (prefork, on a private Redis broker), with and without ``@single_instance``,
    time until every task has finished, alternated.
 
-``--write-readme`` replaces the table between the benchmark markers in README.rst.
+``--write-docs`` replaces the table between the benchmark markers in
+docs/explanation/performance.rst.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.readme import write_section  # noqa: E402
+from benchmarks.tables import write_section  # noqa: E402
 from tests.services import Memcached, Redis, celery_worker, stop_process  # noqa: E402
 
 if TYPE_CHECKING:
@@ -45,8 +46,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 TARGETS = {"memcache_lock": 1.3, "Lock": 1.3, "@single_instance": 1.6}
-README_START = ".. benchmark-table-start"
-README_END = ".. benchmark-table-end"
+TABLE_START = ".. benchmark-table-start"
+TABLE_END = ".. benchmark-table-end"
 PEERS_START = ".. peers-table-start"
 PEERS_END = ".. peers-table-end"
 
@@ -574,14 +575,18 @@ def render(
     return "\n".join(lines) + "\n", misses
 
 
-def write_readme(table: str) -> None:
-    write_section(README_START, README_END, table)
+def write_docs(table: str) -> None:
+    write_section(TABLE_START, TABLE_END, table)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--write-readme", action="store_true", help="update README.rst")
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="update docs/explanation/performance.rst",
+    )
     parser.add_argument("--no-storm", action="store_true", help="skip the Celery storm")
     options = parser.parse_args(argv)
     quick = options.quick
@@ -644,11 +649,11 @@ def main(argv: list[str] | None = None) -> int:
             print(peer_table)
         for miss in misses:
             print(f"target missed: {miss}")
-        if options.write_readme:
-            write_readme(table)
+        if options.write_docs:
+            write_docs(table)
             if peer_table:
                 write_section(PEERS_START, PEERS_END, peer_table)
-            print("README.rst updated.")
+            print("docs/explanation/performance.rst updated.")
     finally:
         for worker in workers:
             stop_process(worker)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .decorator import current_lock, lock_id_for, single_instance
+from .decorator import single_instance
 from .exceptions import (
     AlreadyQueued,
     InvalidLockExpire,
@@ -14,7 +14,9 @@ from .exceptions import (
     TaskLockError,
 )
 from .locks import Lock, memcache_lock
+from .runs import current_lock
 from .semaphores import Semaphore
+from .targets import lock_id_for
 
 __version__ = "0.1.0"
 

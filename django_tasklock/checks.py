@@ -1,6 +1,6 @@
 """System checks: a TASKLOCK or CACHES entry that cannot give a working lock.
 
-Ids are stable and documented in README.rst:
+Ids are stable and documented in docs/reference/checks.rst:
 
 - E001 TASKLOCK is not a dict, or has an unknown key.
 - E002 TASKLOCK['LOCK_EXPIRE'] is not a valid expiry.
@@ -16,6 +16,7 @@ Ids are stable and documented in README.rst:
 - E011 TASKLOCK['RENEW'] is not True or False.
 - E013 TASKLOCK['RESTART_GRACE'] is not None or a number of seconds >= 0.
 - E014 TASKLOCK['QUEUE_EXPIRE'] is not a number of seconds in (0, 30 days].
+- E016 TASKLOCK['LIVENESS'] is not None or a number of seconds in [3, 86400].
 - E015 CACHES is not set: Django's implicit default is a LocMemCache per
   process, so no lock is shared between worker processes.
 - E012 TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
@@ -53,6 +54,7 @@ from .backends import (
     unsupported_reason,
 )
 from .backends.memcached import meta_support
+from .backends.registry import recommended_paths
 from .conf import DEFAULTS, setting_problems, suggested_key
 from .registry import named_aliases
 
@@ -69,16 +71,13 @@ _SETTING_IDS = {
     "RENEW": "django_tasklock.E011",
     "RESTART_GRACE": "django_tasklock.E013",
     "QUEUE_EXPIRE": "django_tasklock.E014",
+    "LIVENESS": "django_tasklock.E016",
 }
 _OPTION_IDS = {
     "default_noreply": "django_tasklock.E005",
     "ignore_exc": "django_tasklock.E006",
 }
-_HINT_ALIAS = (
-    "Point TASKLOCK['CACHE'] at a CACHES entry using "
-    "django.core.cache.backends.memcached.PyMemcacheCache, "
-    "django.core.cache.backends.redis.RedisCache or django_redis.cache.RedisCache."
-)
+_HINT_ALIAS = f"Point TASKLOCK['CACHE'] at a CACHES entry using {recommended_paths()}."
 
 
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:

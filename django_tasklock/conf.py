@@ -47,12 +47,13 @@ DEFAULTS: Final[dict[str, Any]] = {
     "RENEW": False,
     "RESTART_GRACE": None,
     "QUEUE_EXPIRE": 3600,
+    "LIVENESS": 10,
 }
 
 
 _UNSET: Final = object()
 _KNOWN_KEYS: Final = frozenset(DEFAULTS)
-_LOCK_KEYS: Final = ("LOCK_EXPIRE", "CACHE", "MEMCACHED_PROTOCOL", "RENEW")
+_LOCK_KEYS: Final = ("LOCK_EXPIRE", "CACHE", "MEMCACHED_PROTOCOL", "RENEW", "LIVENESS")
 # Django's settings object keeps each setting it read in its own __dict__ and
 # empties it whenever settings change (LazySettings.__setattr__, which
 # override_settings goes through too); a hit there is the current value.
@@ -129,7 +130,30 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
         else validate_seconds(v, name="TASKLOCK['RESTART_GRACE']", allow_zero=True)
     ),
     "QUEUE_EXPIRE": lambda v: validate_expire(v, name="TASKLOCK['QUEUE_EXPIRE']"),
+    "LIVENESS": lambda v: v if v is None else validate_liveness(v),
 }
+
+#: The default RESTART_GRACE with liveness records on: a live holder's record
+#: thread puts its locks back on a restarted memcached within two beats (at most
+#: a second each), with room for a reconnection on a busy host.
+REASSERT_GRACE: Final = 5.0
+
+#: The shortest liveness bound: a holder must be able to renew its record at
+#: least once before memcached's whole-second clock may drop it.
+MIN_LIVENESS: Final = 3
+
+
+def validate_liveness(value: object) -> float:
+    """Return ``value`` if it is a valid ``TASKLOCK['LIVENESS']``: seconds, at
+    least ``MIN_LIVENESS``, at most a day."""
+    seconds = validate_seconds(value, name="TASKLOCK['LIVENESS']")
+    if not MIN_LIVENESS <= seconds <= 86400:
+        raise ValueError(
+            f"TASKLOCK['LIVENESS'] must be between {MIN_LIVENESS} and 86400 seconds "
+            f"(how long a holder may show no sign of life before its locks are "
+            f"free), not {value!r}; None turns liveness records off."
+        )
+    return seconds
 
 
 def validate_bool(value: object, *, name: str) -> bool:
@@ -201,7 +225,8 @@ class Settings:
         self._valid: dict[str, object] = {}
         # lock_defaults(): the TASKLOCK values it last read, and what they gave.
         self._lock_memo: (
-            tuple[tuple[object, ...], tuple[float, str, Protocol, bool]] | None
+            tuple[tuple[object, ...], tuple[float, str, Protocol, bool, float | None]]
+            | None
         ) = None
 
     def _get(self, key: str) -> Any:
@@ -222,26 +247,34 @@ class Settings:
         self._valid[key] = value
         return value
 
-    def lock_defaults(self) -> tuple[float, str, Protocol, bool]:
-        """``LOCK_EXPIRE``, ``CACHE``, ``MEMCACHED_PROTOCOL`` and ``RENEW`` in one
-        read, the hot path of every acquire: the TASKLOCK dict is taken from
-        the cache Django's settings object keeps of it (emptied by Django on
-        every change: override_settings, assignment), and the four values it
-        gave last time are reused while it holds the same ones."""
+    def lock_defaults(self) -> tuple[float, str, Protocol, bool, float | None]:
+        """``LOCK_EXPIRE``, ``CACHE``, ``MEMCACHED_PROTOCOL``, ``RENEW`` and
+        ``LIVENESS`` in one read, the hot path of every acquire: the TASKLOCK
+        dict is taken from the cache Django's settings object keeps of it
+        (emptied by Django on every change: override_settings, assignment), and
+        the values it gave last time are reused while it holds the same ones."""
         raw = _django_settings_cache.get("TASKLOCK", _UNSET)
         if raw is _UNSET:  # not read yet since it last changed, or not set
             raw = getattr(django_settings, "TASKLOCK", None)
         if not isinstance(raw, dict):
-            return self.LOCK_EXPIRE, self.CACHE, self.MEMCACHED_PROTOCOL, self.RENEW
+            return (
+                self.LOCK_EXPIRE,
+                self.CACHE,
+                self.MEMCACHED_PROTOCOL,
+                self.RENEW,
+                self.LIVENESS,
+            )
         # A misspelt key must not leave its value silently unused (a frozenset
         # test of a few keys: cheap enough for every acquire).
         if not _KNOWN_KEYS.issuperset(raw):
             _check_known_keys(raw)
+        get = raw.get
         given = (
-            raw.get("LOCK_EXPIRE", _UNSET),
-            raw.get("CACHE", _UNSET),
-            raw.get("MEMCACHED_PROTOCOL", _UNSET),
-            raw.get("RENEW", _UNSET),
+            get("LOCK_EXPIRE", _UNSET),
+            get("CACHE", _UNSET),
+            get("MEMCACHED_PROTOCOL", _UNSET),
+            get("RENEW", _UNSET),
+            get("LIVENESS", _UNSET),
         )
         memo = self._lock_memo
         if memo is not None:
@@ -253,6 +286,7 @@ class Settings:
                 and seen[1] is given[1]
                 and seen[2] is given[2]
                 and seen[3] is given[3]
+                and seen[4] is given[4]
             ):
                 return memo[1]
         valid = self._valid
@@ -263,9 +297,9 @@ class Settings:
             elif valid.get(key, _UNSET) is not value:
                 value = self._get(key)
             values.append(value)
-        expire, cache, protocol, renew = values
-        self._lock_memo = given, (expire, cache, protocol, renew)
-        return expire, cache, protocol, renew
+        expire, cache, protocol, renew, liveness = values
+        self._lock_memo = given, (expire, cache, protocol, renew, liveness)
+        return expire, cache, protocol, renew, liveness
 
     @property
     def LOCK_EXPIRE(self) -> float:
@@ -306,14 +340,26 @@ class Settings:
     @property
     def RESTART_GRACE(self) -> float:
         """Seconds after a memcached restart during which new locks on it are
-        refused: ``LOCK_EXPIRE`` unless set."""
+        refused, unless set: ``REASSERT_GRACE`` while liveness records are on
+        (their threads put live holders' locks back within two beats),
+        ``LOCK_EXPIRE`` without them."""
         value: float | None = self._get("RESTART_GRACE")
-        return self.LOCK_EXPIRE if value is None else value
+        if value is not None:
+            return value
+        return self.LOCK_EXPIRE if self.LIVENESS is None else REASSERT_GRACE
 
     @property
     def QUEUE_EXPIRE(self) -> float:
         """Seconds a pending call's lock lasts beyond its countdown or ETA."""
         value: float = self._get("QUEUE_EXPIRE")
+        return value
+
+    @property
+    def LIVENESS(self) -> float | None:
+        """Seconds a holder may show no sign of life before contenders on other
+        hosts take its locks; None: no liveness records (its locks then last
+        until they expire)."""
+        value: float | None = self._get("LIVENESS")
         return value
 
     @property

@@ -108,7 +108,7 @@ class Semaphore(Holding):
     @property
     def held(self) -> bool:
         lock = self.lock
-        return lock is not None and lock._hold is not None
+        return lock is not None and lock.held
 
     @property
     def fence(self) -> int | None:
@@ -173,6 +173,14 @@ class Semaphore(Holding):
                 store=backend.describe(keys[0]),
             ) from exc
         free = [slot for slot, taken in enumerate(held) if not taken]
+        if not free:
+            # Every slot held: a dead holder's is free too. The Lock of each
+            # slot looks at its holder (locks.recovery), at most every
+            # LOOK_EVERY seconds per slot: a full semaphore costs two round
+            # trips per slot more then (a live slot looked at first must not
+            # hide a dead one, or a call skipped there would be lost).
+            now, looks = time.monotonic(), backend.looks
+            free = [slot for slot, key in enumerate(keys) if looks.get(key, 0.0) <= now]
         random.shuffle(free)  # holders spread over the slots, so rarely race
         for slot in free:
             lock = Lock(ids[slot], **self._options)

@@ -24,7 +24,7 @@ by ``memcache_lock`` and ``@single_instance``) and these keyword arguments:
 
 ``call_deduplicated``
     Sent with ``sender`` the Celery task (or Django task) when a call is not
-    published because an identical one is pending or running (see README,
+    published because an identical one is pending or running (see the docs,
     Stopping duplicates at ``.delay()``): ``lock_id``, ``task_id`` (the call
     that is pending or running), ``new_id`` (the id this call would have had),
     ``mode`` and ``action``: ``"joined"`` (the caller got the existing call's

@@ -13,7 +13,8 @@ from .backends import LockBackend, backend_for
 from .conf import settings
 from .exceptions import LockBackendError
 from .keys import check_lock_id
-from .tokens import holder_alive, token_host, token_owner
+from .locks.recovery import judge
+from .tokens import local_verdict, token_host, token_owner, token_process
 
 __all__ = [
     "LockChanged",
@@ -30,30 +31,39 @@ __all__ = [
 class Owner:
     """Who a stored django_tasklock token says holds a lock.
 
-    ``alive`` is True or False when the holder's process is on this host (its pid
-    is looked up), None when it is elsewhere or unknown.
+    ``alive`` is True or False when the holder could be judged (its process on
+    this host looked up in /proc, or, on another host, its liveness record read
+    from the store), None when it cannot be; ``why`` says how it was judged.
     """
 
     name: str
     host: str
     pid: int
     alive: bool | None
+    why: str = ""
 
     @classmethod
-    def parse(cls, value: object) -> Owner | None:
-        """The owner in a token ``owner:pid:random:thread:count``, where owner is
-        ``oid@host`` or ``host``; None for any other value (the recipe's oid)."""
+    def parse(
+        cls, value: object, verdict: tuple[bool | None, str] | None = None
+    ) -> Owner | None:
+        """The owner in a token ``owner:process:random:thread:count``, where
+        owner is ``oid@host`` or ``host``; None for any other value (the
+        recipe's oid). ``verdict``: what ``locks.recovery.judge`` said of it,
+        else it is judged on this host alone."""
         parsed = token_owner(value)
         if parsed is None:
             return None
         name, pid = parsed
-        return cls(name=name, host=token_host(name), pid=pid, alive=holder_alive(value))
+        host = token_host(name)
+        if verdict is None:
+            process = token_process(value)
+            assert process is not None
+            verdict = local_verdict(host, process[1])
+        return cls(name=name, host=host, pid=pid, alive=verdict[0], why=verdict[1])
 
     def describe(self) -> str:
-        where = f"process {self.pid} on {self.host}"
-        if self.alive is None:
-            return f"{where} (another host: cannot tell whether it runs)"
-        return f"{where} (this host: {'running' if self.alive else 'not running'})"
+        state = {True: "alive", False: "dead", None: "unknown"}[self.alive]
+        return f"process {self.pid} on {self.host} ({state}: {self.why})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +87,15 @@ class LockStatus:
     cache: str | None = None
     #: The backend's hold on the item read (its CAS id on memcached).
     hold: object = dataclasses.field(default=None, repr=False, compare=False)
+    #: Whether the holder lives, and why (``locks.recovery.judge``); None
+    #: when free.
+    verdict: tuple[bool | None, str] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def owner(self) -> Owner | None:
-        return Owner.parse(self.value)
+        return Owner.parse(self.value, self.verdict)
 
     @property
     def call(self) -> tuple[str, str] | None:
@@ -93,7 +108,8 @@ class LockStatus:
 
     @property
     def stale(self) -> bool:
-        """True if it is held by a process on this host that no longer runs."""
+        """True if its holder is dead: its process on this host no longer runs,
+        or, on another host, its liveness record is gone."""
         owner = self.owner
         return self.held and owner is not None and owner.alive is False
 
@@ -138,6 +154,7 @@ def lock_status(lock_id: str, *, cache: str | None = None) -> LockStatus:
         except backend.errors:
             ttl = None  # memcached before 1.6 cannot tell
         fence = backend.last_fence(key, backend.keys_for(lock_id)[1])
+        verdict = None if peek is None else judge(peek.value, backend)
     except backend.errors as exc:
         raise LockBackendError(
             f"Could not read the lock: {type(exc).__name__}: {exc}",
@@ -154,6 +171,7 @@ def lock_status(lock_id: str, *, cache: str | None = None) -> LockStatus:
         fence=fence,
         cache=cache,
         hold=None if peek is None else peek.hold,
+        verdict=verdict,
     )
 
 

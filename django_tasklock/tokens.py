@@ -9,6 +9,7 @@ counter is and what a missing one starts from.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import os
@@ -23,16 +24,58 @@ from .conf import MAX_EXPIRE
 
 __all__ = [
     "FENCE_COUNTER_TTL",
+    "KEEPS_RECORD",
     "fence_counter",
     "holder_alive",
+    "local_verdict",
+    "new_live_token",
     "new_token",
     "process_alive",
+    "process_identity",
+    "this_process",
     "token_host",
     "token_owner",
+    "token_process",
 ]
 
 #: Shortest life of a fencing counter after its last acquisition, in seconds.
 FENCE_COUNTER_TTL: Final = 24 * 60 * 60
+
+
+def _proc_stat(pid: int) -> list[bytes] | None:
+    """The fields after the command name in ``/proc/<pid>/stat`` (state first);
+    None if there is no such process, or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
+def _process_space() -> str:
+    """This boot of this machine and this pid namespace, as 8 hex digits: a pid
+    and a start time mean one process only within one space."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as boot:
+            boot_id = boot.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid").encode()
+    except OSError:
+        return ""
+    return hashlib.md5(boot_id + namespace, usedforsecurity=False).hexdigest()[:8]
+
+
+_SPACE: Final = _process_space()
+
+
+def process_identity(pid: int) -> str:
+    """How tokens name process ``pid`` of this host: ``pid-start-space``, where
+    start is its start time in clock ticks since boot (it tells a reused pid from
+    the process that had it) and space names this boot and pid namespace; the
+    bare pid where /proc cannot say."""
+    fields = _proc_stat(pid)
+    if not _SPACE or fields is None or len(fields) < 20:
+        return str(pid)
+    return f"{pid}-{int(fields[19])}-{_SPACE}"
 
 
 class _Tokens:
@@ -44,31 +87,60 @@ class _Tokens:
         os.register_at_fork(after_in_child=self.reseed)
 
     def reseed(self) -> None:
-        self.prefix = f"{os.getpid()}:{secrets.token_hex(8)}"
+        self.process = process_identity(os.getpid())
+        random = secrets.token_hex(8)
+        self.prefix = f"{self.process}:{random}"
+        self.live_prefix = f"{self.process}{KEEPS_RECORD}:{random}"
         self.counter = itertools.count()
 
     def new(self, owner: str) -> str:
-        """``owner:pid:random:thread:count``, where owner is ``oid@host`` or
-        ``host``."""
+        """``owner:process:random:thread:count``, where owner is ``oid@host`` or
+        ``host`` and process is ``pid-start-space`` (see ``process_identity``)."""
         # next() on itertools.count is atomic under the GIL: threads never share one.
         return f"{owner}:{self.prefix}:{threading.get_ident()}:{next(self.counter)}"
 
+    def new_live(self, owner: str) -> str:
+        """As ``new``, for a process that keeps a liveness record in the lock's
+        store (``locks.liveness``): process is ``pid-start-space-r``."""
+        return (
+            f"{owner}:{self.live_prefix}:{threading.get_ident()}:{next(self.counter)}"
+        )
+
+
+#: Written after the process identity of a holder that keeps a liveness record.
+KEEPS_RECORD: Final = "-r"
 
 _tokens = _Tokens()
-#: A new token for ``owner`` (see ``_Tokens.new``); a bound method, called once
+#: A new token for ``owner`` (see ``_Tokens.new``); bound methods, called once
 #: per acquire.
 new_token = _tokens.new
+new_live_token = _tokens.new_live
+
+
+def this_process() -> str:
+    """This process's identity, as its tokens write it."""
+    return _tokens.process
+
+
+def token_process(value: object) -> tuple[str, str] | None:
+    """The owner (``oid@host`` or ``host``) and the process identity
+    (``pid-start-space``, or a bare pid) in a token ``new_token`` made; None for
+    any other value (other code's, such as the recipe's oid, or a call's mark)."""
+    if not isinstance(value, str):
+        return None
+    parts = value.rsplit(":", 4)
+    if len(parts) != 5 or not parts[1].partition("-")[0].isdigit():
+        return None
+    return parts[0], parts[1]
 
 
 def token_owner(value: object) -> tuple[str, int] | None:
     """The owner (``oid@host`` or ``host``) and the pid in a token ``new_token``
-    made; None for any other value (other code's, such as the recipe's oid)."""
-    if not isinstance(value, str):
+    made; None for any other value."""
+    parsed = token_process(value)
+    if parsed is None:
         return None
-    parts = value.rsplit(":", 4)
-    if len(parts) != 5 or not parts[1].isdigit():
-        return None
-    return parts[0], int(parts[1])
+    return parsed[0], int(parsed[1].partition("-")[0])
 
 
 def token_host(owner: str) -> str:
@@ -85,22 +157,44 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:  # exists, owned by another user
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc: kill(0) said it exists
+    fields = _proc_stat(pid)
+    return fields is None or fields[0] != b"Z"  # no /proc: kill(0) said it exists
+
+
+def local_verdict(host: str, process: str) -> tuple[bool | None, str]:
+    """Whether the process a token names still runs, judged on this host alone:
+    True or False with the reason, or None where this host cannot look (another
+    hostname, another boot or pid namespace of this one, a bare pid from
+    elsewhere)."""
+    if host != socket.gethostname():
+        return None, f"on another host ({host})"
+    pid_text, _, rest = process.removesuffix(KEEPS_RECORD).partition("-")
+    start, _, space = rest.partition("-")
+    pid = int(pid_text)
+    if not rest:  # a bare pid: this host without /proc
+        if process_alive(pid):
+            return True, f"process {pid} runs"
+        return False, f"process {pid} is gone"
+    if space != _SPACE:
+        return None, f"process {pid} of another boot or pid namespace of {host}"
+    fields = _proc_stat(pid)
+    if fields is None:
+        return False, f"process {pid} is gone"
+    if fields[0] == b"Z":
+        return False, f"process {pid} has exited (not yet reaped by its parent)"
+    if len(fields) < 20 or fields[19].decode() != start:
+        return False, f"process {pid} is gone (its pid now names another process)"
+    return True, f"process {pid} runs"
 
 
 def holder_alive(value: object) -> bool | None:
     """Whether the process whose token ``value`` is still runs: True or False
-    for a process of this host (hosts are told apart by hostname, so one pid
-    namespace per hostname), None for another host's or a value not made by
-    ``new_token``."""
-    owner = token_owner(value)
-    if owner is None or token_host(owner[0]) != socket.gethostname():
+    for a process of this host, None for one this host cannot look at or a
+    value not made by ``new_token`` (``locks.liveness`` asks the store then)."""
+    parsed = token_process(value)
+    if parsed is None:
         return None
-    return process_alive(owner[1])
+    return local_verdict(token_host(parsed[0]), parsed[1])[0]
 
 
 def fence_counter(key: str, expire: float) -> FenceCounter:

@@ -480,6 +480,11 @@ def _take_many(
     taken = [lock.lock_id for lock in held]
     failed = [lock.lock_id for lock in held if not lock.release()]
     assert not failed, f"could not release {failed[:3]}"
+    # On its way out, as a process leaves (a pool process ends without its
+    # atexit handlers): its liveness record goes too, and nothing stays.
+    from django_tasklock.locks.liveness import leave
+
+    leave()
     return taken, tried
 
 

@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from reliability import recovery
 from reliability.faults import Row
 from tests.conftest import wait_until
 from tests.services import Redis
@@ -372,6 +373,15 @@ def run(redis: Redis, quick: bool) -> list[Row]:
     try:
         rows = [storm(3 if quick else 10, 8 if quick else 40)]
         rows.append(killed_mid_call(1 if quick else 3))
+    finally:
+        stop_workers(workers)
+    # One worker with a child to spare: a call sent again after a kill must not
+    # wait for the pool to replace the dead child (Celery's scheduling, not the
+    # lock's).
+    workers = start_workers(broker, ["fault-recovery"], concurrency=4)
+    try:
+        rows.append(recovery.child_killed(1 if quick else 3))
+        rows.append(recovery.worker_killed_elsewhere(broker, 1 if quick else 3))
     finally:
         stop_workers(workers)
     rows.append(never_consumed(1 if quick else 3))

@@ -1,6 +1,6 @@
 """Fault cases for django_tasklock, against real memcached, Redis and workers.
 
-    python -m reliability.faults [--quick] [--write-readme]
+    python -m reliability.faults [--quick] [--write-docs]
 
 Every case returns one row. Its cells are all measured, none is filled in:
 
@@ -18,7 +18,7 @@ Every case returns one row. Its cells are all measured, none is filled in:
 - ``figures``: times and counts measured on the way.
 
 ``tests/test_faults.py`` runs the quick sizes in the suite and asserts on every
-row; the full sizes print the table README.rst carries.
+row; the full sizes print the table docs/explanation/reliability.rst carries.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.readme import write_section  # noqa: E402
+from benchmarks.tables import write_section  # noqa: E402
 from tests.services import Memcached  # noqa: E402
 
-README_START = ".. fault-table-start"
-README_END = ".. fault-table-end"
+TABLE_START = ".. fault-table-start"
+TABLE_END = ".. fault-table-end"
 
 
 @dataclass
@@ -111,6 +111,7 @@ def run(quick: bool) -> list[Row]:
         lifecycle,
         limits,
         pools,
+        recovery,
         semaphores,
         unknown,
     )
@@ -130,6 +131,7 @@ def run(quick: bool) -> list[Row]:
         rows += pools.run(main, quick)
         rows += calls.run(redis_server, quick)
         rows += limits.run(quick)
+        rows += recovery.run(quick)
     finally:
         from django.core.cache import close_caches
 
@@ -139,7 +141,7 @@ def run(quick: bool) -> list[Row]:
         close_thread_connections()
         for server in (small, flaky, redis_server, main):
             server.stop()
-    return rows
+    return sorted(rows, key=lambda row: int(row.case.split(".", 1)[0]))
 
 
 def bad(rows: list[Row]) -> list[Row]:
@@ -156,15 +158,15 @@ def bad(rows: list[Row]) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--write-readme", action="store_true")
+    parser.add_argument("--write-docs", action="store_true")
     options = parser.parse_args(argv)
     rows = run(options.quick)
     table = render(
         rows, "python -m reliability.faults" + (" --quick" if options.quick else "")
     )
     print(table)
-    if options.write_readme:
-        write_section(README_START, README_END, table)
+    if options.write_docs:
+        write_section(TABLE_START, TABLE_END, table)
     return 1 if bad(rows) else 0
 
 

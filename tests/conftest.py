@@ -87,6 +87,16 @@ def _services(
 
 
 @pytest.fixture(autouse=True)
+def _forget_liveness_records() -> Iterator[None]:
+    """Each test starts with no liveness record thread: the stores and settings
+    a record was written to go with the test."""
+    yield
+    from django_tasklock.locks.liveness import forget_records
+
+    forget_records()
+
+
+@pytest.fixture(autouse=True)
 def _clean_stores(
     memcached: Memcached,
     memcached_pair: tuple[Memcached, Memcached],

@@ -366,3 +366,47 @@ def skip_when_told(self, key):
     record(key, started, task_id=self.request.id, phase="start")
     _wait_to_be_told(key)
     return _ran(self, key, started)
+
+
+# Crash recovery (tests/test_recovery_workers.py): locks that would last ten
+# minutes, held by runs a test SIGKILLs.
+
+
+@app.task(bind=True)
+@single_instance(expire=600)
+def hold_long_when_told(self, key):
+    """while_running with a 600 s lock, running until the test lets it go."""
+    started = time.monotonic()
+    record(key, started, task_id=self.request.id, phase="start")
+    _wait_to_be_told(key)
+    return _ran(self, key, started)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished", expire=600)
+def queue_long_when_told(self, key):
+    """until_finished with a 600 s lock, running until the test lets it go."""
+    started = time.monotonic()
+    record(key, started, task_id=self.request.id, phase="start")
+    _wait_to_be_told(key)
+    return _ran(self, key, started)
+
+
+@app.task(bind=True)
+@single_instance(key="key", limit=2, expire=600)
+def slot_long_when_told(self, key, n):
+    """Two at a time per key, 600 s slots, running until the test lets it go."""
+    started = time.monotonic()
+    record(key, started, task_id=self.request.id, phase="start", n=n)
+    _wait_to_be_told(key)
+    return _ran(self, key, started)
+
+
+@app.task(bind=True)
+@single_instance(expire=600, on_contention="wait")
+def wait_long_when_told(self, key):
+    """Waits for a 600 s lock held elsewhere, then runs until told."""
+    started = time.monotonic()
+    record(key, started, task_id=self.request.id, phase="start")
+    _wait_to_be_told(key)
+    return _ran(self, key, started)

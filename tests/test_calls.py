@@ -342,9 +342,9 @@ def test_a_publish_that_timed_out_on_a_paused_store_leaves_no_phantom_call(
 def test_a_copy_of_a_call_running_on_another_host_is_sent_back_until_its_lock_expires(
     broker, caplog
 ):
-    """That host's processes cannot be looked at from here: the copy is neither
-    run beside the first run nor dropped (lost, if that run died), but put back
-    with a countdown of the lock's time left."""
+    """That host's processes cannot be looked at from here, and this holder keeps
+    no liveness record (an old token): the copy is neither run beside the first
+    run nor dropped (lost, if that run died), but put back with a countdown."""
     import json
 
     from django.core.cache import caches
@@ -362,6 +362,34 @@ def test_a_copy_of_a_call_running_on_another_host_is_sent_back_until_its_lock_ex
     assert headers["id"] == call_id
     assert headers["eta"] is not None
     assert any("on another host" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_copy_of_a_call_running_on_another_host_is_judged_by_its_record(
+    broker, alive
+):
+    """A run on another host that keeps a liveness record: alive, its copy is
+    dropped (not put back); its record gone, its lock is taken and the copy
+    runs."""
+    from django.core.cache import caches
+
+    from django_tasklock.locks.liveness import record_id
+
+    call_id = f"call-on-another-host-{alive}"
+    lock_id = lock_id_for(tasks.skip_duplicate, f"remote-{alive}")
+    process = "4242-100-abcdef12"
+    token = f"oid@elsewhere.example#{call_id}:{process}-r:0123456789abcdef:1:0"
+    caches["default"].set(lock_id, token, 30)
+    if alive:
+        caches["default"].set(record_id("elsewhere.example", process), "1", 30)
+    outcome = tasks.skip_duplicate.apply(args=(f"remote-{alive}",), task_id=call_id)
+    assert broker.lrange("celery", 0, -1) == []  # not put back
+    if alive:
+        assert outcome.state == "IGNORED"
+        assert lock_status(lock_id).value == token  # left alone
+    else:
+        assert outcome.state == "SUCCESS"
+        assert not lock_status(lock_id).held  # taken, run, released
 
 
 @pytest.mark.parametrize("option", ["link", "link_error"])

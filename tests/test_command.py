@@ -109,7 +109,8 @@ def test_status_of_a_held_lock(store):
     shown = fields(run("status", "held-lock"))
     assert shown["Held"] == "yes"
     assert shown["Owner"] == lock.token
-    assert shown["Holder"] == f"process {os.getpid()} on {HOST} (this host: running)"
+    pid = os.getpid()
+    assert shown["Holder"] == f"process {pid} on {HOST} (alive: process {pid} runs)"
     seconds = int(shown["Expires"].removeprefix("in ").removesuffix("s"))
     assert 55 <= seconds <= 60
     assert shown["Last fence"] == str(fence)
@@ -130,6 +131,7 @@ def test_status_by_task_and_json(store):
         "host": HOST,
         "pid": os.getpid(),
         "alive": True,
+        "why": f"process {os.getpid()} runs",
     }
     assert 0 < data["ttl"] <= 30 and data["never_expires"] is False
     assert data["fence"] == lock.fence
@@ -197,9 +199,8 @@ def test_release_clears_a_crashed_holders_lock_without_force(store):
     process.join(30)
     assert process.exitcode == 1
     shown = fields(run("status", "crashed"))
-    assert (
-        shown["Holder"] == f"process {process.pid} on {HOST} (this host: not running)"
-    )
+    pid = process.pid
+    assert shown["Holder"] == f"process {pid} on {HOST} (dead: process {pid} is gone)"
     out = run("release", "crashed")
     assert "stale: its holder is gone" in out
     assert Lock("crashed").acquire()

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import time
-
 import pytest
 
-from tests.workers import hammer, overlaps, setup_django
+from tests.workers import hammer, overlaps, storm
 
 PROCESSES = 16
-SECONDS = 3.0
+WANTED = 500
 
 
-def run_storm(tasklock, mode="lock", processes=PROCESSES, seconds=SECONDS):
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(processes, initializer=setup_django) as pool:
-        # Every process up with Django set up, then start together.
-        pool.map(time.sleep, [0.05] * processes * 4)
-        start_at = time.monotonic() + 1.0
-        results = pool.starmap(
-            hammer,
-            [(tasklock, "storm-lock", start_at, seconds, mode)] * processes,
-        )
+def run_storm(tasklock, mode="lock", processes=PROCESSES, wanted=WANTED):
+    results = storm(hammer, processes, wanted, (tasklock, "storm-lock"), (mode,))
     holds = [hold for process_holds, _ in results for hold in process_holds]
     refused = sum(refused for _, refused in results)
     working = sum(1 for process_holds, _ in results if process_holds)
@@ -34,7 +23,7 @@ def test_contention_no_overlapping_holds(store):
     holds, refused, working = run_storm(store.tasklock)
     assert overlaps(holds) == 0
     # The run means something only if the processes really fought for the lock.
-    assert len(holds) >= 100, f"only {len(holds)} acquisitions"
+    assert len(holds) >= WANTED, f"only {len(holds)} acquisitions"
     assert refused >= len(holds), "too little contention to prove anything"
     print(f"{len(holds)} holds, {refused} refused, {working} processes held it")
     assert working >= PROCESSES // 2, f"only {working} processes ever held it"
@@ -43,5 +32,5 @@ def test_contention_no_overlapping_holds(store):
 @pytest.mark.slow
 def test_overlap_detector_sees_unlocked_overlaps(settings):
     """The same harness without the lock finds overlaps, so zero above is real."""
-    holds, _, _ = run_storm({"CACHE": "default"}, mode="none", processes=4, seconds=1)
+    holds, _, _ = run_storm({"CACHE": "default"}, mode="none", processes=4, wanted=2000)
     assert overlaps(holds) > 100

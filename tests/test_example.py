@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from celery.contrib.testing.worker import start_worker
-from django.db import connections
+from django.db import OperationalError, connections
 
 from django_tasklock import Lock, lock_id_for
 from example_project.celery import app as example_app
@@ -27,7 +27,7 @@ from example_project.feeds.importer import (
 )
 from example_project.feeds.models import Entry, Feed, ImportRun, TaskOutcome
 from example_project.feedserver import FeedServer
-from tests.conftest import forget_backend
+from tests.conftest import forget_backend, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -158,6 +158,21 @@ def example_worker(redis_server, settings):
     connections.close_all()
 
 
+def outcomes_recorded(count: int) -> None:
+    """Wait for ``count`` TaskOutcome rows: task_postrun records a message's
+    outcome after its result is stored, so ``.get()`` may return first, and the
+    worker thread may be writing the row (SQLite then says the table is
+    locked) while this one reads."""
+
+    def recorded() -> bool:
+        try:
+            return TaskOutcome.objects.count() >= count
+        except OperationalError:
+            return False
+
+    wait_until(recorded)
+
+
 @pytest.mark.slow
 def test_both_tasks_through_a_worker(feeds, example_worker):
     url = feeds.url("feeds/python-news.rss")
@@ -174,6 +189,7 @@ def test_both_tasks_through_a_worker(feeds, example_worker):
     with Lock(cookbook_id), Lock(single_id):
         assert tasks.import_feed.delay(url).get(timeout=30) is None
         assert tasks.import_feed_single.delay(url).get(timeout=30) is None
+    outcomes_recorded(4)
     outcomes = list(
         TaskOutcome.objects.order_by("id").values_list("task_name", "outcome")
     )

@@ -32,7 +32,7 @@ def table_rows(out: str) -> list[tuple[str, str, str, str, str, str]]:
 
 
 #: The cases that make a holder outlive its lock on purpose.
-BY_DESIGN = {"2.", "3.", "9."}
+BY_DESIGN = {"2.", "3.", "9.", "31."}
 #: The cases with no second holder to overlap with (shown as "-").
 NO_OVERLAP = {"19.", "20.", "21.", "24.", "27."}
 
@@ -70,7 +70,7 @@ def test_bad_rows_are_the_ones_that_break_a_promise():
 def test_fault_suite_quick():
     out = run_module("reliability.faults", "--quick", timeout=900)
     rows = {row[0].split(" ", 1)[0]: row for row in table_rows(out)}
-    assert set(rows) == {f"{n}." for n in range(1, 28)}, out
+    assert set(rows) == {f"{n}." for n in range(1, 34)}, out
     for number, (case, attempts, overlapping, marked, wrong, figures) in rows.items():
         assert int(attempts) > 0, case
         assert int(wrong) == 0, f"{case}: {figures}"
@@ -134,3 +134,14 @@ def test_fault_suite_quick():
         "after 1/1" in out
     )
     assert re.search(r"\d+ acquisitions, \d+ refused; most at once 3 \(limit 3\)", out)
+    # Crash recovery (rows 28-33).
+    again = re.search(r"same call ran again (\d+\.\d)-(\d+\.\d)s after the kill", out)
+    assert again and float(again.group(2)) < 2, out
+    far = re.search(r"ran on this host (\d+\.\d)-(\d+\.\d)s after the kill", out)
+    assert far and float(far.group(2)) <= 10 + 2, out
+    assert "kept its lock through the pause 1/1" in out
+    assert "told at SIGCONT by check(), older fence, release refused 1/1" in out
+    restart = re.search(r"refused (\d+\.\d)-(\d+\.\d)s after the restart", out)
+    assert restart and 1 <= float(restart.group(1)) <= float(restart.group(2)) <= 15
+    stressed = re.search(r"(\d+) holders killed holding it; .+ max (\d+\.\d+)s", out)
+    assert stressed and int(stressed.group(1)) > 0 and float(stressed.group(2)) <= 2

@@ -10,6 +10,7 @@ process leaves on the pool's other nodes.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import time
 
@@ -35,7 +36,10 @@ def pool(settings):
         "pool": {"BACKEND": MEMCACHED, "LOCATION": [s.address for s in servers]},
     }
     settings.CACHES = caches_setting
-    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE}
+    # Without liveness records: these tests measure the grace alone (then
+    # LOCK_EXPIRE), not the holders putting their locks back (tests/
+    # test_recovery.py and fault row 32 do).
+    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE, "LIVENESS": None}
     yield servers
     close_connections()
     for server in servers:
@@ -49,22 +53,34 @@ def hold_all_and_restart_one(servers):
     return locks, valid_until, on_victim
 
 
-def second_holders(settings, tasklock):
-    """A fresh process takes every id; how many it got while their first
-    holder's lock was still valid, and its result."""
+@pytest.fixture
+def second_process():
+    """A fresh process, spawned and set up before anything restarts: the
+    grace runs from the restart, and a busy machine may take seconds to start
+    a Python and Django."""
     context = multiprocessing.get_context("spawn")
     with context.Pool(1, initializer=setup_django) as workers:
-        result = workers.apply(
-            take_until_all, (settings.CACHES, tasklock, IDS, EXPIRE + 6)
-        )
-    return result
+        workers.apply(os.getpid)  # started, and set up
+        yield workers
+
+
+def second_holders(workers, settings, tasklock):
+    """The fresh process takes every id; when it took each, the errors it met
+    on the way and the last of them."""
+    return workers.apply(take_until_all, (settings.CACHES, tasklock, IDS, EXPIRE + 6))
 
 
 @pytest.mark.slow
-def test_a_restarted_node_hands_out_no_lock_a_live_holder_still_has(settings, pool):
+def test_a_restarted_node_hands_out_no_lock_a_live_holder_still_has(
+    settings, pool, second_process
+):
     locks, valid_until, on_victim = hold_all_and_restart_one(pool)
     restarted_at = time.monotonic()
-    result = second_holders(settings, {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE})
+    result = second_holders(
+        second_process,
+        settings,
+        {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE, "LIVENESS": None},
+    )
     taken = result["taken"]
     early = {i: valid_until[i] - at for i, at in taken.items() if at < valid_until[i]}
     assert early == {}, f"second holders while the first still held: {early}"
@@ -78,21 +94,30 @@ def test_a_restarted_node_hands_out_no_lock_a_live_holder_still_has(settings, po
 
 
 @pytest.mark.slow
-def test_without_the_grace_the_restarted_node_hands_its_ids_out_again(settings, pool):
+def test_without_the_grace_the_restarted_node_hands_its_ids_out_again(
+    settings, pool, second_process
+):
     """The same measurement with RESTART_GRACE 0: second holders appear, so
     the zero above is the grace's doing. (Locks of 30 s here, so that a slow
     start of the second process cannot outlast them.)"""
-    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": 30}
+    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": 30, "LIVENESS": None}
     _locks, valid_until, on_victim = hold_all_and_restart_one(pool)
     result = second_holders(
-        settings, {"CACHE": "pool", "LOCK_EXPIRE": 30, "RESTART_GRACE": 0}
+        second_process,
+        settings,
+        {"CACHE": "pool", "LOCK_EXPIRE": 30, "RESTART_GRACE": 0, "LIVENESS": None},
     )
     early = {i for i, at in result["taken"].items() if at < valid_until[i]}
     assert early == set(on_victim)
 
 
 def test_this_process_refuses_a_node_it_saw_restart(settings, pool, caplog):
-    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE, "RESTART_GRACE": 60}
+    settings.TASKLOCK = {
+        "CACHE": "pool",
+        "LOCK_EXPIRE": EXPIRE,
+        "RESTART_GRACE": 60,
+        "LIVENESS": None,
+    }
     victim = pool[0]
     lock_id = next(
         i
@@ -112,7 +137,12 @@ def test_this_process_refuses_a_node_it_saw_restart(settings, pool, caplog):
     assert any("came back empty" in r.getMessage() for r in caplog.records)
     assert holder.release() is False  # its lock went with the restart
     # The grace over (here: set to 0), the node gives out locks again.
-    settings.TASKLOCK = {"CACHE": "pool", "LOCK_EXPIRE": EXPIRE, "RESTART_GRACE": 0}
+    settings.TASKLOCK = {
+        "CACHE": "pool",
+        "LOCK_EXPIRE": EXPIRE,
+        "RESTART_GRACE": 0,
+        "LIVENESS": None,
+    }
     assert Lock(lock_id).acquire()
 
 

@@ -170,8 +170,9 @@ def test_restart_reusing_cas_id_spares_new_holder(settings, own_memcached, proto
     """A restarted memcached counts CAS ids from 1 again: the old holder's id can
     be the new holder's. The old holder must still not release or extend it."""
     use_memcached(settings, own_memcached.address, protocol)
-    # No restart grace: the owner check is what this test is about.
-    settings.TASKLOCK = {**settings.TASKLOCK, "RESTART_GRACE": 0}
+    # No restart grace: the owner check is what this test is about; and no
+    # liveness record, whose write would use up a CAS id.
+    settings.TASKLOCK = {**settings.TASKLOCK, "RESTART_GRACE": 0, "LIVENESS": None}
     old = Lock("restart", expire=60)
     assert old.acquire()
     own_memcached.restart()
@@ -203,6 +204,8 @@ def test_server_without_meta_commands_falls_back_to_gets_cas(settings, own_memca
     proxy = PreMetaMemcached(own_memcached)
     try:
         use_memcached(settings, proxy.address, "auto", alias="old")
+        # No liveness record: its traffic is not what this fake server is for.
+        settings.TASKLOCK = {**settings.TASKLOCK, "LIVENESS": None}
         old_holder = Lock("fallback", expire=60)
         assert old_holder.acquire()
         assert proxy.meta_refused >= 1, "meta was not tried first"
@@ -223,7 +226,11 @@ def test_server_without_meta_commands_falls_back_to_gets_cas(settings, own_memca
         with pytest.raises(LockBackendError, match="meta commands"):
             second.ttl()
         # Forcing meta on such a server is an error that says what to change.
-        settings.TASKLOCK = {"CACHE": "old", "MEMCACHED_PROTOCOL": "meta"}
+        settings.TASKLOCK = {
+            "CACHE": "old",
+            "MEMCACHED_PROTOCOL": "meta",
+            "LIVENESS": None,
+        }
         with pytest.raises(LockBackendError, match="MEMCACHED_PROTOCOL"):
             Lock("fallback").acquire()
     finally:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tests.services import Memcached
 
 
@@ -22,6 +26,53 @@ def setup_django() -> None:
     django.setup()
 
 
+# A storm's shared hold count and its target, set in each pool process by
+# ``storm``; None where a caller runs ``hammer`` for a fixed time instead.
+_storm: tuple[Any, int] | None = None
+
+
+def _join_storm(total: Any, wanted: int) -> None:
+    global _storm
+    _storm = (total, wanted)
+    setup_django()
+
+
+def _storm_over() -> bool:
+    """Whether the processes of this storm have held the lock often enough."""
+    return _storm is not None and _storm[0].value >= _storm[1]
+
+
+def _count_hold() -> None:
+    if _storm is not None:
+        with _storm[0].get_lock():
+            _storm[0].value += 1
+
+
+def storm(
+    worker: Callable[..., Any],
+    processes: int,
+    wanted: int,
+    head: tuple[Any, ...],
+    tail: tuple[Any, ...] = (),
+    give_up: float = 180.0,
+) -> list[Any]:
+    """Run ``worker(*head, start_at, give_up, *tail)`` in ``processes`` spawned
+    processes, started together, until they have held the lock ``wanted`` times
+    between them (an event, so a busy machine only makes the storm longer).
+    ``give_up`` seconds bound a storm whose holds stop coming: the caller's
+    count assertion then fails and says so.
+    """
+    context = multiprocessing.get_context("spawn")
+    total = context.Value("q", 0)
+    with context.Pool(
+        processes, initializer=_join_storm, initargs=(total, wanted)
+    ) as pool:
+        # Every process up with Django set up, then start together.
+        pool.map(time.sleep, [0.05] * processes * 4)
+        start_at = time.monotonic() + 1.0
+        return pool.starmap(worker, [(*head, start_at, give_up, *tail)] * processes)
+
+
 def hammer(
     tasklock: dict[str, object],
     lock_id: str,
@@ -30,7 +81,8 @@ def hammer(
     mode: str,
     limit: int | None = None,
 ) -> tuple[list[tuple[float, float]], int]:
-    """Take and drop one lock as often as possible in a fixed window.
+    """Take and drop one lock as often as possible for ``seconds``, or, in a
+    ``storm``, until the storm's processes have held it often enough.
 
     Returns the (enter, exit) monotonic times of every hold and the number of
     refused attempts. CLOCK_MONOTONIC is shared by all processes of one machine,
@@ -52,7 +104,7 @@ def hammer(
     while time.monotonic() < start_at:
         time.sleep(0.001)
     deadline = start_at + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not _storm_over():
         lock = (
             Lock(lock_id, expire=30)
             if limit is None
@@ -67,6 +119,7 @@ def hammer(
             if mode != "none":
                 assert lock.release(), "lost a lock nobody else could take"
             holds.append((entered, exited))
+            _count_hold()
         else:
             refused += 1
             # A refused contender gives the holder the CPU back (two cores, many
@@ -102,7 +155,7 @@ def fenced_holds(
     while time.monotonic() < start_at:
         time.sleep(0.001)
     deadline = start_at + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not _storm_over():
         lock = Lock(lock_id, expire=30)
         if lock.acquire():
             entered = time.monotonic()
@@ -112,6 +165,7 @@ def fenced_holds(
             exited = time.monotonic()
             assert lock.release(), "lost a lock nobody else could take"
             holds.append((entered, exited, lock.fence))
+            _count_hold()
         else:
             time.sleep(0.0005)
     close_caches()
@@ -254,7 +308,10 @@ def take_until_all(
 
 
 def hold_and_restart_busiest(
-    servers: list[Memcached], alias: str, ids: list[str]
+    servers: list[Memcached],
+    alias: str,
+    ids: list[str],
+    before_restart: Callable[[list[Any]], object] | None = None,
 ) -> tuple[list[object], dict[str, float], list[str]]:
     """Take every id in ``ids`` on the pool ``alias``; SIGKILL the server that
     holds the most and restart it empty.
@@ -274,6 +331,8 @@ def hold_and_restart_busiest(
     port_of = {i: backend._client(backend.key_for(i)).server[1] for i in ids}  # type: ignore[attr-defined]
     victim = max(servers, key=lambda s: list(port_of.values()).count(s.port))
     on_victim = [i for i in ids if port_of[i] == victim.port]
+    if before_restart is not None:
+        before_restart(locks)
     victim.stop(signal.SIGKILL)
     victim.start()
     return list(locks), valid_until, on_victim
@@ -305,7 +364,7 @@ def start_workers(
             name,
             concurrency,
             env,
-            loglevel="WARNING",
+            loglevel=os.environ.get("TASKLOCK_TEST_WORKER_LOGLEVEL", "WARNING"),
             logfile=None if logdir is None else logdir / f"{name}.log",
             stderr=subprocess.PIPE,
         )
@@ -333,3 +392,152 @@ def stop_workers(processes: list[subprocess.Popen[bytes]]) -> None:
         stop_process(process)
         if process.stderr is not None:
             process.stderr.close()
+
+
+def restart_under_holders(
+    servers: list[Memcached],
+    alias: str,
+    ids: list[str],
+    caches_setting: dict[str, object],
+) -> dict[str, object]:
+    """Take every id in ``ids`` in this process (default settings: LOCK_EXPIRE
+    600, LIVENESS on), SIGKILL and restart empty the server holding the most,
+    then let a fresh process take those ids and a new id of that server.
+
+    Returns the ids of the restarted server, the seconds from the restart to
+    the fresh process taking its new id (how long new locks were refused), the
+    held ids it took (second holders), and whether each holder still owns its
+    lock afterwards.
+    """
+    from django_tasklock.backends import backend_for
+    from tests.conftest import wait_until
+
+    def settled(locks: list[Any]) -> None:
+        # The holders' liveness thread has read their locks since they were
+        # taken (its connections are old ones when the server restarts).
+        record = locks[0]._record
+        assert record is not None, "taken without a liveness record"
+        beats = record.beats
+        wait_until(lambda: record.beats >= beats + 2, 30)
+
+    locks, _valid_until, on_victim = hold_and_restart_busiest(
+        servers, alias, ids, settled
+    )
+    restarted = time.monotonic()
+    backend = backend_for(alias)
+    victim_port = backend._client(backend.key_for(on_victim[0])).server[1]  # type: ignore[attr-defined]
+    fresh = next(
+        f"restart-new-{n}"
+        for n in range(10_000)
+        if backend._client(backend.key_for(f"restart-new-{n}")).server[1] == victim_port  # type: ignore[attr-defined]
+    )
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1, initializer=setup_django) as pool:
+        result = pool.apply(
+            take_until_all, (caches_setting, {"CACHE": alias}, [fresh], 60)
+        )
+        taken_fresh: dict[str, float] = result["taken"]  # type: ignore[assignment]
+        seconds = taken_fresh[fresh] - restarted if fresh in taken_fresh else None
+        second = pool.apply(
+            take_until_all, (caches_setting, {"CACHE": alias}, on_victim, 2)
+        )
+    stolen = sorted(second["taken"])  # type: ignore[call-overload]
+    owned = [lock.owned() for lock in locks]  # type: ignore[attr-defined]
+    for lock in locks:
+        lock.release_quietly()  # type: ignore[attr-defined]
+    return {
+        "on_victim": on_victim,
+        "refused_for": seconds,
+        "stolen": stolen,
+        "owned": owned,
+    }
+
+
+def started_runs(key: str) -> list[dict[str, object]]:
+    """The runs of ``key`` a task in tests.tasks recorded as started."""
+    from tests import tasks
+
+    return [run for run in tasks.runs(key) if run.get("phase") == "start"]
+
+
+def kill_then_run_again(task: Any, key: str, *args: Any) -> tuple[float, int]:
+    """Start a call of ``task`` (one of tests.tasks' ``*_when_told``), SIGKILL
+    its pool process mid-body, send the same call again once the process is
+    dead; the seconds from the kill to the second run's start, and the killed
+    pid."""
+    from django_tasklock.tokens import process_alive
+    from tests import tasks
+    from tests.conftest import wait_until
+
+    before = len(started_runs(key))
+    task.delay(key, *args)
+    wait_until(lambda: len(started_runs(key)) == before + 1, 30)
+    pid = started_runs(key)[before]["pid"]
+    assert isinstance(pid, int)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    # SIGKILL takes effect asynchronously: a call sent while the holder still
+    # ran would rightly join it (and be lost with it, as that call's message
+    # was acknowledged when it started).
+    wait_until(lambda: not process_alive(pid), 10)
+    second = task.delay(key, *args)
+    wait_until(lambda: len(started_runs(key)) == before + 2, 30)
+    restarted = started_runs(key)[before + 1]["start"]
+    assert isinstance(restarted, float)
+    tasks.let_go(key)
+    assert second.get(timeout=30) == f"{key}:{second.id}"
+    return restarted - killed, pid
+
+
+class Holder:
+    """``python -m tests.holder`` in a process of its own, on this host or, with
+    ``host``, in a UTS namespace with that hostname (another host as far as
+    tokens and liveness records go)."""
+
+    def __init__(self, alias, lock_id, *, host=None, liveness=3.0, limit=None):
+        command = [sys.executable, "-m", "tests.holder", alias, str(liveness), lock_id]
+        if limit is not None:
+            command.append(str(limit))
+        if host is not None:
+            rename = f'hostname {host} && exec "$@"'
+            command = ["unshare", "--uts", "sh", "-c", rename, "-", *command]
+        self.process = subprocess.Popen(
+            command,
+            cwd=Path(__file__).resolve().parent.parent,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+            },
+        )
+        line = self.read()
+        assert line.startswith("held "), line
+        _, self.token, fence = line.split()
+        self.fence = int(fence)
+
+    def read(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def ask(self, command: str) -> str:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def kill(self, *, reap: bool = True) -> float:
+        self.process.kill()
+        killed = time.monotonic()
+        if reap:
+            self.process.wait()
+        return killed
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()

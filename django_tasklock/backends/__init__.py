@@ -8,25 +8,14 @@ import threading
 from typing import Any
 
 from django.core.cache import InvalidCacheBackendError, caches
-from django.core.cache.backends.db import DatabaseCache
-from django.core.cache.backends.dummy import DummyCache
-from django.core.cache.backends.filebased import FileBasedCache
-from django.core.cache.backends.locmem import LocMemCache
-from django.core.cache.backends.memcached import (
-    BaseMemcachedCache,
-    PyLibMCCache,
-    PyMemcacheCache,
-)
-from django.core.cache.backends.redis import RedisCache
+from django.core.cache.backends.memcached import PyMemcacheCache
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from ..exceptions import LockConfigurationError
 from .base import FenceCounter, Hold, LockBackend, Peek
-from .locmem import LocMemBackend
-from .memcached import MemcachedBackend
-from .pylibmc import PyLibMCBackend
-from .redis import DjangoRedisBackend, RedisBackend
+from .redis import DjangoRedisBackend
+from .registry import UNSUPPORTED, recommended_paths, supported_for, supported_names
 
 __all__ = [
     "IMPLICIT_CACHES",
@@ -43,22 +32,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED = (
-    "PyMemcacheCache, PyLibMCCache, RedisCache, django-redis's RedisCache or (one "
-    "process only) LocMemCache"
-)
-
-
-def _django_redis_cache() -> type[Any] | None:
-    """django-redis's cache class, if django-redis is installed."""
-    try:
-        from django_redis.cache import RedisCache as DjangoRedisCache
-    except ImportError:
-        return None
-    found: type[Any] = DjangoRedisCache
-    return found
-
-
 #: django-redis clients that keep a lock and its fencing counter on one server.
 _DJANGO_REDIS_CLIENTS = (
     "django_redis.client.DefaultClient",
@@ -67,39 +40,13 @@ _DJANGO_REDIS_CLIENTS = (
     "django_redis.client.sentinel.SentinelClient",
 )
 
-_REASONS: tuple[tuple[type[Any], str], ...] = (
-    (
-        DummyCache,
-        "DummyCache stores nothing and its add() always succeeds, so every "
-        "caller would hold the lock at once",
-    ),
-    (
-        FileBasedCache,
-        "FileBasedCache.add() checks for the file and then writes it, "
-        "so two processes can both take the lock",
-    ),
-    (
-        DatabaseCache,
-        "DatabaseCache.add() takes over an expired row with a SELECT "
-        "and then an UPDATE, so two processes can both take the lock",
-    ),
-    (
-        BaseMemcachedCache,
-        "django_tasklock talks to memcached through pymemcache or pylibmc only",
-    ),
-)
-
 
 def unsupported_reason(
     backend_class: type[Any], options: dict[str, Any] | None = None
 ) -> str | None:
     """Why a cache backend class (with its OPTIONS) cannot hold locks, or None."""
-    if issubclass(
-        backend_class, (PyMemcacheCache, PyLibMCCache, RedisCache, LocMemCache)
-    ):
-        return None
-    django_redis = _django_redis_cache()
-    if django_redis is not None and issubclass(backend_class, django_redis):
+    entry = supported_for(backend_class)
+    if entry is not None and entry.backend is DjangoRedisBackend:
         client = (options or {}).get("CLIENT_CLASS", _DJANGO_REDIS_CLIENTS[0])
         if client in _DJANGO_REDIS_CLIENTS:
             return None
@@ -110,12 +57,14 @@ def unsupported_reason(
             "over servers; HerdClient rewrites stored values). Give locks an alias "
             "with one of those two"
         )
-    for base, reason in _REASONS:
+    if entry is not None:
+        return None
+    for base, reason in UNSUPPORTED:
         if issubclass(backend_class, base):
-            return f"{reason}. Use {_SUPPORTED}."
+            return f"{reason}. Use {supported_names()}."
     return (
         f"{backend_class.__module__}.{backend_class.__qualname__} has no atomic "
-        f"owner-checked operations django_tasklock knows. Use {_SUPPORTED}."
+        f"owner-checked operations django_tasklock knows. Use {supported_names()}."
     )
 
 
@@ -214,7 +163,7 @@ def _warn_if_not_installed() -> None:
     if apps.ready and not apps.is_installed("django_tasklock"):
         logger.warning(
             "django_tasklock is used but is not in INSTALLED_APPS: its system "
-            "checks never run, so a configuration that cannot lock (see README, "
+            "checks never run, so a configuration that cannot lock (see the docs, "
             "System checks) is only reported when a lock is taken. Add "
             "'django_tasklock' to INSTALLED_APPS."
         )
@@ -225,9 +174,7 @@ IMPLICIT_CACHES = (
     "CACHES is not set, so Django gives every process a LocMemCache of its own: "
     "a lock taken in one worker process is invisible to the others, and "
     "duplicate runs overlap. Set CACHES (its 'default', or the alias "
-    "TASKLOCK['CACHE'] names) to "
-    "django.core.cache.backends.memcached.PyMemcacheCache, "
-    "django.core.cache.backends.redis.RedisCache or django_redis.cache.RedisCache."
+    f"TASKLOCK['CACHE'] names) to {recommended_paths()}."
 )
 
 
@@ -248,24 +195,19 @@ def _lookup(alias: str) -> LockBackend:
             f"TASKLOCK['CACHE'] (or cache=) names {alias!r}, which is not in CACHES "
             f"({exc}). Add that alias to CACHES or name an existing one."
         ) from exc
-    if isinstance(cache, PyMemcacheCache):
-        return MemcachedBackend(cache, alias)
-    if isinstance(cache, PyLibMCCache):
-        return PyLibMCBackend(cache, alias)
-    if isinstance(cache, RedisCache):
-        return RedisBackend(cache, alias)
-    django_redis = _django_redis_cache()
-    if django_redis is not None and isinstance(cache, django_redis):
-        reason = unsupported_reason(type(cache), cache._params.get("OPTIONS"))
-        if reason is None:
-            return DjangoRedisBackend(cache, alias)
-        raise LockConfigurationError(
-            f"CACHES[{alias!r}] cannot hold locks: {reason}. (Run 'manage.py check'.)"
-        )
-    if isinstance(cache, LocMemCache):
-        if caches_implicit():
-            raise LockConfigurationError(IMPLICIT_CACHES)
-        return LocMemBackend(cache, alias)
+    entry = supported_for(type(cache))
+    if entry is not None and entry.backend is DjangoRedisBackend:
+        params: dict[str, Any] = getattr(cache, "_params", {})
+        reason = unsupported_reason(type(cache), params.get("OPTIONS"))
+        if reason is not None:
+            raise LockConfigurationError(
+                f"CACHES[{alias!r}] cannot hold locks: {reason}. (Run 'manage.py "
+                "check'.)"
+            )
+    if entry is not None and not entry.shared and caches_implicit():
+        raise LockConfigurationError(IMPLICIT_CACHES)
+    if entry is not None:
+        return entry.backend(cache, alias)
     reason = unsupported_reason(type(cache))
     raise LockConfigurationError(
         f"CACHES[{alias!r}] cannot hold locks: {reason} (Run 'manage.py check'.)"

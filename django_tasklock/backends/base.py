@@ -59,6 +59,9 @@ class LockBackend(abc.ABC):
         self.cache = cache
         self.alias = alias
         self._keys: dict[str, tuple[str, str]] = {}
+        #: key -> when this thread may next look at who holds that lock
+        #: (``locks.recovery``; monotonic).
+        self.looks: dict[str, float] = {}
 
     def keys_for(self, lock_id: str) -> tuple[str, str]:
         """The store keys of ``lock_id`` and of its fencing counter, remembered:
@@ -119,6 +122,17 @@ class LockBackend(abc.ABC):
         For tokens whose acquisition or release had an unknown outcome (a timeout,
         a dropped reply): nobody holds them, so the stored value is proof enough.
         """
+
+    def restarted_at(self, key: str) -> float | None:
+        """When the server holding ``key`` was last seen to start again after a
+        restart that emptied it (monotonic), if this backend can tell; None
+        otherwise. Reading it on a new connection learns the server's run."""
+        return None
+
+    def reassert(self, key: str, token: str, expire: float) -> Hold | None:
+        """Put back a lock a restart emptied, for its live holder: as
+        ``acquire``, but never refused by a restart's grace period."""
+        return self.acquire(key, token, expire)
 
     def lost_with_store(self, exc: BaseException) -> bool:
         """True if ``exc`` shows that the store lost what it held (a memcached

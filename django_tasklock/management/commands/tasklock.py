@@ -23,10 +23,11 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils.module_loading import import_string
 
-from ...calls import queue_lock_id
-from ...decorator import lock_cache_for, lock_id_for, lock_mode_for
 from ...exceptions import LockBackendError, LockConfigurationError
+from ...integrations.celery.lookup import registered_task, registered_tasks
+from ...modes import queue_lock_id
 from ...status import LockStatus, lock_status, remove, semaphore_status
+from ...targets import lock_cache_for, lock_id_for, lock_mode_for
 
 
 def _value(text: str) -> Any:
@@ -34,26 +35,6 @@ def _value(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-def _celery_task(name: str) -> Any:
-    try:
-        from celery import current_app
-    except ImportError:  # Celery is optional
-        return None
-    app = current_app._get_current_object()
-    app.loader.import_default_modules()  # the project's autodiscovered tasks
-    return app.tasks.get(name)
-
-
-def _single_instance_tasks() -> list[str]:
-    try:
-        from celery import current_app
-    except ImportError:
-        return []
-    return sorted(
-        name for name, task in current_app.tasks.items() if _is_single_instance(task)
-    )
 
 
 def _is_single_instance(target: Any) -> bool:
@@ -67,12 +48,15 @@ def _is_single_instance(target: Any) -> bool:
 def resolve_task(name: str) -> Any:
     """The Celery task registered as ``name``, else the object at that dotted
     path; CommandError if neither is a ``@single_instance`` task."""
-    target = _celery_task(name)
+    target = registered_task(name)
     if target is None:
         try:
             target = import_string(name)
         except ImportError:
-            known = ", ".join(_single_instance_tasks()) or "(none registered)"
+            known = (
+                ", ".join(n for n, t in registered_tasks() if _is_single_instance(t))
+                or "(none registered)"
+            )
             raise CommandError(
                 f"No task {name!r}: it is neither a registered Celery task nor an "
                 f"importable dotted path. @single_instance Celery tasks: {known}."

@@ -1,9 +1,9 @@
-"""Every Python example in README.rst runs, in order, against the test
-session's real memcached and Redis (and an in-process Celery worker where an
-example waits for a result). Sybil parses the examples, visible and invisible
+"""Every Python example in README.rst and the docs runs, in order, against the
+test session's real memcached and Redis (and an in-process Celery worker where
+an example waits for a result). Sybil parses the examples, visible and invisible
 (``.. invisible-code-block: python``: set-up and assertions a reader does not
-need); each example is a test of its own, sharing one namespace as a reader's
-session would."""
+need); each example is a test of its own, sharing its page's namespace as a
+reader's session would."""
 
 from __future__ import annotations
 
@@ -15,17 +15,26 @@ import pytest
 from sybil import Sybil
 from sybil.parsers.rest import PythonCodeBlockParser, SkipParser
 
-README = Path(__file__).resolve().parent.parent / "README.rst"
-DOCUMENT = Sybil(parsers=[PythonCodeBlockParser(), SkipParser()]).parse(README)
-EXAMPLES = list(DOCUMENT.examples())
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.rst", *sorted((ROOT / "docs").rglob("*.rst"))]
+_SYBIL = Sybil(parsers=[PythonCodeBlockParser(), SkipParser()])
+DOCUMENTS = {page.relative_to(ROOT).as_posix(): _SYBIL.parse(page) for page in PAGES}
+EXAMPLES = [
+    (name, example)
+    for name, document in DOCUMENTS.items()
+    for example in document.examples()
+]
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_readme_has_examples_that_run():
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_python_example_is_collected(page):
     # Every ``.. code-block:: python`` is collected (none skipped by a typo).
-    assert sum(1 for e in EXAMPLES if "invisible" not in str(e.region)) == (
-        README.read_text().count(".. code-block:: python")
+    name = page.relative_to(ROOT).as_posix()
+    examples = [e for n, e in EXAMPLES if n == name]
+    assert sum(1 for e in examples if "invisible" not in str(e.region)) == (
+        page.read_text().count(".. code-block:: python")
     )
 
 
@@ -52,9 +61,12 @@ def namespace(redis_server, memcached):
             assert check_settings() == []
 
     def assert_skips_while_held(task, url):
-        from django_tasklock import Lock
+        from django_tasklock import Lock, lock_id_for
 
-        lock_id = f"{task.name}-lock-{md5(url.encode()).hexdigest()}"
+        try:
+            lock_id = lock_id_for(task, url)
+        except TypeError:  # not @single_instance: the cookbook recipe's id
+            lock_id = f"{task.name}-lock-{md5(url.encode()).hexdigest()}"
         with Lock(lock_id):
             assert task(url) is None  # skipped: the Feed was never touched
 
@@ -70,9 +82,18 @@ def namespace(redis_server, memcached):
         # closed as a thread pool's should be (README, Threads of your own).
         close_thread_connections()
 
+    running = []
+    broker = []
+
+    def use_the_broker():
+        """Point the app at the session's Redis (once: again would close the
+        result backends of calls already sent)."""
+        if not broker:
+            broker.append(use_redis_broker(app, redis_server.url))
+
     def start_a_worker():
         task_postrun.connect(close_in_worker_thread, weak=False)
-        use_redis_broker(app, redis_server.url)
+        use_the_broker()
         # The worker sets the root logger's level (to ERROR by default): the
         # WARNINGs later tests capture would be dropped. It is put back below.
         worker = start_worker(
@@ -83,11 +104,13 @@ def namespace(redis_server, memcached):
             loglevel="WARNING",
         )
         worker.__enter__()
+        running.append(worker)
         return worker
 
     def stop_the_worker(worker):
         import gc
 
+        running.remove(worker)
         worker.__exit__(None, None, None)
         task_postrun.disconnect(close_in_worker_thread)
         reset_publisher(app)  # the broker connections and result consumers too
@@ -95,20 +118,30 @@ def namespace(redis_server, memcached):
         root.setLevel(logging_before[0])
         root.handlers[:] = logging_before[1]
 
-    DOCUMENT.namespace.update(
-        __name__="readme",  # the module of the tasks the examples define
-        assert_settings_pass_checks=assert_settings_pass_checks,
-        assert_skips_while_held=assert_skips_while_held,
-        start_a_worker=start_a_worker,
-        stop_the_worker=stop_the_worker,
-    )
-    yield DOCUMENT.namespace
+    for name, document in DOCUMENTS.items():
+        document.namespace.update(
+            # The module of the tasks a page defines: one per page, so that two
+            # pages' tasks of one name are two Celery tasks.
+            __name__="docs." + name.removesuffix(".rst").replace("/", "."),
+            assert_settings_pass_checks=assert_settings_pass_checks,
+            assert_skips_while_held=assert_skips_while_held,
+            start_a_worker=start_a_worker,
+            use_the_broker=use_the_broker,
+            stop_the_worker=stop_the_worker,
+        )
+    yield DOCUMENTS
+    # An example that failed between starting and stopping its worker: the
+    # worker must not go on consuming the broker later tests publish to.
+    for worker in list(running):
+        stop_the_worker(worker)
     root.setLevel(logging_before[0])  # also when an example failed midway
     root.handlers[:] = logging_before[1]
     previous.set_current()
     reset_publisher(app)
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: f"line-{e.line}")
-def test_readme_example(namespace, example):
+@pytest.mark.parametrize(
+    "example", [e for _n, e in EXAMPLES], ids=[f"{n}:{e.line}" for n, e in EXAMPLES]
+)
+def test_example(namespace, example):
     example.evaluate()

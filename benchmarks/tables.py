@@ -1,0 +1,25 @@
+"""Replace a generated table in the docs, between two comment markers.
+
+The page that holds the markers is found under ``docs/``: the tables of figures
+live where they are explained (``docs/explanation/``), and only the commands
+that measure them write them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def write_section(start: str, end: str, text: str) -> Path:
+    """Put ``text`` between the lines ``start`` and ``end`` of the docs page
+    that has them; the page's path."""
+    pattern = re.compile(rf"^{re.escape(start)}\n.*?^{re.escape(end)}$", re.S | re.M)
+    for page in sorted(DOCS.rglob("*.rst")):
+        content = page.read_text()
+        if pattern.search(content):
+            page.write_text(pattern.sub(lambda _: f"{start}\n\n{text}\n{end}", content))
+            return page
+    raise SystemExit(f"no page under docs/ has the {start} / {end} markers")

@@ -1,0 +1,34 @@
+"""Owner-checked locks on memcached, in three layers: ``wire`` (meta and
+classic commands, the hot path, replies read by length), ``restarts`` (a
+restarted server's new locks wait) and ``backend`` (the lock operations)."""
+
+from __future__ import annotations
+
+from .backend import MemcachedBackend
+from .fencing import _bad_counter
+from .restarts import NodeRestarted, _refused, _runs, _unlearnable
+from .wire import (
+    _PAST,
+    MemcachedHold,
+    ServerRefused,
+    _classic_servers,
+    _talk,
+    _ttl_of,
+    meta_support,
+)
+
+__all__ = [
+    "_PAST",
+    "MemcachedBackend",
+    "MemcachedHold",
+    "NodeRestarted",
+    "ServerRefused",
+    "_bad_counter",
+    "_classic_servers",
+    "_refused",
+    "_runs",
+    "_talk",
+    "_ttl_of",
+    "_unlearnable",
+    "meta_support",
+]

@@ -1,0 +1,357 @@
+"""Owner-checked locks on memcached, through the client of Django's PyMemcacheCache.
+
+The lock operations; the protocol they speak is ``wire``, and the restart
+checks of new connections are ``restarts``.
+
+With memcached's meta commands (protocol.txt, "Meta Set", "Meta Delete") a lock
+cycle is the same two round trips as the cookbook's unsafe ``add`` + ``delete``:
+
+- acquire: ``ms <key> <len> T<ttl> F16 ME c`` stores only if absent (add mode) and
+  answers the item's CAS id;
+- release: ``md <key> C<cas>`` deletes only while the CAS id still matches;
+- extend: ``ms <key> <len> C<cas> T<ttl> F16 c`` rewrites only while it matches;
+- a fencing token, when the holder asks for one: ``ma`` on the lock's counter and
+  ``mg <key> c v`` pipelined, the token counting only if the lock still holds
+  this holder's value under its CAS id.
+
+Any later write to the key (a new holder after expiry, eviction or flush) gives it
+a new CAS id, so a stale holder can neither delete nor prolong it. CAS ids are
+unique only within one run of the server, though: a restarted memcached counts
+from 1 again, and a new holder can get the very CAS id an old holder kept. A
+restart always breaks the TCP connections to the server, so the CAS id alone is
+trusted only while the connection that took the lock is still the one in use;
+otherwise (a reconnect, another thread, a pooled client) release and extend first
+read the item with ``gets`` and act only if both the stored token and the CAS id
+are still this holder's.
+
+Where meta commands are missing the same checks use ``add``, ``gets`` and ``cas``.
+That is memcached < 1.6, which answers ``ERROR``, and twemproxy (``nutcracker``),
+which closes the connection instead; so does it on a negative expiry, so a classic
+delete is ``cas`` with an absolute expiry long past (memcached reads any expiry
+above 30 days as a Unix time, and one in the past expires the item at once). A
+proxy may reconnect to a restarted server behind the same client socket, so on
+the classic path the CAS id is never trusted alone: release and extend always
+read the token back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, cast
+
+from pymemcache.exceptions import MemcacheError
+
+from ...keys import memcached_key
+from .fencing import draw
+from .reads import MemcachedReads
+from .restarts import NodeRestarted, Restarts, _refused
+from .wire import (
+    _PAST,
+    _TEXT_FLAG,
+    MemcachedHold,
+    ServerRefused,
+    Wire,
+    _flag,
+    _server_name,
+    _wire_key,
+    only_client,
+)
+
+if TYPE_CHECKING:
+    from django.core.cache.backends.memcached import PyMemcacheCache
+
+    from ..base import FenceCounter, Hold
+
+__all__ = ["MemcachedBackend"]
+
+# What _learnt holds for a client whose connection's server run was never read.
+_UNLEARNT: Any = object()
+
+
+class MemcachedBackend(MemcachedReads):
+    """Locks on the memcached servers of a PyMemcacheCache alias."""
+
+    kind = "memcached"
+    errors = (OSError, MemcacheError)
+    cache: PyMemcacheCache
+
+    def __init__(
+        self, cache: PyMemcacheCache, alias: str, protocol: str = "auto"
+    ) -> None:
+        super().__init__(cache, alias)
+        self.protocol = protocol
+        self.wire = Wire(self)
+        # A client of our own, built exactly as Django builds its one (same
+        # servers, options and hashing, so the same server for a key), which
+        # close_caches() leaves alone: Celery's Django fixup closes every cache
+        # connection after every task, and reconnecting would cost each locked
+        # task more than the lock.
+        django_cache = cast(Any, cache)
+        self._hash_client: Any = django_cache._class(
+            django_cache.client_servers, **django_cache._options
+        )
+        # Per server client, the connection whose server run was learnt.
+        self._learnt: dict[Any, Any] = {}
+        hash_client = self._hash_client
+        self._only_client: Any = only_client(hash_client)
+        self.restarts = Restarts(hash_client, self.errors)
+
+    def close(self) -> None:
+        self._hash_client.close()
+
+    def describe(self, key: str) -> str:
+        try:
+            server = _server_name(self._client(key).server)
+        except self.errors:
+            server = "(no live server)"
+        return f"memcached cache {self.alias!r} at {server}"
+
+    def shortest_life(self, expire: float) -> float:
+        # memcached stores whole seconds on a clock that ticks once a second, so
+        # an item stored with T<n> just before a tick goes after n - 1 seconds.
+        return float(math.ceil(expire) - 1)
+
+    def key_for(self, lock_id: str) -> str:
+        reserved = len(getattr(self._hash_client, "key_prefix", b"") or b"")
+        return memcached_key(self.cache, lock_id, reserved=reserved)
+
+    # -- acquire -----------------------------------------------------------------
+
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        client = self._client(key)
+        ttl = math.ceil(expire)
+        sock: Any = getattr(client, "sock", None)
+        wire = self.wire
+        if (
+            sock is not None
+            and sock is self._learnt.get(client, _UNLEARNT)
+            and not _refused
+            and wire.meta(client)
+        ):
+            # The common case: a connection whose server run is known, in one
+            # send and one read. Anything unusual goes the long way below.
+            data = token.encode()
+            wire_key = client.key_prefix + key.encode()
+            command = b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (
+                wire_key,
+                len(data),
+                ttl,
+                data,
+            )
+            reply = wire.round_trip(client, sock, command)
+            if reply is None:
+                # The command may have been carried out before it went.
+                return self._acquire_tries(client, key, token, ttl, 1)
+            if reply[-2:] == b"\r\n":  # the whole reply (one line)
+                if reply[:4] == b"HD c":
+                    cas = reply[4:-2]
+                    if cas.isdigit() and cas != b"0":
+                        return MemcachedHold(int(cas), sock)
+                elif reply[:2] == b"NS":  # "NS c0": someone else holds it
+                    return None
+            line = wire.one_reply(client, sock, reply)
+            if line is not None:
+                return self.wire.added(client, wire_key, line)
+        return self._acquire_tries(client, key, token, ttl, 0)
+
+    def _acquire_tries(
+        self, client: Any, key: str, token: str, ttl: int, tries: int
+    ) -> MemcachedHold | None:
+        """The acquire, learning the server's run on a new connection, and tried
+        once more if a connection from before had dropped; ``tries``: how many
+        were already sent."""
+
+        def attempt() -> MemcachedHold | None:
+            nonlocal tries
+            tries += 1
+            sock = getattr(client, "sock", False)
+            if sock is not False and (
+                sock is None or self._learnt.get(client) is not sock
+            ):
+                # A new connection: learn which run of the server answers it.
+                self.restarts.learn(client)
+                self._learnt[client] = client.sock
+            if _refused:
+                self.restarts.refuse_if_restarted(client)
+            hold = self._acquire(client, key, token, ttl)
+            if hold is None and tries > 1:
+                # The dropped first try may have stored our token before the
+                # connection went: then the lock is ours.
+                value, cas = client.gets(key)
+                if value == token:
+                    return self.wire.hold(client, cas, meta=False)
+            return hold
+
+        if tries:
+            return attempt()
+        return self.wire.once_more(client, attempt)
+
+    def _acquire(
+        self, client: Any, key: str, token: str, ttl: int
+    ) -> MemcachedHold | None:
+        if self.wire.meta(client):
+            data = token.encode()
+            wire = _wire_key(client, key)
+            # Add mode: stored only if absent, answering the new item's CAS id.
+            command = b"ms %s %d T%d F%d ME c\r\n%s" % (
+                wire, len(data), ttl, _TEXT_FLAG, data,
+            )  # fmt: skip
+            reply = self.wire.command(client, command)
+            if reply is not None:
+                return self.wire.added(client, wire, reply)
+        if not client.add(key, token, expire=ttl, noreply=False):
+            return None
+        value, cas = client.gets(key)
+        # Someone else's value here means our item expired in between: not ours.
+        if value != token:
+            return None
+        return self.wire.hold(client, cas, meta=False)
+
+    def restarted_at(self, key: str) -> float | None:
+        client = self._client(key)
+        sock = getattr(client, "sock", False)
+        if sock is not False and (sock is None or self._learnt.get(client) is not sock):
+            self.restarts.learn(client)
+            self._learnt[client] = client.sock
+        return _refused.get(client.server)
+
+    def reassert(self, key: str, token: str, expire: float) -> Hold | None:
+        client = self._client(key)
+        return self.wire.once_more(
+            client, lambda: self._acquire(client, key, token, math.ceil(expire))
+        )
+
+    # -- fencing tokens ------------------------------------------------------------
+
+    def draw_fence(
+        self, key: str, hold: Hold, token: str, fence: FenceCounter
+    ) -> int | None:
+        # The counter lives on the lock's own server, whichever server its key
+        # would hash to: one round trip draws the token and checks the lock.
+        assert isinstance(hold, MemcachedHold)
+        client = self._client(key)
+        return self.wire.once_more(
+            client, lambda: draw(self.wire, client, key, hold, token, fence)
+        )
+
+    # -- release -----------------------------------------------------------------
+
+    def release(self, key: str, hold: Hold, token: object) -> bool:
+        assert isinstance(hold, MemcachedHold)
+        client = self._client(key)
+        sock: Any = getattr(client, "sock", None)
+        if sock is not None and sock is hold.sock:
+            # The common case: the connection that took the lock (so it speaks
+            # meta commands), where the CAS id alone proves ownership; one send
+            # and one read. Anything unusual goes the long way below.
+            wire = client.key_prefix + key.encode()
+            reply = self.wire.round_trip(
+                client, sock, b"md %s C%d\r\n" % (wire, hold.cas)
+            )
+            if reply is None:
+                # A new connection checks the stored token first.
+                return self._release(client, key, hold, token)
+            if reply == b"HD\r\n":
+                return True
+            if reply == b"EX\r\n" or reply == b"NF\r\n":
+                return False
+            line = self.wire.one_reply(client, sock, reply)
+            if line is not None:
+                return self.wire.deleted(line)
+        return self.wire.once_more(
+            client, lambda: self._release(client, key, hold, token)
+        )
+
+    def _release(
+        self, client: Any, key: str, hold: MemcachedHold, token: object
+    ) -> bool:
+        cas = self.wire.owner_cas(client, key, hold, token)
+        if cas is None:
+            return False
+        return self._delete(client, key, token, cas)
+
+    def _delete(self, client: Any, key: str, token: object, cas: int) -> bool:
+        """Delete the item at ``key`` only while its CAS id is ``cas``."""
+        if self.wire.meta(client):
+            reply = self.wire.command(
+                client, b"md %s C%d" % (_wire_key(client, key), cas)
+            )
+            if reply is not None:
+                return self.wire.deleted(reply)
+        # cas() answers True (STORED), False (EXISTS: another owner's) or None
+        # (NOT_FOUND); an expiry in the past makes the stored item expire at once.
+        return bool(client.cas(key, token, cas, expire=_PAST, noreply=False))
+
+    def discard(self, key: str, token: str) -> bool:
+        client = self._client(key)
+
+        def attempt() -> bool:
+            value, cas = client.gets(key)
+            if value != token or cas is None:
+                return False
+            return self._delete(client, key, token, int(cas))
+
+        return self.wire.once_more(client, attempt)
+
+    def lost_with_store(self, exc: BaseException) -> bool:
+        # Nothing listens: the memcached process is gone, and with it every item
+        # it held (it keeps nothing on disk). A refused restarted server was sent
+        # nothing, and one over its connection limit refused it unread.
+        return isinstance(exc, (ConnectionRefusedError, NodeRestarted, ServerRefused))
+
+    # -- extend ------------------------------------------------------------------
+
+    def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
+        return self.replace(key, hold, token, token, expire)
+
+    def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        assert isinstance(hold, MemcachedHold)
+        client = self._client(key)
+        ttl = math.ceil(expire)
+        tries = 0
+
+        def attempt() -> MemcachedHold | None:
+            nonlocal tries
+            tries += 1
+            done = self._rewrite(client, key, hold, old, new, ttl)
+            if done is None and tries > 1:
+                # The first try may have been carried out before its reply was
+                # lost: the store then holds ``new`` (a token, or a call's
+                # mark: unique to this holder) under a CAS id of its own.
+                value, cas = client.gets(key)
+                if value == new and cas is not None:
+                    return self.wire.hold(client, cas, meta=False)
+            return done
+
+        return self.wire.once_more(client, attempt)
+
+    def _rewrite(
+        self,
+        client: Any,
+        key: str,
+        hold: MemcachedHold,
+        old: object,
+        new: str,
+        ttl: int,
+    ) -> MemcachedHold | None:
+        cas = self.wire.owner_cas(client, key, hold, old)
+        if cas is None:
+            return None
+        if self.wire.meta(client):
+            data = new.encode()
+            command = b"ms %s %d C%d T%d F%d c\r\n%s" % (
+                _wire_key(client, key), len(data), cas, ttl, _TEXT_FLAG, data,
+            )  # fmt: skip
+            reply = self.wire.command(client, command)
+            if reply is not None:
+                if reply.startswith(b"HD"):
+                    return self.wire.hold(client, _flag(reply, b"c"))
+                if reply.startswith((b"EX", b"NF")):
+                    return None
+                raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+        if not client.cas(key, new, cas, expire=ttl, noreply=False):
+            return None
+        value, new_cas = client.gets(key)
+        return self.wire.hold(client, new_cas, meta=False) if value == new else None

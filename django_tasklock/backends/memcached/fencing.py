@@ -1,0 +1,68 @@
+"""Fencing tokens on memcached: drawn from the lock id's counter, counting
+only while the lock still holds this holder's token under its CAS id."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pymemcache.exceptions import MemcacheClientError, MemcacheError
+
+from .wire import _flag, _wire_key
+
+if TYPE_CHECKING:
+    from ..base import FenceCounter
+    from .wire import MemcachedHold, Wire
+
+__all__ = ["draw"]
+
+
+def _bad_counter(fence: FenceCounter, reply: bytes) -> MemcacheError:
+    return MemcacheError(
+        f"the fencing counter {fence.key!r} holds something that is not a number "
+        f"({reply.decode(errors='replace')}); some other code wrote to that key. "
+        "Delete it (it restarts from the clock) and stop writing to it; no fence "
+        "was drawn, and the lock is still held"
+    )
+
+
+def draw(
+    wire: Wire,
+    client: Any,
+    key: str,
+    hold: MemcachedHold,
+    token: str,
+    fence: FenceCounter,
+) -> int | None:
+    if wire.meta(client):
+        # Draw from the counter (made at the floor if missing), then read the
+        # lock back: if it still holds our token under our CAS id, the lock
+        # was ours when the token was drawn, so any later holder draws after
+        # us and gets a larger one.
+        data = token.encode()
+        commands = b"ma %s N%d J%d T%d v\r\nmg %s c v" % (
+            _wire_key(client, fence.key), fence.ttl, fence.floor, fence.ttl,
+            _wire_key(client, key),
+        )  # fmt: skip
+        replies = wire.exchange(client, commands, 2)
+        if replies is not None:
+            drawn, check = replies
+            if not drawn.startswith(b"VA "):
+                raise _bad_counter(fence, drawn)
+            if not (check.startswith(b"VA ") and check.endswith(b" " + data)):
+                return None
+            if _flag(check[: -len(data) - 1], b"c") != hold.cas:
+                return None
+            return int(drawn.rsplit(b" ", 1)[1])
+    try:
+        number = client.incr(fence.key, 1, noreply=False)
+        if number is None:
+            if client.add(fence.key, str(fence.floor), expire=fence.ttl, noreply=False):
+                number = fence.floor
+            else:  # made by another holder in between
+                number = client.incr(fence.key, 1, noreply=False)
+    except MemcacheClientError as exc:
+        raise _bad_counter(fence, str(exc).encode()) from exc
+    value, cas = client.gets(key)
+    if value != token or cas is None or int(cas) != hold.cas or number is None:
+        return None
+    return int(number)

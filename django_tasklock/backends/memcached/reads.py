@@ -1,0 +1,81 @@
+"""What a memcached lock backend reads without owning a lock: who holds a
+key, for how long, and the server a key goes to (the base of the backend)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pymemcache.exceptions import MemcacheError
+
+from ..base import Hold, LockBackend, Peek
+from .wire import MemcachedHold, Wire, _ttl_of, _wire_key
+
+__all__ = ["MemcachedReads"]
+
+
+class MemcachedReads(LockBackend):
+    """The reads of ``MemcachedBackend``, which sets what is declared here."""
+
+    wire: Wire
+    _hash_client: Any
+    _only_client: Any
+
+    def _client(self, key: str) -> Any:
+        """The server Django's own ``cache.add(key)`` talks to."""
+        if self._only_client is not None:
+            return self._only_client
+        client = self._hash_client._get_client(key)
+        if client is None:  # HashClient with ignore_exc=True and every server dead
+            raise MemcacheError("All memcached servers are marked dead")
+        return client
+
+    # Reads go again once over a connection that had dropped (a restarted
+    # server), as writes do: a read has no effect to repeat.
+
+    def owned(self, key: str, hold: Hold, token: str) -> bool:
+        client = self._client(key)
+        value, _cas = self.wire.once_more(client, lambda: client.gets(key))
+        return bool(value == token)
+
+    def locked(self, key: str) -> bool:
+        client = self._client(key)
+        return self.wire.once_more(client, lambda: client.get(key)) is not None
+
+    def held_many(self, keys: list[str]) -> list[bool]:
+        # One round trip per server, straight to it: HashClient's own get_many
+        # would mark a failing server dead and send its keys elsewhere.
+        by_client: dict[Any, list[str]] = {}
+        for key in keys:
+            by_client.setdefault(self._client(key), []).append(key)
+        found: dict[str, object] = {}
+        for client, its_keys in by_client.items():
+            found.update(client.get_many(its_keys))
+        return [key in found for key in keys]
+
+    def ttl(self, key: str) -> float | None:
+        # Only the meta protocol can read an item's remaining time, so this is
+        # tried whatever MEMCACHED_PROTOCOL says.
+        client = self._client(key)
+        reply = self.wire.command(client, b"mg %s t" % _wire_key(client, key))
+        if reply is None:
+            raise MemcacheError(
+                "reading a lock's remaining time needs memcached's meta commands "
+                "(memcached 1.6+)"
+            )
+        return _ttl_of(reply)
+
+    def peek(self, key: str) -> Peek | None:
+        client = self._client(key)
+        value, cas = self.wire.once_more(client, lambda: client.gets(key))
+        if cas is None:
+            return None
+        # The CAS id was read on this connection: while it stays the one in
+        # use, it proves the item unchanged (see _owner_cas), so a replace
+        # through this hold is one round trip. Classic-protocol servers, maybe
+        # behind a proxy, always check the value first.
+        sock = getattr(client, "sock", None) if self.wire.meta(client) else None
+        return Peek(value, MemcachedHold(int(cas), sock))
+
+    def last_fence(self, key: str, fence_key: str) -> int | None:
+        value = self._client(key).get(fence_key)
+        return None if value is None else int(value)

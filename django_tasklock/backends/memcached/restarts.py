@@ -1,0 +1,166 @@
+"""Telling a restarted memcached: it comes back empty, so new locks on it wait.
+
+A restarted memcached has lost every lock it held while their holders may still
+run; handing the same ids out again at once would run their work twice. Each
+new connection reads which run of the server it reaches (its pid and start
+time, from ``stats``), and a server seen in another run before refuses new
+locks for ``TASKLOCK['RESTART_GRACE']`` seconds. The runs are remembered per
+process and recorded on the pool's other servers, so a process started after
+the restart knows too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+from pymemcache.client.hash import HashClient
+from pymemcache.exceptions import (
+    MemcacheClientError,
+    MemcacheError,
+    MemcacheUnexpectedCloseError,
+)
+
+from ...conf import MAX_EXPIRE
+from ...conf import settings as tasklock_settings
+from .wire import ServerRefused, _read_stats, _server_name
+
+__all__ = ["NodeRestarted", "Restarts"]
+
+logger = logging.getLogger("django_tasklock.backends.memcached")
+
+
+class NodeRestarted(MemcacheError):  # type: ignore[misc]
+    """New locks refused on a memcached server that restarted recently."""
+
+
+# Restart detection (see Restarts.learn). Per server: the run of it last
+# seen, as (pid, start time on the server's clock); servers whose stats cannot be
+# read (a proxy); and, for servers seen to restart, when that run started (on
+# time.monotonic()), new locks on them refused until RESTART_GRACE has passed.
+_runs: dict[Any, tuple[int, int]] = {}
+_unlearnable: set[Any] = set()
+_refused: dict[Any, float] = {}
+_runs_mutex = threading.Lock()
+#: Two sightings of one run may put its start a second apart (whole-second clock).
+_START_SLACK = 2
+#: memcached reports an uptime up to this many seconds longer than it has run.
+_UPTIME_AHEAD = 3
+
+
+def _record_key(server: Any) -> str:
+    return "tasklock-run-" + _server_name(server).replace(":", "-")
+
+
+def _same_run(seen: tuple[int, int], now: tuple[int, int]) -> bool:
+    return seen[0] == now[0] and abs(seen[1] - now[1]) <= _START_SLACK
+
+
+class Restarts:
+    """The restart checks of one cache alias's servers (``hash_client``'s)."""
+
+    def __init__(
+        self, hash_client: Any, errors: tuple[type[BaseException], ...]
+    ) -> None:
+        self.hash_client = hash_client
+        self.errors = errors
+
+    def learn(self, client: Any) -> None:
+        """Read which run of the server this new connection reaches, and refuse
+        new locks on it for RESTART_GRACE seconds if it restarted.
+
+        A restarted memcached comes back empty: the locks it held are gone while
+        their holders may still run, and handing the same ids out again would
+        run their work twice. A restart is known when this process saw another
+        run of the server before, or when another server of the pool keeps a
+        record of another run (each process that learns a server's run records
+        it on the pool's other servers). A server first seen with no record is a
+        new deployment, not a restart. Proxies do not pass ``stats`` on; servers
+        behind them are not checked.
+        """
+        server = client.server
+        if server in _unlearnable:
+            return
+        try:
+            stats = _read_stats(client)
+            run = (int(stats[b"pid"]), int(stats[b"time"]) - int(stats[b"uptime"]))
+            server_now = int(stats[b"time"])
+        except MemcacheUnexpectedCloseError:
+            client.close()
+            _unlearnable.add(server)  # twemproxy closes the connection on stats
+            return
+        except (KeyError, ValueError, MemcacheClientError):
+            # No stats here, for good (MemcacheUnknownCommandError is one).
+            _unlearnable.add(server)
+            return
+        except ServerRefused:
+            raise  # over its connection limit: this lock fails, nothing else
+        except self.errors:
+            return  # down: the lock's own command reports it
+        with _runs_mutex:
+            seen = _runs.get(server)
+            _runs[server] = run
+        if seen is None:
+            seen = self._recorded_run(server)
+        if seen is not None and not _same_run(seen, run):
+            grace = tasklock_settings.RESTART_GRACE
+            # When it started, on this process's monotonic clock, late rather
+            # than early: memcached's uptime runs up to 2 s ahead, in whole
+            # seconds.
+            uptime = server_now - run[1]
+            started = time.monotonic() - max(uptime - _UPTIME_AHEAD, 0)
+            _refused[server] = started
+            left = started + grace - time.monotonic()
+            if left > 0:
+                logger.warning(
+                    "memcached at %s restarted about %ds ago (pid %d, was %d) and "
+                    "came back empty: locks it held are gone while their holders "
+                    "may still run. New locks on it are refused for %.0fs more "
+                    "(TASKLOCK['RESTART_GRACE'] = %ss).",
+                    _server_name(server), uptime, run[0], seen[0], left, grace,
+                )  # fmt: skip
+        if seen is None or not _same_run(seen, run):
+            self._record_run(server, run)
+
+    def _others(self, server: Any) -> list[Any]:
+        hash_client = self.hash_client
+        if not isinstance(hash_client, HashClient):
+            return []
+        return [c for c in hash_client.clients.values() if c.server != server]
+
+    def _recorded_run(self, server: Any) -> tuple[int, int] | None:
+        for other in self._others(server):
+            try:
+                value = other.get(_record_key(server))
+            except self.errors:
+                continue
+            if value is not None:
+                pid, _, start = str(value).partition(":")
+                return int(pid), int(start)
+        return None
+
+    def _record_run(self, server: Any, run: tuple[int, int]) -> None:
+        for other in self._others(server):
+            try:
+                other.set(_record_key(server), f"{run[0]}:{run[1]}", MAX_EXPIRE)
+            except self.errors:
+                continue
+
+    def refuse_if_restarted(self, client: Any) -> None:
+        started = _refused.get(client.server)
+        if started is None:
+            return
+        left = started + tasklock_settings.RESTART_GRACE - time.monotonic()
+        if left <= 0:
+            _refused.pop(client.server, None)
+            return
+        raise NodeRestarted(
+            f"memcached at {_server_name(client.server)} restarted and came back "
+            "empty: locks it held are gone while their holders may still run, so "
+            f"new locks on it are refused for {math.ceil(left)}s more "
+            "(TASKLOCK['RESTART_GRACE'], by default LOCK_EXPIRE; set it to the "
+            "longest expiry your locks use)"
+        )

@@ -1,0 +1,463 @@
+"""memcached's wire protocol as the locks speak it, on pymemcache's sockets.
+
+Meta commands (memcached 1.6+) where the server has them, the classic commands
+(``add``, ``gets``, ``cas``) where it does not (memcached < 1.6 answers
+``ERROR``; twemproxy closes the connection instead). Replies are read by length
+(a ``VA`` value may hold CR LF itself); the hot path sends one command and reads
+once on a connection from before. ``Wire`` is one alias's view: which protocol
+it was told to use, and which servers turned out to lack meta commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+
+from pymemcache.client.hash import HashClient
+from pymemcache.exceptions import (
+    MemcacheClientError,
+    MemcacheError,
+    MemcacheUnexpectedCloseError,
+    MemcacheUnknownCommandError,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["MemcachedHold", "ServerRefused", "Wire", "meta_support"]
+
+# pymemcache's serde marks str values with flag 16 (FLAG_TEXT): storing the token
+# with it lets cache.get(lock_id) read the owner back as a str.
+_TEXT_FLAG = 16
+_T = TypeVar("_T")
+# What a server that went away since the last command looks like on its socket.
+_DROPPED = (MemcacheUnexpectedCloseError, BrokenPipeError, ConnectionResetError)
+# Servers that refused a meta command; they get the classic commands.
+_classic_servers: set[Any] = set()
+# An absolute expiry (memcached reads any above 30 days as a Unix time) long past:
+# the written item expires at once. Unlike -1, proxies pass it on.
+_PAST = 2592001
+
+logger = logging.getLogger("django_tasklock.backends.memcached")
+
+
+def _talk(server: Any, line: bytes, timeout: float) -> bytes:
+    """Send one line to ``server`` on a connection of its own; the reply's first
+    line, or b"" if the other end closed the connection instead of answering."""
+    host, port = server if isinstance(server, tuple) else (server, 11211)
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(line + b"\r\n")
+        reply = b""
+        while not reply.endswith(b"\r\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                return b""
+            reply += chunk
+        return reply
+
+
+def meta_support(server: Any, timeout: float = 2.0) -> str:
+    """How ``server`` (host, port) meets a meta command.
+
+    ``"meta"``: it answers them (memcached 1.6+). ``"error"``: it answers
+    ``ERROR`` (memcached before 1.6). ``"closed"``: it closes the connection but
+    answers the classic ``version`` (a proxy such as twemproxy). Raises OSError
+    when it does not answer at all.
+    """
+    reply = _talk(server, b"mn", timeout)
+    if reply.startswith(b"MN"):
+        return "meta"
+    if reply == b"ERROR\r\n":
+        return "error"
+    if reply.startswith(b"ERROR"):
+        # "ERROR Too many open connections": refused, not an answer to mn.
+        raise ConnectionRefusedError(
+            f"memcached at {_server_name(server)} refused the connection: "
+            f"{reply.strip().decode(errors='replace')}"
+        )
+    if reply == b"" and _talk(server, b"version", timeout).startswith(b"VERSION"):
+        return "closed"
+    raise ConnectionError(f"memcached at {server} answered {reply!r} to mn")
+
+
+def _server_name(server: Any) -> str:
+    return "{}:{}".format(*server) if isinstance(server, tuple) else str(server)
+
+
+class MemcachedHold:
+    """The CAS id of this holder's item, and the socket that wrote it."""
+
+    __slots__ = ("cas", "sock")
+
+    def __init__(self, cas: int, sock: Any) -> None:
+        self.cas, self.sock = cas, sock
+
+    def __repr__(self) -> str:
+        return f"MemcachedHold(cas={self.cas})"
+
+
+def _wire_key(client: Any, key: str) -> bytes:
+    """The key as the client itself sends it, with its own key_prefix.
+
+    ``key`` comes from ``key_for``, which already made sure memcached can take it
+    (length with the prefix, no whitespace or control characters).
+    """
+    wire: bytes = client.key_prefix + key.encode("utf-8")
+    return wire
+
+
+def _split_replies(buffer: bytes, count: int) -> list[bytes] | None:
+    """The first ``count`` replies in ``buffer``, or None if more must be read."""
+    if (
+        count == 1
+        and buffer.endswith(b"\r\n")
+        and buffer.find(b"\r\n") == len(buffer) - 2
+    ):
+        return [buffer[:-2]]  # the common case: one reply line, read whole
+    replies: list[bytes] = []
+    start = 0
+    while len(replies) < count:
+        end = buffer.find(b"\r\n", start)
+        if end < 0:
+            return None
+        line = buffer[start:end]
+        start = end + 2
+        if line.startswith(b"VA "):
+            # The value is as long as the header says: it may hold CR LF itself.
+            size = _value_size(line)
+            end = start + size
+            if len(buffer) < end + 2:
+                return None
+            line += b" " + buffer[start:end]
+            start = end + 2
+        replies.append(line)
+        if line.startswith(b"ERROR"):
+            break
+    return replies
+
+
+class ServerRefused(MemcacheError):  # type: ignore[misc]
+    """A server answered ``ERROR <reason>`` (its connection limit) and closed."""
+
+
+def _refusal(client: Any, line: bytes) -> ServerRefused:
+    """The error for a server that answered ``ERROR <reason>`` and closed."""
+    return ServerRefused(
+        f"memcached at {_server_name(client.server)} refused the connection: "
+        f"{line.strip().decode(errors='replace')} (over its connection limit, -c?). "
+        "Raise its -c or use fewer connections; try again"
+    )
+
+
+def _read_stats(client: Any) -> dict[bytes, bytes]:
+    """``stats`` on the client's own connection, read whole.
+
+    pymemcache's ``stats()`` reports every ``ERROR`` line alike; here a bare
+    ``ERROR`` (a server or proxy without ``stats``) raises
+    MemcacheUnknownCommandError, and ``ERROR <reason>`` (a refusal, such as
+    memcached's connection limit) the refusal itself.
+    """
+    if client.sock is None:
+        client._connect()
+    sock: Any = client.sock
+    buffer = b""
+    try:
+        sock.sendall(b"stats\r\n")
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise MemcacheUnexpectedCloseError()
+            buffer += chunk
+            if buffer.endswith(b"END\r\n") or (
+                b"\r\n" in buffer and not buffer.startswith(b"STAT ")
+            ):
+                break
+    except BaseException:
+        client.close()
+        raise
+    first = buffer[: buffer.find(b"\r\n")]
+    if first.startswith(b"ERROR"):
+        client.close()
+        if first == b"ERROR":
+            raise MemcacheUnknownCommandError(b"stats")
+        raise _refusal(client, first)
+    if not first.startswith(b"STAT "):
+        client.close()
+        raise MemcacheClientError(first)
+    stats: dict[bytes, bytes] = {}
+    for line in buffer.split(b"\r\n"):
+        parts = line.split(b" ", 2)
+        if len(parts) == 3 and parts[0] == b"STAT":
+            stats[parts[1]] = parts[2]
+    return stats
+
+
+def _value_size(header: bytes) -> int:
+    """The data length a ``VA <size> <flags>*`` reply header states."""
+    parts = header.split()
+    if len(parts) < 2 or not parts[1].isdigit():
+        raise MemcacheError(f"unexpected reply header from memcached: {header!r}")
+    return int(parts[1])
+
+
+def _flag(reply: bytes, name: bytes) -> int | None:
+    for flag in reply.split()[1:]:
+        if flag[:1] == name:
+            return int(flag[1:])
+    return None
+
+
+def _ttl_of(reply: bytes) -> float | None:
+    """The seconds left that an ``mg <key> t`` reply gives; None if no item."""
+    if not reply.startswith(b"HD"):
+        return None
+    seconds = _flag(reply, b"t")
+    return float("inf") if seconds is None or seconds < 0 else float(seconds)
+
+
+def only_client(hash_client: Any) -> Any:
+    """The one client every key goes to, if there is one (a HashClient of ours
+    never gains or loses servers): one server, even while HashClient has marked
+    it dead after errors of other cache calls, since there is nowhere else to go
+    and talking to it directly means locking resumes the moment it is back."""
+    if not isinstance(hash_client, HashClient):
+        return hash_client
+    if len(hash_client.clients) == 1:
+        return next(iter(hash_client.clients.values()))
+    return None
+
+
+class _Owner(Protocol):
+    protocol: str
+
+
+class Wire:
+    """One alias's memcached protocol: meta commands or classic ones, per server."""
+
+    def __init__(self, owner: _Owner) -> None:
+        # The backend's protocol, which backend_for() sets on every lookup.
+        self.owner = owner
+
+    # -- protocol choice -----------------------------------------------------------
+
+    def meta(self, client: Any) -> bool:
+        if self.owner.protocol == "classic":
+            return False
+        return self.owner.protocol == "meta" or client.server not in _classic_servers
+
+    def _no_meta(self, client: Any, how: str) -> None:
+        if self.owner.protocol == "classic":
+            return  # only ttl() tries meta here, and says so itself
+        name = _server_name(client.server)
+        if how == "closed":
+            what = (
+                f"{name} closed the connection on a meta command but answers "
+                "classic ones: a proxy such as twemproxy (nutcracker), which "
+                "speaks only the classic protocol"
+            )
+        else:
+            what = f"memcached at {name} has no meta commands (needs 1.6+)"
+        if self.owner.protocol == "meta":
+            raise MemcacheError(
+                f"{what}; set TASKLOCK['MEMCACHED_PROTOCOL'] to 'classic' (or 'auto')"
+            )
+        if client.server not in _classic_servers:
+            _classic_servers.add(client.server)
+            logger.warning(
+                "%s. Locks on it use the classic commands (add, gets, cas): owner-"
+                "checked as before, one more round trip per release. Set "
+                "TASKLOCK['MEMCACHED_PROTOCOL'] = 'classic' to skip this probe.",
+                what[0].upper() + what[1:],
+            )
+
+    def command(self, client: Any, command: bytes) -> bytes | None:
+        """Send one meta command and read its one-line reply (see ``exchange``)."""
+        replies = self.exchange(client, command, 1)
+        if replies is None:
+            return None
+        if replies[0].startswith(b"CLIENT_ERROR"):
+            raise MemcacheError(replies[0].decode(errors="replace"))
+        return replies[0]
+
+    def exchange(self, client: Any, commands: bytes, count: int) -> list[bytes] | None:
+        """Send ``count`` pipelined meta commands and read their replies.
+
+        One round trip for all of them. A ``VA`` reply comes back as its header
+        and value joined by a space. None if the server does not know meta
+        commands. On the client's own socket (pymemcache's raw_command costs more
+        than the lock's own work, and reads one line only); a PooledClient lends
+        one of its clients. Any error closes the connection, as pymemcache does;
+        a ``CLIENT_ERROR`` reply (a bad value, the connection still in step) is
+        returned for the caller to judge.
+        """
+        pool = getattr(client, "client_pool", None)
+        if pool is not None:
+            with pool.get_and_release(destroy_on_fail=True) as pooled:
+                return self.exchange(pooled, commands, count)
+        sock: Any = client.sock
+        fresh = sock is None
+        if fresh:
+            client._connect()
+            sock = client.sock
+        try:
+            sock.sendall(commands + b"\r\n")
+            buffer = sock.recv(4096)
+        except BaseException as exc:
+            self._broken(client, fresh, exc)
+            return None
+        return self._replies(client, sock, buffer, count, fresh)
+
+    def _replies(
+        self, client: Any, sock: Any, buffer: bytes, count: int, fresh: bool
+    ) -> list[bytes] | None:
+        """The ``count`` replies that start with ``buffer``, read to their end
+        from ``sock`` (see ``exchange``)."""
+        try:
+            while True:
+                replies = _split_replies(buffer, count)
+                if replies is not None:
+                    break
+                chunk = sock.recv(4096)
+                if not chunk:
+                    raise MemcacheUnexpectedCloseError()
+                buffer += chunk
+        except BaseException as exc:
+            self._broken(client, fresh, exc)
+            return None
+        if b"ERROR" not in buffer:  # no reply of ours carries text of its own
+            return replies
+        if replies[0].startswith(b"ERROR"):
+            # An old server also answers the rest (a data line, the other
+            # commands) with ERROR, which must not be read as the next reply.
+            client.close()
+            if replies[0] != b"ERROR":
+                # "ERROR <reason>": a refusal (over its connection limit), which
+                # says nothing about the commands it knows; it stays transient.
+                raise _refusal(client, replies[0])
+            self._no_meta(client, "error")
+            return None
+        for reply in replies:
+            if reply.startswith((b"ERROR", b"SERVER_ERROR")):
+                client.close()
+                raise MemcacheError(reply.strip().decode(errors="replace"))
+        return replies
+
+    def one_reply(self, client: Any, sock: Any, buffer: bytes) -> bytes | None:
+        """``command``'s reading half, for a command already sent on ``sock``
+        whose reply starts with ``buffer``."""
+        replies = self._replies(client, sock, buffer, 1, False)
+        if replies is None:
+            return None
+        if replies[0].startswith(b"CLIENT_ERROR"):
+            raise MemcacheError(replies[0].decode(errors="replace"))
+        return replies[0]
+
+    @staticmethod
+    def round_trip(client: Any, sock: Any, command: bytes) -> bytes | None:
+        """Send ``command`` on ``sock``, a connection from before, and read
+        what the server has answered so far (the hot path's one read); None if
+        the connection had dropped, which is then closed. Any other error
+        closes it too, and is raised."""
+        try:
+            sock.sendall(command)
+            reply: bytes = sock.recv(4096)
+            if not reply:
+                raise MemcacheUnexpectedCloseError()
+        except _DROPPED:
+            client.close()
+            return None
+        except BaseException:
+            client.close()
+            raise
+        return reply
+
+    def _broken(self, client: Any, fresh: bool, exc: BaseException) -> None:
+        """After ``exc`` on the connection: close it, as pymemcache does, and
+        raise ``exc``; None if it shows the server refuses meta commands."""
+        client.close()
+        # A fresh connection closed at the first meta command: a proxy that
+        # speaks only the classic protocol does that instead of ERROR.
+        if isinstance(exc, _DROPPED) and fresh and self._closes_on_meta(client):
+            return None
+        raise exc
+
+    def _closes_on_meta(self, client: Any) -> bool:
+        """After a closed connection: whether the server refuses meta commands."""
+        try:
+            how = meta_support(client.server, timeout=client.timeout or 2.0)
+        except OSError:
+            return False  # it does not answer at all: an outage, raised as such
+        if how == "meta":
+            return False
+        self._no_meta(client, how)
+        return True
+
+    def hold(self, client: Any, cas: object, meta: bool = True) -> MemcachedHold:
+        cas_id = int(cast(Any, cas))
+        if cas_id == 0:
+            raise MemcacheError(
+                f"memcached at {client.server} runs without CAS ids (-C), so a "
+                "lock cannot be owner-checked; restart it without -C"
+            )
+        # PooledClient hides its sockets, and a classic-protocol proxy may have
+        # reconnected to a restarted server behind the same socket: those holds
+        # are always verified by value.
+        sock = getattr(client, "sock", None) if meta else None
+        return MemcachedHold(cas_id, sock)
+
+    def owner_cas(
+        self, client: Any, key: str, hold: MemcachedHold, token: object
+    ) -> int | None:
+        """The CAS id to act on if this holder still owns the lock, else None.
+
+        On the connection that took the lock, the CAS id it learnt is proof
+        enough. Elsewhere the stored token decides (tokens are random per
+        acquisition, nobody else writes ours), and the CAS id read with it makes
+        the following write conditional on nothing having changed since.
+        """
+        if hold.sock is not None and getattr(client, "sock", None) is hold.sock:
+            return hold.cas
+        # Both must match: the value tells a restarted server's new item (CAS ids
+        # start again from 1) from ours, the CAS id tells our item from a later one
+        # with the same value (other code may store one value every time).
+        value, cas = client.gets(key)
+        if value == token and cas is not None and int(cas) == hold.cas:
+            return hold.cas
+        return None
+
+    def once_more(self, client: Any, operation: Callable[[], _T]) -> _T:
+        """Run ``operation``, again once if a connection from before had dropped.
+
+        A restarted (or idle-timed-out) server leaves pymemcache a dead socket
+        that fails the next command; pymemcache then reconnects. A fresh
+        connection that fails is an outage, and is raised.
+        """
+        reused = getattr(client, "sock", None) is not None
+        try:
+            return operation()
+        except _DROPPED:
+            if not reused:
+                raise
+            return operation()
+
+    def added(self, client: Any, wire: bytes, reply: bytes) -> MemcachedHold | None:
+        """The hold an add-mode ``ms`` answered with ``reply`` gives; None if the
+        key was taken."""
+        if reply.startswith(b"NS"):
+            return None
+        if not reply.startswith(b"HD"):
+            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+        cas = _flag(reply, b"c")
+        if not cas:
+            self.command(client, b"md %s" % wire)
+        return self.hold(client, cas)
+
+    @staticmethod
+    def deleted(reply: bytes) -> bool:
+        """Whether an ``md <key> C<cas>`` that answered ``reply`` deleted it."""
+        if reply.startswith(b"HD"):
+            return True
+        if reply.startswith((b"EX", b"NF")):
+            return False
+        raise MemcacheError(f"unexpected reply to md: {reply!r}")

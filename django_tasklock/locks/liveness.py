@@ -1,0 +1,333 @@
+"""Liveness records: how a contender on another host tells a dead holder from
+a paused or busy one.
+
+Every process that takes a lock while ``TASKLOCK['LIVENESS']`` is set keeps one
+record in that lock's store, ``tasklock-alive:<host>:<process>``, stored for
+``LIVENESS`` seconds and written again every tenth of that (at most every
+second) by a daemon thread. Its tokens say so (``-r`` after the process
+identity), so a contender never judges a holder by a record it never promised
+to keep (an older version, or ``LIVENESS = None``). A contender on another host
+that meets a held lock reads the record its token names: gone means the holder
+showed no sign of life for ``LIVENESS`` seconds, and its locks are free (see
+``recovery``).
+
+What it costs: per process and store it was used with, one thread and one
+write every ``min(1, LIVENESS / 10)`` seconds, for the life of the process; an
+acquire pays a round trip only when the record is overdue (the first lock of a
+process, or a thread that has not run for three periods). The holder learns of
+a record that may have lapsed through ``Lock.check()`` (``lost``), as for a lock
+whose expiry ran out.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from django.core.cache import close_caches
+
+from ..backends import backend_for, close_thread_connections
+from ..tokens import new_live_token, new_token, this_process
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..backends import Hold, LockBackend
+
+__all__ = [
+    "RECORD_PREFIX",
+    "Record",
+    "forget_records",
+    "kept_record",
+    "leave",
+    "record_for",
+    "record_id",
+]
+
+logger = logging.getLogger("django_tasklock.locks")
+
+RECORD_PREFIX: Final = "tasklock-alive:"
+
+
+class Held(Protocol):
+    """What a record knows of a lock it was taken with (a ``Lock``)."""
+
+    lock_id: str
+    token: str | None
+    acquired_at: float | None
+    _hold: Hold | None
+    _key: str | None
+    _lost: bool
+    _valid_until: float | None
+    _guard: Any
+
+    def _report_lost(self, doing: str) -> None: ...
+
+    def release_quietly(self) -> None: ...
+
+
+def record_id(host: str, process: str) -> str:
+    """The cache key (before Django's prefix) of a process's liveness record;
+    ``process`` as tokens write it, without the ``-r`` flag."""
+    return f"{RECORD_PREFIX}{host}:{process}"
+
+
+class Record:
+    """This process's liveness record in the store of one cache alias."""
+
+    def __init__(self, alias: str, bound: float) -> None:
+        self.alias, self.bound = alias, bound
+        self.every = min(1.0, bound / 10)
+        self.timeout = math.ceil(bound)
+        self.id = record_id(socket.gethostname(), this_process())
+        #: monotonic: after this, the next acquire writes the record itself.
+        self.due = 0.0
+        #: monotonic: until then the store is sure to keep the record.
+        self.valid_until = 0.0
+        #: How many times the record was written.
+        self.beats = 0
+        #: monotonic: when a write last found the record possibly lapsed.
+        self.lapsed_at = 0.0
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+        # The thread's backend (its own connection), as last used.
+        self._backend: LockBackend | None = None
+        #: The locks taken with this record, by id: put back after a restart
+        #: (``reassert``); those no longer held are dropped at the next beat.
+        self.held: dict[int, Held] = {}
+
+    def write(self, backend: LockBackend) -> None:
+        """Write the record now (one round trip); raises ``backend.errors``."""
+        sent = time.monotonic()
+        if 0.0 < self.valid_until <= sent:
+            # The record may have lapsed meanwhile (the process was paused, or
+            # the store away): locks taken before now may have been taken from
+            # this process, and stay reported lost even once it is renewed.
+            self.lapsed_at = sent
+        backend.cache.set(self.id, f"{time.time():.3f}", timeout=self.timeout)
+        self.valid_until = sent + backend.shortest_life(self.timeout)
+        self.due = sent + 3 * self.every
+        self.beats += 1
+
+    def ensure(self, backend: LockBackend) -> bool:
+        """Before a lock is taken: the record written and its thread running.
+        False if the store would not take the record: the lock is then taken
+        with a token that promises none (and so lasts until it expires, as
+        without records), and the lock's own command reports the store's
+        trouble. Never waits on the thread, whose write may hang on a store
+        that stopped answering."""
+        with self._guard:
+            thread = self._thread
+            # (Again if it stopped: its alias was gone for a while, in tests.)
+            if (thread is None or not thread.is_alive()) and not self._stop.is_set():
+                self._thread = threading.Thread(
+                    target=self._run,
+                    name=f"tasklock-liveness-{self.alias}",
+                    daemon=True,
+                )
+                self._thread.start()
+        if time.monotonic() < self.due:
+            return True
+        try:
+            self.write(backend)
+        except backend.errors:
+            return False
+        return True
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.every):
+                self._renew()
+        except Exception:  # the alias or its settings are gone: nothing to renew
+            logger.exception(
+                "Stopped renewing liveness record %r in cache %r", self.id, self.alias
+            )
+            # The next acquire here writes the record itself, and starts a
+            # thread again.
+            self.due = 0.0
+        finally:
+            close_thread_connections()
+            close_caches()
+            if self._backend is not None:
+                self._backend.cache.close()
+
+    def _renew(self) -> None:
+        backend, previous = backend_for(self.alias), self._backend
+        if backend is not previous:
+            # The settings changed (tests): the old cache object goes, closed.
+            self._backend = backend
+            if previous is not None:
+                previous.cache.close()
+        try:
+            if self._stop.is_set():
+                return
+            self.write(backend)
+            if self.held:
+                reassert(self, backend)
+        except backend.errors as exc:
+            if not self._failing:
+                logger.warning(
+                    "Could not renew liveness record %r in cache %r (%s: %s); "
+                    "contenders on other hosts may take this process's locks "
+                    "%.0fs after its last renewal, and they are reported lost "
+                    "here then.",
+                    self.id,
+                    self.alias,
+                    type(exc).__name__,
+                    exc,
+                    self.bound,
+                )
+            self._failing = True
+        else:
+            self._failing = False
+
+    def stop(self, *, delete: bool) -> None:
+        """Stop renewing; with ``delete``, remove the record, so that other hosts
+        judge this process gone at once (it is on its way out)."""
+        self._stop.set()
+        self.valid_until = self.due = 0.0
+        with self._guard:  # not between an ensure's making and starting it
+            thread = self._thread
+        if (
+            thread is not None
+            and thread.is_alive()
+            and thread is not threading.current_thread()
+        ):
+            thread.join(timeout=5)
+        if delete:
+            backend = backend_for(self.alias)
+            try:
+                backend.cache.delete(self.id)
+            except backend.errors:
+                logger.warning("Could not delete liveness record %r", self.id)
+
+
+_records: dict[str, Record] = {}
+_records_guard = threading.Lock()
+
+
+def record_for(alias: str, bound: float) -> Record:
+    """This process's record in ``alias``'s store, for a bound of ``bound`` s."""
+    record = _records.get(alias)
+    if record is not None and record.bound == bound:
+        return record
+    with _records_guard:
+        record = _records.get(alias)
+        if record is None or record.bound != bound:
+            if record is not None:
+                record.stop(delete=False)
+            record = _records[alias] = Record(alias, bound)
+    return record
+
+
+def reassert(record: Record, backend: LockBackend) -> None:
+    """Put back the locks of this process that a restart of their memcached
+    server emptied, while their holders still hold them by their own clock, so
+    that a contender after the restart's grace period (``RESTART_GRACE``) finds
+    them held. A lock gone for any other reason (expired, force-released,
+    taken) is left alone: its holder learns of it at its next renewal or
+    release. One read of the held keys per beat (per server holding them);
+    raises ``backend.errors``."""
+    locks, keys = [], []
+    for ident, lock in list(record.held.items()):
+        if lock._hold is None or lock._lost or lock._key is None:
+            record.held.pop(ident, None)
+        else:
+            locks.append(lock)
+            keys.append(lock._key)
+    if not locks:
+        return
+    # Read every beat: a restarted server's dead connection fails here, and
+    # the next beat's connection learns the server's new run.
+    present = backend.held_many(keys)
+    if all(present):
+        return
+    restarts = [backend.restarted_at(key) for key in keys]
+    now = time.monotonic()
+    for lock, key, restarted, here in zip(locks, keys, restarts, present, strict=True):
+        if here or restarted is None or lock.acquired_at is None:
+            continue
+        if restarted < lock.acquired_at - _RUN_SLACK:
+            continue  # taken on the new run, and gone since: not the restart's doing
+        with lock._guard:
+            left = (lock._valid_until or 0.0) - now
+            token = lock.token
+            if lock._hold is None or left <= 0 or token is None:
+                continue
+            hold = backend.reassert(key, token, left)
+            if hold is None:
+                lock._report_lost("put back after a restart")
+                continue
+            lock._hold = hold
+        logger.info(
+            "Put lock %r back on its restarted memcached server (%.0fs left)",
+            lock.lock_id,
+            left,
+        )
+
+
+#: How far the start of a server's run, as this process estimates it, may be
+#: off: memcached's uptime counts whole seconds, and runs up to 3 s ahead.
+_RUN_SLACK: Final = 4.0
+
+
+def kept_record(
+    alias: str, bound: float | None, backend: LockBackend, now: float
+) -> tuple[Record | None, Callable[[str], str]]:
+    """For an acquire in ``alias``'s store at ``now``: this process's record
+    there (None if ``bound``, ``TASKLOCK['LIVENESS']``, is None) and how to
+    make its tokens. Contenders on other hosts judge a holder by its record, so
+    it is written before the lock is taken when it is overdue; a record the
+    store would not take leaves the lock to its expiry (no record, and a token
+    that promises none)."""
+    if bound is None:
+        return None, new_token
+    record = record_for(alias, bound)
+    if now >= record.due and not record.ensure(backend):
+        return None, new_token
+    return record, new_live_token
+
+
+def forget_records(*, delete: bool = False) -> None:
+    """Stop every record of this process (``delete``: and remove them)."""
+    with _records_guard:
+        records = list(_records.values())
+        _records.clear()
+    for record in records:
+        record.stop(delete=delete)
+
+
+def leave() -> int:
+    """On the way out of a process (a worker's shutdown, interpreter exit):
+    release every lock it still holds, owner-checked, and delete its liveness
+    records, so that nobody waits for them. Returns how many were released."""
+    released = 0
+    for record in list(_records.values()):
+        for lock in list(record.held.values()):
+            if lock._hold is not None and not lock._lost:
+                lock.release_quietly()
+                released += lock._hold is None
+    forget_records(delete=True)
+    if released:
+        logger.info("Released %d lock(s) on the way out of this process", released)
+    return released
+
+
+def _after_fork() -> None:
+    # A forked child is a new process: its records are its own, written when it
+    # first takes a lock; the parent's threads do not exist here.
+    global _records_guard
+    _records.clear()
+    _records_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+atexit.register(leave)

@@ -1,0 +1,122 @@
+"""A dead holder's lock is free: judged by its token, taken in one conditional
+write.
+
+A lock's token names its holder's host and process (``tokens``). A contender
+refused a lock looks at who holds it, at most every ``LOOK_EVERY`` seconds per
+lock id and thread, and only then (an uncontended acquire pays nothing):
+
+- a holder on this host is looked up in /proc: gone, exited (a zombie its
+  parent has not reaped yet) or its pid now another process's (the start time
+  differs) is dead;
+- a holder on another host (or in another pid namespace) that keeps a
+  liveness record (``liveness``) is dead once that record is gone;
+- anything else (a call's queued mark, a value other code stored, a holder
+  that keeps no record) is left to expire.
+
+A dead holder's lock is replaced by the contender's token only if the store
+still holds the very item that was judged (a CAS id on memcached, the value on
+Redis), so two contenders never both take it, and a live holder that renewed
+meanwhile keeps it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Final
+
+from ..tokens import KEEPS_RECORD, local_verdict, token_host, token_process
+from .liveness import record_id
+
+if TYPE_CHECKING:
+    from ..backends import Hold, LockBackend
+    from .reads import StoreReads
+
+__all__ = ["LOOK_EVERY", "judge", "replaceable", "take_from_dead"]
+
+logger = logging.getLogger("django_tasklock.locks")
+
+#: The least time between two looks at the holder of one lock id, per thread.
+LOOK_EVERY: Final = 0.5
+
+
+def judge(value: object, backend: LockBackend) -> tuple[bool | None, str]:
+    """Whether the holder whose token is ``value`` still runs, and why: True,
+    False, or None when nobody can tell (then the lock lasts until it expires).
+    Reads the holder's liveness record from ``backend``'s store when the holder
+    is on another host; raises ``backend.errors`` if that read fails."""
+    parsed = token_process(value)
+    if parsed is None:
+        return None, "its value is not a lock token (a call's mark, or other code's)"
+    owner, process = parsed
+    host = token_host(owner)
+    alive, why = local_verdict(host, process)
+    if alive is not None:
+        return alive, why
+    if not process.endswith(KEEPS_RECORD):
+        return None, f"{why}, which keeps no liveness record"
+    pid = process.partition("-")[0]
+    seen = backend.cache.get(record_id(host, process.removesuffix(KEEPS_RECORD)))
+    if seen is None:
+        return False, (
+            f"process {pid} on {host} has shown no sign of life within its "
+            "TASKLOCK['LIVENESS'] (its liveness record is gone)"
+        )
+    try:
+        ago = f"{max(time.time() - float(seen), 0.0):.1f}s ago"
+    except (TypeError, ValueError):
+        ago = "recently"
+    return True, f"process {pid} on {host} renewed its liveness record {ago}"
+
+
+def replaceable(
+    holder: tuple[str, str] | None, value: object, backend: LockBackend
+) -> bool:
+    """Whether a call being published may replace the mark or run ``value``
+    holding its lock (``holder``: ``calls.call_of(value)``): a call that has
+    started (``until_started``), or a run whose process is dead. Raises
+    ``backend.errors``."""
+    if holder is None:
+        return False
+    if holder[0] == "started":
+        return True
+    if holder[0] != "running":
+        return False
+    alive, why = judge(value, backend)
+    if alive is False:
+        logger.warning(
+            "A new call replaces call %s, whose run is dead: %s.", holder[1], why
+        )
+        return True
+    return False
+
+
+def take_from_dead(
+    lock: StoreReads, backend: LockBackend, key: str, token: str, expire: float
+) -> Hold | None:
+    """After an acquire was refused: the lock, taken for ``token``, if its
+    holder is dead; None if it lives, cannot be judged, or was looked at less
+    than ``LOOK_EVERY`` ago. Raises ``backend.errors``."""
+    now = time.monotonic()
+    looks = backend.looks
+    if looks.get(key, 0.0) > now:
+        return None
+    if len(looks) >= 4096:
+        looks.clear()
+    looks[key] = now + LOOK_EVERY
+    peek = backend.peek(key)
+    if peek is None:  # freed in between
+        return backend.acquire(key, token, expire)
+    alive, why = judge(peek.value, backend)
+    if alive is not False:
+        return None
+    hold = backend.replace(key, peek.hold, peek.value, token, expire)
+    if hold is not None:
+        del looks[key]
+        logger.warning(
+            "Took lock %r from a dead holder: %s. Its token was %r.",
+            lock.lock_id,
+            why,
+            peek.value,
+        )
+    return hold

@@ -1,0 +1,118 @@
+"""What every mode shares: a mode says what happens when a call is published
+and what happens when it runs, over the primitive (``Lock``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..conf import settings
+from ..locks import Lock
+from ..policies import CONTENTION, ContentionPolicy
+from ..runs import DEFER, DROP, FREED, held, retry_unbound
+
+if TYPE_CHECKING:
+    from ..runs import Run
+    from ..semaphores import Semaphore
+
+__all__ = ["Mode"]
+
+
+class Mode:
+    """A mode of ``@single_instance``: its two hooks, and the steps of a run."""
+
+    #: The name ``mode=`` takes.
+    name = ""
+    #: True if a call's lock is taken when it is published (``.delay()``).
+    publishes = True
+    #: Appended to the lock id for a published call's lock.
+    queue_suffix = ""
+    #: True if ``taken()`` does something (a call saved where it does not).
+    takes = False
+    #: The contention policy of a worker's call, whatever on_contention says
+    #: (None: on_contention's).
+    call_policy: str | None = None
+
+    def __init__(self) -> None:
+        # Read on every run: instance attributes are the interpreter's fastest.
+        self.takes, self.call_policy = self.takes, self.call_policy
+
+    # -- when a call is published ----------------------------------------------------
+
+    def on_publish(self, lock_id: str) -> str:
+        """The lock id a published call of this mode is held under until it
+        starts (the integrations' publish hooks claim it)."""
+        return lock_id + self.queue_suffix
+
+    # -- when a call runs -----------------------------------------------------------
+
+    def on_run(self, run: Run) -> Any:
+        """Take the run's lock as the contention policy says, run the body as
+        the current lock, release the lock after it (or hand it to the retry
+        the framework is about to send)."""
+        lock = run.lock = self.lock_for(run)
+        policy = CONTENTION[run.options.on_contention or settings.ON_CONTENTION]
+        if policy.bound_only and (run.task is None or not run.bound):
+            # A duplicate that met the lock could no longer be retried, and
+            # would be lost.
+            raise TypeError(retry_unbound(run.name))
+        if run.call_id is None:
+            acquired = policy.acquire(lock, run) if policy.waits else lock.acquire()
+        else:
+            if self.call_policy is not None:
+                policy = CONTENTION[self.call_policy]
+            # A worker's call: a lock held by this very call is a second
+            # delivery of its message, told apart before any wait.
+            acquired = lock.acquire()
+            if not acquired:
+                verdict = run.host.verdict(run, lock)
+                if verdict is DROP:
+                    return run.host.drop(run)
+                if verdict is DEFER:
+                    return run.host.defer(run, lock)
+                if verdict is FREED or policy.waits:
+                    acquired = policy.acquire(lock, run)
+        if not acquired:
+            return self.contended(run, lock, policy)
+        if self.takes:
+            self.taken(run, lock)
+        if run.task is not None:
+            run.host.guard_retry(run)
+        reset = held.set((*held.get(), run))
+        try:
+            return run.func(*run.args, **run.kwargs)
+        except BaseException as exc:
+            if run.hands_over and run.host.will_retry(run, exc):
+                run.host.hand_to_retry(run, lock)  # type: ignore[arg-type]
+            raise
+        finally:
+            held.reset(reset)
+            lock.release_quietly()
+
+    def lock_for(self, run: Run) -> Lock | Semaphore:
+        """The run's lock: one slot, named after the call if a worker runs it."""
+        return Lock(
+            run.lock_id,
+            oid=run.oid,
+            max_hold=run.max_hold,
+            call_id=run.call_id,
+            **run.options.lock_options,
+        )
+
+    def make_lock(self, run: Run, lock_id: str, take_over: str | None = None) -> Lock:
+        """A Lock on ``lock_id`` with the run's options, naming its call."""
+        return Lock(
+            lock_id,
+            oid=run.oid,
+            max_hold=run.max_hold,
+            call_id=run.call_id,
+            take_over=take_over,
+            **run.options.lock_options,
+        )
+
+    def contended(
+        self, run: Run, lock: Lock | Semaphore, policy: ContentionPolicy
+    ) -> Any:
+        return policy.contended(run, lock)
+
+    def taken(self, run: Run, lock: Lock | Semaphore) -> None:
+        """The lock was taken, the body is about to run."""

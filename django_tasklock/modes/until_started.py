@@ -1,0 +1,72 @@
+"""``until_started``: a call holds its lock from ``.delay()`` until a worker
+starts it (a debounce).
+
+Published: as ``until_finished``. Run: the call's mark becomes
+``started:<task id>``, which a newer ``.delay()`` may replace, so one new call
+can be queued while this one runs. The run itself holds a lock of its own,
+``<lock id>-run-<task id>``, named after the call: a second delivery of the
+message (which a newer call's mark no longer shows) meets it and is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..calls import Marks
+from ..conf import settings
+from ..runs import DEFER, DROP, FREED, held
+from .base import Mode
+
+if TYPE_CHECKING:
+    from ..runs import Run
+
+__all__ = ["UntilStarted"]
+
+# Named as before the reshape, so that logging configurations keep working.
+logger = logging.getLogger("django_tasklock.decorator")
+
+
+class UntilStarted(Mode):
+    name = "until_started"
+
+    def on_run(self, run: Run) -> Any:
+        call_id = run.call_id
+        if call_id is None:  # called directly: as while_running
+            return super().on_run(run)
+        run_lock = run.lock = self.make_lock(run, f"{run.lock_id}-run-{call_id}")
+        if not run_lock.acquire():
+            verdict = run.host.verdict(run, run_lock)
+            if verdict is DEFER:
+                return run.host.defer(run, run_lock)
+            if verdict is not FREED or not run_lock.acquire():
+                if verdict is not DROP:
+                    logger.warning(
+                        "Dropped a second delivery of %s[%s]: that call is already "
+                        "running (lock %r).",
+                        run.name,
+                        call_id,
+                        run_lock.lock_id,
+                    )
+                return run.host.drop(run)
+        # current_lock() is the run's lock, and a self.retry() frees it before
+        # the retry is sent (its copy would look like a second delivery).
+        run.host.guard_retry(run)
+        reset = held.set((*held.get(), run))
+        try:
+            return self._marked(run, call_id)
+        finally:
+            held.reset(reset)
+            run_lock.release_quietly()
+
+    def _marked(self, run: Run, call_id: str) -> Any:
+        """Run the body with the call marked started under the call's lock id."""
+        marks = Marks(run.options.cache, run.lock_id)
+        expire = run.options.expire
+        mark = marks.start(
+            call_id, expire if expire is not None else settings.LOCK_EXPIRE
+        )
+        try:
+            return run.body()
+        finally:
+            marks.clear(mark, "Could not clear the started mark of lock %r")

@@ -1,0 +1,119 @@
+"""The options of ``@single_instance``, checked when the decorator is applied."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from .conf import (
+    CONTENTION_POLICIES,
+    TIMEOUT_POLICIES,
+    validate_bool,
+    validate_choice,
+    validate_expire,
+    validate_seconds,
+)
+from .locks import ON_LOST_POLICIES, OnLost
+from .semaphores import validate_limit
+
+if TYPE_CHECKING:
+    import inspect
+    from collections.abc import Callable
+
+    from .arguments import KeySpec
+
+__all__ = ["Mode", "OnDuplicate", "Options", "Policy", "check_key"]
+
+Policy = Literal["skip", "raise", "retry", "wait"]
+Mode = Literal["while_running", "until_finished", "until_started", "coalesce"]
+OnDuplicate = Literal["join", "raise", "replace"]
+#: The names ``mode=`` and ``on_duplicate=`` take, from the types above (the
+#: tables in ``modes`` and ``policies.duplicates`` hold what each does; a test
+#: keeps them in step). Not read from those tables: they sit above this module.
+MODE_NAMES: tuple[str, ...] = get_args(Mode)
+DUPLICATE_NAMES: tuple[str, ...] = get_args(OnDuplicate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The decorator's options, validated, as given (None: read TASKLOCK)."""
+
+    key: KeySpec = None
+    expire: float | None = None
+    on_contention: Policy | None = None
+    timeout: float | None = None
+    on_timeout: str = "skip"
+    countdown: float | None = None
+    cache: str | None = None
+    renew: bool | None = None
+    max_hold: float | None = None
+    on_lost: OnLost = "warn"
+    limit: int | None = None
+    mode: str = "while_running"
+    on_duplicate: str = "join"
+    queue_expire: float | None = None
+    #: The options every lock of these runs is made with, those given only
+    #: (set in __post_init__; a run's own are added to them).
+    lock_options: dict[str, Any] = dataclasses.field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        if self.expire is not None:
+            validate_expire(self.expire)
+        if self.on_contention is not None:
+            validate_choice(
+                self.on_contention, name="on_contention", choices=CONTENTION_POLICIES
+            )
+        if self.timeout is not None:
+            validate_seconds(self.timeout, name="timeout")
+        if self.countdown is not None:
+            validate_seconds(self.countdown, name="countdown", allow_zero=True)
+        validate_choice(self.on_timeout, name="on_timeout", choices=TIMEOUT_POLICIES)
+        if self.renew is not None:
+            validate_bool(self.renew, name="renew")
+        if self.max_hold is not None:
+            validate_seconds(self.max_hold, name="max_hold")
+        if self.limit is not None:
+            validate_limit(self.limit)
+        validate_choice(self.on_lost, name="on_lost", choices=ON_LOST_POLICIES)
+        validate_choice(self.mode, name="mode", choices=MODE_NAMES)
+        validate_choice(self.on_duplicate, name="on_duplicate", choices=DUPLICATE_NAMES)
+        if self.queue_expire is not None:
+            validate_expire(self.queue_expire, name="queue_expire")
+        if self.mode != "while_running" and self.limit not in (None, 1):
+            raise TypeError(
+                f"limit= works with mode='while_running' only, not mode={self.mode!r}: "
+                "a call is pending under one lock id. Drop limit=, or the mode."
+            )
+        given = {
+            "expire": self.expire,
+            "cache": self.cache,
+            "renew": self.renew,
+            "on_lost": self.on_lost,
+        }
+        self.lock_options.update((k, v) for k, v in given.items() if v is not None)
+
+
+def check_key(
+    func: Callable[..., Any], key: KeySpec, signature: inspect.Signature
+) -> None:
+    """Refuse a ``key=`` that names no argument of ``func``."""
+    if key is None or callable(key):
+        return
+    names = [key] if isinstance(key, str) else key
+    if (
+        not isinstance(names, (list, tuple))
+        or not names
+        or not all(isinstance(name, str) for name in names)
+    ):
+        raise TypeError(
+            f"key= must be an argument name, a list of names or a callable, not {key!r}."
+        )
+    known = signature.parameters
+    for name in names:
+        if name not in known:
+            raise ValueError(
+                f"key= names {name!r}, which is not an argument of {func.__qualname__}; "
+                f"its arguments are: {', '.join(known) or '(none)'}."
+            )

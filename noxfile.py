@@ -1,0 +1,82 @@
+"""The other supported Python/Django pairs, each in an environment of its own.
+
+``make test`` runs these (``nox``) beside the main run (python3, Django 5.2),
+after lint, types, docs and the package check; ``nox -s
+"tests(python='3.13', django='6.0')"`` runs one.
+Environments are made with uv when it is installed (``make venv`` installs it),
+and kept between runs. A pair whose Python is missing fails the run.
+
+The pairs run the suite without its ``slow`` tests: those (many processes
+fighting for locks, expiry waits, worker kills, the fault and benchmark smoke
+runs) measure the lock against the store and the operating system, which do not
+change with the Python or Django version; every code path they take is run by
+quicker tests here as well. The main run has them all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["tests"]
+
+ROOT = Path(__file__).resolve().parent
+#: (Python, Django): the oldest pair, the newest Django 5, the newest of all.
+PAIRS = [("3.10", "4.2"), ("3.12", "5.2"), ("3.13", "6.0")]
+
+
+def _interpreters_on_path() -> None:
+    """Put a ``python3.X`` that runs on PATH for each pair: pyenv's shims name
+    versions that are not selected, and fail when run; its versions' own
+    binaries do not."""
+    links = Path(tempfile.mkdtemp(prefix="tasklock-nox-"))
+    versions = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for python, _django in PAIRS:
+        name = f"python{python}"
+        found = shutil.which(name)
+        if (
+            found
+            and subprocess.run([found, "-c", ""], capture_output=True).returncode == 0
+        ):
+            continue
+        for candidate in sorted(versions.glob(f"{python}.*/bin/{name}"), reverse=True):
+            (links / name).symlink_to(candidate)
+            break
+    os.environ["PATH"] = f"{links}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+_interpreters_on_path()
+
+
+@nox.session
+@nox.parametrize("python,django", PAIRS)
+def tests(session: nox.Session, django: str) -> None:
+    """The suite but its slow tests, with coverage kept for the main run."""
+    session.install("-e", ".[test]", f"Django~={django}")
+    coverage = ROOT / ".coverage-matrix"
+    coverage.mkdir(exist_ok=True)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not slow",
+        "-n",
+        os.environ.get("TASKLOCK_MATRIX_WORKERS", "2"),
+        "--cov",
+        "--cov-report=",
+        "--cov-fail-under=0",
+        *session.posargs,
+        env={"COVERAGE_FILE": str(coverage / f"{session.python}")},
+    )

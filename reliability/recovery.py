@@ -1,0 +1,421 @@
+"""Fault cases 28-33: crash recovery. A dead holder's lock free in about a
+second on its own host and within LIVENESS from another; a paused holder kept
+or told; a memcached restart under live holders; a storm of kills.
+
+Rows 28 and 29 use real ``celery worker`` processes (``calls.run`` starts
+them); the others real holder processes (``tests.holder``), some in a UTS
+namespace of their own, that is, on another host by hostname.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from reliability.faults import ROOT, Row
+from tests.conftest import wait_until
+from tests.services import Memcached, stop_and_wait
+from tests.workers import Holder, kill_then_run_again, started_runs
+
+#: The issue's target for a holder on the contender's own host.
+TARGET = 2.0
+#: LIVENESS of the rows that pause holders: short, so the rows stay short.
+SHORT_LIVENESS = 3.0
+#: The default LIVENESS, which row 29 runs with.
+LIVENESS = 10.0
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):.1f}-{max(values):.1f}"
+
+
+def child_killed(tries: int) -> Row:
+    """28. A pool process SIGKILLed mid-body holding a 600 s lock
+    (while_running, until_finished, a ``limit=2`` slot); the same call sent
+    again once the process is dead. Wrong: it started 2 s or more after the
+    kill; a dead child's lock the worker's parent did not free (no contender)
+    within 10 s. Overlaps: a second run that started before the kill."""
+    from django_tasklock import lock_id_for
+    from django_tasklock.status import lock_status
+    from tests import tasks
+
+    kinds = [
+        (tasks.hold_long_when_told, ()),
+        (tasks.queue_long_when_told, ()),
+        (tasks.slot_long_when_told, (1,)),
+    ]
+    attempts = overlapping = wrong = 0
+    again: list[float] = []
+    freed: list[float] = []
+    for attempt in range(tries):
+        for task, args in kinds:
+            key = f"recovered-{task.name}-{attempt}"
+            if args:  # a live holder of the other slot, all along
+                tasks.slot_long_when_told.delay(key, 0)
+                wait_until(lambda key=key: len(started_runs(key)) == 1, 30)
+            took, _pid = kill_then_run_again(task, key, *args)
+            attempts += 1
+            again.append(took)
+            overlapping += took < 0
+            wrong += took >= TARGET
+        key = f"recovered-parent-{attempt}"
+        lock_id = lock_id_for(tasks.hold_long_when_told, key)
+        tasks.hold_long_when_told.delay(key)
+        wait_until(lambda key=key: len(started_runs(key)) == 1, 30)
+        owner = lock_status(lock_id).owner
+        assert owner is not None
+        os.kill(owner.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        attempts += 1
+        try:
+            wait_until(lambda lock_id=lock_id: not lock_status(lock_id).held, 10)
+            freed.append(time.monotonic() - killed)
+        except AssertionError:
+            wrong += 1
+        tasks.let_go(key)
+    row = Row("28. pool child SIGKILLed, LOCK_EXPIRE 600", attempts, overlapping, wrong)
+    row.figures.append(
+        f"the same call ran again {_spread(again)}s after the kill (while_running, "
+        "until_finished, a limit=2 slot); the worker's parent freed the dead "
+        f"child's lock with no contender {_spread(freed)}s after it"
+    )
+    return row
+
+
+def _far_worker(broker: dict[str, str], host: str) -> subprocess.Popen[bytes]:
+    """A ``celery worker`` (prefork, one child) consuming queue ``far``, with a
+    hostname of its own; a process group of its own, to be killed whole."""
+    from tests.celery_app import app
+
+    command = [
+        "unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "-",
+        sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
+        "-P", "prefork", "-c", "1", "-n", f"far@{host}", "-Q", "far",
+        "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "ERROR",
+    ]  # fmt: skip
+    env = {**os.environ, **broker, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    wait_until(
+        lambda: any(f"far@{host}" in reply for reply in app.control.ping(timeout=0.5)),
+        60,
+    )
+    return process
+
+
+def worker_killed_elsewhere(broker: dict[str, str], tries: int) -> Row:
+    """29. A whole worker (parent and child) on another host SIGKILLed while
+    its call holds a 600 s lock; the same call, sent to a worker here, waits
+    for the lock (``on_contention="wait"``). Wrong: it started later than
+    LIVENESS + 2 s after the kill. Overlaps: it started before the kill."""
+    from tests import tasks
+
+    attempts = overlapping = wrong = 0
+    took: list[float] = []
+    for attempt in range(tries):
+        key = f"far-{attempt}"
+        worker = _far_worker(broker, "tasklock-far")
+        try:
+            tasks.wait_long_when_told.apply_async((key,), queue="far")
+            wait_until(lambda key=key: len(started_runs(key)) == 1, 30)
+        finally:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        killed = time.monotonic()
+        tasks.wait_long_when_told.delay(key)
+        attempts += 1
+        try:
+            wait_until(lambda key=key: len(started_runs(key)) == 2, LIVENESS + 30)
+        except AssertionError:
+            wrong += 1
+            continue
+        finally:
+            tasks.let_go(key)
+        started = started_runs(key)[1]["start"]
+        assert isinstance(started, float)
+        took.append(started - killed)
+        overlapping += took[-1] < 0
+        wrong += took[-1] > LIVENESS + 2
+    row = Row(
+        "29. whole worker on another host SIGKILLed", attempts, overlapping, wrong
+    )
+    row.figures.append(
+        f"the call ran on this host {_spread(took)}s after the kill "
+        f"(LIVENESS {LIVENESS:.0f}s, LOCK_EXPIRE 600)"
+    )
+    return row
+
+
+def _tasklock() -> Any:
+    from django.test import override_settings
+
+    return override_settings(
+        TASKLOCK={"CACHE": "default", "LOCK_EXPIRE": 600, "LIVENESS": SHORT_LIVENESS}
+    )
+
+
+def paused_briefly(tries: int) -> Row:
+    """30. A holder on another host SIGSTOPped for half of LIVENESS while a
+    rival here tries for the lock. Overlaps: the rival got it. Wrong: the
+    holder, resumed, does not hold it (check() False, release refused)."""
+    from django_tasklock import Lock
+
+    attempts = overlapping = wrong = 0
+    with _tasklock():
+        for attempt in range(tries):
+            holder = Holder("default", f"paused-{attempt}", host="tasklock-paused",
+                            liveness=SHORT_LIVENESS)  # fmt: skip
+            try:
+                stop_and_wait(holder.process.pid)
+                attempts += 1
+                rival = Lock(f"paused-{attempt}", expire=30)
+                overlapping += rival.acquire(blocking=True, timeout=SHORT_LIVENESS / 2)
+                os.kill(holder.process.pid, signal.SIGCONT)
+                wrong += holder.ask("check") != "check True False"
+                wrong += holder.ask("release") != "released True"
+            finally:
+                os.kill(holder.process.pid, signal.SIGCONT)
+                holder.close()
+    row = Row(f"30. holder elsewhere paused {SHORT_LIVENESS / 2:.1f}s", attempts,
+              overlapping, wrong)  # fmt: skip
+    row.figures.append(
+        f"LIVENESS {SHORT_LIVENESS:.0f}s: kept its lock through the pause "
+        f"{attempts - overlapping - wrong}/{attempts}"
+    )
+    return row
+
+
+def paused_too_long(tries: int) -> Row:
+    """31. By design: a holder on another host SIGSTOPped for twice LIVENESS;
+    a rival takes the lock. Wrong: the holder, resumed, is not told (check()
+    True), its fence is not older, or its release removes the rival's lock."""
+    from django_tasklock import Lock
+
+    attempts = overlapping = wrong = 0
+    taken: list[float] = []
+    with _tasklock():
+        for attempt in range(tries):
+            lock_id = f"frozen-{attempt}"
+            holder = Holder("default", lock_id, host="tasklock-frozen",
+                            liveness=SHORT_LIVENESS)  # fmt: skip
+            try:
+                stop_and_wait(holder.process.pid)
+                stopped = time.monotonic()
+                attempts += 1
+                rival = Lock(lock_id, expire=30)
+                if not rival.acquire(blocking=True, timeout=2 * SHORT_LIVENESS + 10):
+                    wrong += 1
+                    continue
+                taken.append(time.monotonic() - stopped)
+                overlapping += 1
+                fence = rival.fence
+                while time.monotonic() - stopped < 2 * SHORT_LIVENESS:
+                    time.sleep(0.05)
+                os.kill(holder.process.pid, signal.SIGCONT)
+                wrong += holder.ask("check") != "check False True"
+                wrong += not (fence is not None and holder.fence < fence)
+                wrong += holder.ask("release") != "released False"
+                wrong += not (rival.owned() and rival.release())
+            finally:
+                os.kill(holder.process.pid, signal.SIGCONT)
+                holder.close()
+    row = Row(f"31. holder elsewhere paused {2 * SHORT_LIVENESS:.0f}s", attempts,
+              overlapping, wrong, by_design=True)  # fmt: skip
+    row.figures.append(
+        f"taken {_spread(taken)}s into the pause (LIVENESS {SHORT_LIVENESS:.0f}s); "
+        f"told at SIGCONT by check(), older fence, release refused "
+        f"{attempts - wrong}/{attempts}"
+    )
+    return row
+
+
+def restarted_under_holders(tries: int) -> Row:
+    """32. Default settings (LOCK_EXPIRE 600, LIVENESS 10, RESTART_GRACE
+    unset): a pool node restarted empty under 20 holders; a fresh process
+    takes a new id of that node, then tries the held ones. Overlaps: held ids
+    it took. Wrong: a holder that lost its lock, new locks refused for longer
+    than 15 s or not refused at all."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    from tests.workers import restart_under_holders
+
+    attempts = overlapping = wrong = 0
+    refused: list[float] = []
+    for attempt in range(tries):
+        servers = [Memcached().start() for _ in range(3)]
+        caches_setting = {
+            **settings.CACHES,
+            "pool": {
+                "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+                "LOCATION": [server.address for server in servers],
+            },
+        }
+        try:
+            with override_settings(CACHES=caches_setting, TASKLOCK={"CACHE": "pool"}):
+                ids = [f"restart-{attempt}-{n}" for n in range(20)]
+                outcome = restart_under_holders(servers, "pool", ids, caches_setting)
+        finally:
+            from django_tasklock.backends import close_thread_connections
+            from django_tasklock.locks.liveness import forget_records
+
+            forget_records()
+            close_thread_connections()
+            for server in servers:
+                server.stop()
+        on_victim: list[str] = outcome["on_victim"]  # type: ignore[assignment]
+        attempts += len(on_victim)
+        overlapping += len(outcome["stolen"])  # type: ignore[arg-type]
+        wrong += not all(outcome["owned"])  # type: ignore[call-overload]
+        seconds = outcome["refused_for"]
+        if not isinstance(seconds, float) or not 1 <= seconds <= 15:
+            wrong += 1
+        else:
+            refused.append(seconds)
+    row = Row("32. node restarted under 20 holders, defaults", attempts, overlapping,
+              wrong)  # fmt: skip
+    row.figures.append(
+        f"new locks on it refused {_spread(refused)}s after the restart (before: "
+        f"LOCK_EXPIRE, 600 s); second holders {overlapping}/{attempts}"
+    )
+    return row
+
+
+def _stress_holder(setup: Any, path: str, lock_id: str) -> None:
+    """Take ``lock_id`` again and again (LOCK_EXPIRE 600), holding it for a
+    moment, and write each hold's start (``S``) and end (``E``) to ``path``."""
+    setup()
+    from django.conf import settings
+
+    from django_tasklock import Lock
+
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 600}
+    with open(path, "a", buffering=1) as log:
+        while True:
+            lock = Lock(lock_id)
+            if not lock.acquire(blocking=True, timeout=30):
+                continue
+            log.write(f"S {time.monotonic()}\n")
+            time.sleep(random.uniform(0.01, 0.1))
+            log.write(f"E {time.monotonic()}\n")
+            lock.release()
+
+
+def _holds(directory: Path, kills: dict[int, float]) -> list[tuple[float, float]]:
+    """Every hold the stress holders wrote; one cut short ends at its kill."""
+    holds = []
+    for path in directory.glob("*.log"):
+        pid = int(path.stem)
+        start = None
+        for line in path.read_text().splitlines():
+            kind, _, value = line.partition(" ")
+            try:
+                moment = float(value)
+            except ValueError:
+                continue  # a line cut by the kill
+            if kind == "S":
+                start = moment
+            elif kind == "E" and start is not None:
+                holds.append((start, moment))
+                start = None
+        if start is not None and pid in kills:
+            holds.append((start, kills[pid]))
+    return sorted(holds)
+
+
+def stress(seconds: float, processes: int = 16) -> Row:
+    """33. ``processes`` processes take one lock id (LOCK_EXPIRE 600) for
+    ``seconds``; every 0.2-0.6 s the current holder is SIGKILLed and a new
+    process started. Overlaps: a hold that began before the previous one
+    ended (a killed hold ends at its kill). Wrong: a kill after which the lock
+    was not held again within 2 s."""
+    from django_tasklock.status import lock_status
+    from tests.workers import overlaps
+
+    context = multiprocessing.get_context("spawn")
+    kills: dict[int, float] = {}
+    with tempfile.TemporaryDirectory() as name:
+        directory = Path(name)
+        setup = _SetupDjango(os.environ["TASKLOCK_TEST_MEMCACHED"])
+        running: dict[int, Any] = {}
+        for _ in range(processes):
+            spawn_into(context, running, setup, directory)
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            time.sleep(random.uniform(0.2, 0.6))
+            owner = lock_status("stress").owner
+            if owner is None or owner.pid not in running:
+                continue
+            os.kill(owner.pid, signal.SIGKILL)
+            kills[owner.pid] = time.monotonic()
+            running.pop(owner.pid).join()
+            spawn_into(context, running, setup, directory)
+        for process in running.values():
+            process.kill()
+            process.join()
+        holds = _holds(directory, kills)
+    starts = [start for start, _ in holds]
+    gaps = []
+    for killed in sorted(kills.values()):
+        after = [start - killed for start in starts if start >= killed]
+        gaps.append(min(after) if after else float("inf"))
+    wrong = sum(gap > TARGET for gap in gaps[:-1])  # the last kill may end the run
+    row = Row(f"33. stress: {processes} processes, kills, {seconds:.0f}s", len(kills),
+              overlaps(holds), wrong)  # fmt: skip
+    ordered = sorted(gaps[:-1]) or [0.0]
+    row.figures.append(
+        f"{len(holds)} holds, {len(kills)} holders killed holding it; kill to next "
+        f"start: median {ordered[len(ordered) // 2]:.2f}s, "
+        f"p95 {ordered[int(len(ordered) * 0.95)]:.2f}s, max {ordered[-1]:.2f}s"
+    )
+    return row
+
+
+class _SetupDjango:
+    """Django set up in a spawned process, on the fault suite's memcached."""
+
+    def __init__(self, memcached: str) -> None:
+        self.memcached = memcached
+
+    def __call__(self) -> None:
+        from reliability.faults import setup_django
+
+        setup_django(self.memcached)
+
+
+def spawn_into(
+    context: Any, running: dict[int, Any], setup: _SetupDjango, directory: Path
+) -> None:
+    """Start one more stress holder, logging to ``directory/<pid>.log``."""
+    process = context.Process(target=_logged_holder, args=(setup, str(directory)))
+    process.start()
+    running[process.pid] = process
+
+
+def _logged_holder(setup: _SetupDjango, directory: str) -> None:
+    _stress_holder(setup, os.path.join(directory, f"{os.getpid()}.log"), "stress")
+
+
+def run(quick: bool) -> list[Row]:
+    return [
+        paused_briefly(1 if quick else 3),
+        paused_too_long(1 if quick else 3),
+        restarted_under_holders(1 if quick else 3),
+        stress(15 if quick else 120),
+    ]

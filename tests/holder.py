@@ -1,0 +1,55 @@
+"""A process that takes locks and holds them until it is killed or told to stop.
+
+    python -m tests.holder <alias> <liveness or "none"> <lock id> [<semaphore limit>]
+
+Prints ``held <token> <fence>`` once it holds, then waits for a line on stdin:
+``check`` prints ``check <True|False> <lost>``; ``release`` releases and prints
+``released <True|False>``, then exits; ``exit`` exits holding it. Run under
+``unshare --uts`` it is a holder on another host (a hostname of its own, same
+loopback stores).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> None:
+    from tests.workers import setup_django
+
+    setup_django()
+    from django.conf import settings
+
+    from django_tasklock import Lock, Semaphore
+
+    alias, liveness, lock_id, *rest = argv
+    settings.TASKLOCK = {
+        "CACHE": alias,
+        "LIVENESS": None if liveness == "none" else float(liveness),
+    }
+    holder: Lock | Semaphore = (
+        Semaphore(lock_id, int(rest[0]), expire=600)
+        if rest
+        else Lock(lock_id, expire=600)
+    )
+    if not holder.acquire():
+        print("refused", flush=True)
+        return
+    lock = holder if isinstance(holder, Lock) else holder.lock
+    assert lock is not None
+    print(f"held {lock.token} {lock.fence}", flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "check":
+            print(f"check {lock.check()} {lock.lost}", flush=True)
+        elif command == "fence":
+            print(f"fence {lock.fence}", flush=True)
+        elif command == "exit":  # leave without releasing: the way out does
+            sys.exit(0)
+        elif command == "release":
+            print(f"released {holder.release()}", flush=True)
+            return
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

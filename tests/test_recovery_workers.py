@@ -1,0 +1,77 @@
+"""Crash recovery with real ``celery worker`` processes: a pool child SIGKILLed
+mid-body with a 600 s lock; the same call runs again within 2 s, and the
+worker's parent frees the dead child's locks without waiting for a contender."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from django_tasklock import lock_id_for
+from django_tasklock.status import lock_status
+from tests import tasks
+from tests.conftest import wait_until
+from tests.test_celery_workers import broker  # noqa: F401
+from tests.workers import (
+    kill_then_run_again,
+    start_workers,
+    started_runs,
+    stop_workers,
+)
+
+pytestmark = pytest.mark.slow
+
+#: The issue's target: the same call runs again within this many seconds.
+TARGET = 2.0
+
+
+@pytest.fixture(autouse=True)
+def _memcached_locks(settings):
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 600}
+
+
+@pytest.fixture(scope="module")
+def workers(broker):  # noqa: F811
+    processes = start_workers(broker, ["recovery"], concurrency=3)
+    yield processes
+    stop_workers(processes)
+
+
+@pytest.mark.parametrize(
+    "task",
+    [tasks.hold_long_when_told, tasks.queue_long_when_told],
+    ids=lambda t: t.name,
+)
+def test_a_killed_childs_call_runs_again_within_two_seconds(workers, task):
+    took, _ = kill_then_run_again(task, f"again-{task.name}")
+    assert took < TARGET, f"ran again {took:.2f}s after the kill"
+
+
+def test_a_killed_childs_semaphore_slot_is_free_within_two_seconds(workers):
+    key = "again-slot"
+    tasks.slot_long_when_told.delay(key, 0)
+    wait_until(lambda: len(started_runs(key)) == 1, 30)
+    took, _ = kill_then_run_again(tasks.slot_long_when_told, key, 1)
+    assert took < TARGET, f"slot free {took:.2f}s after the kill"
+    # Two ran at once at most: the live first run, and the one after the kill.
+    assert len(started_runs(key)) == 3
+
+
+def test_the_parent_frees_a_dead_childs_lock_without_a_contender(workers):
+    key = "parent-frees"
+    lock_id = lock_id_for(tasks.hold_long_when_told, key)
+    tasks.hold_long_when_told.delay(key)
+    wait_until(lambda: len(started_runs(key)) == 1, 30)
+    status = lock_status(lock_id)
+    assert status.held and status.owner is not None and status.owner.alive
+    assert status.ttl is not None and status.ttl > 500
+    os.kill(status.owner.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    # Nobody contends: only the worker's parent (WorkerLostError) frees it.
+    wait_until(lambda: not lock_status(lock_id).held, 30)
+    freed = time.monotonic() - killed
+    assert freed < 10, f"freed {freed:.1f}s after the kill"
+    tasks.let_go(key)

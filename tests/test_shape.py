@@ -1,0 +1,66 @@
+"""The package keeps its shape: the tables that choose modes and policies by name
+agree with the names the options' types give, and scripts/shape.py (sizes,
+import circles) passes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import get_args
+
+from django_tasklock.conf import CONTENTION_POLICIES, TIMEOUT_POLICIES
+from django_tasklock.modes import MODES
+from django_tasklock.options import (
+    DUPLICATE_NAMES,
+    MODE_NAMES,
+    Mode,
+    OnDuplicate,
+    Policy,
+)
+from django_tasklock.policies import CONTENTION, DUPLICATES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_mode_name_has_a_mode_and_every_mode_a_name():
+    assert tuple(MODES) == MODE_NAMES == get_args(Mode)
+    assert all(mode.name == name for name, mode in MODES.items())
+
+
+def test_every_policy_name_has_a_policy():
+    assert tuple(CONTENTION) == CONTENTION_POLICIES
+    assert set(TIMEOUT_POLICIES) <= set(CONTENTION)
+    assert tuple(DUPLICATES) == DUPLICATE_NAMES == get_args(OnDuplicate)
+    assert tuple(CONTENTION) == get_args(Policy)
+
+
+def test_no_class_or_function_over_its_limit_and_no_import_circle():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "shape.py")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "import circles: 0" in result.stdout
+
+
+def test_the_shape_script_finds_a_circle_and_an_oversized_function(tmp_path):
+    # The check itself can fail: a package with both is refused.
+    package = tmp_path / "django_tasklock"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text(
+        "from . import a\n\n\ndef big():\n" + "    x = 1\n" * 61
+    )
+    script = tmp_path / "scripts" / "shape.py"
+    script.parent.mkdir()
+    script.write_text((ROOT / "scripts" / "shape.py").read_text())
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 1
+    assert "django_tasklock.a <-> django_tasklock.b" in result.stdout
+    assert "over the limit: django_tasklock.b:big (62 lines)" in result.stdout
