@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from operator import is_
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from django.conf import settings as django_settings
@@ -33,6 +34,9 @@ MAX_EXPIRE: Final = 30 * 24 * 60 * 60
 
 Protocol = Literal["auto", "meta", "classic"]
 PROTOCOLS: Final = ("auto", "meta", "classic")
+#: What ``lock_defaults()`` gives: LOCK_EXPIRE, CACHE, MEMCACHED_PROTOCOL,
+#: RENEW and LIVENESS.
+LockDefaults = tuple[float, str, Protocol, bool, "float | None"]
 Contention = Literal["skip", "raise", "retry", "wait"]
 CONTENTION_POLICIES: Final = ("skip", "raise", "retry", "wait")
 TIMEOUT_POLICIES: Final = ("skip", "raise")
@@ -133,11 +137,6 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
     "LIVENESS": lambda v: v if v is None else validate_liveness(v),
 }
 
-#: The default RESTART_GRACE with liveness records on: a live holder's record
-#: thread puts its locks back on a restarted memcached within two beats (at most
-#: a second each), with room for a reconnection on a busy host.
-REASSERT_GRACE: Final = 5.0
-
 #: The shortest liveness bound: a holder must be able to renew its record at
 #: least once before memcached's whole-second clock may drop it.
 MIN_LIVENESS: Final = 3
@@ -225,7 +224,7 @@ class Settings:
         self._valid: dict[str, object] = {}
         # lock_defaults(): the TASKLOCK values it last read, and what they gave.
         self._lock_memo: (
-            tuple[tuple[object, ...], tuple[float, str, Protocol, bool, float | None]]
+            tuple[dict[str, object], tuple[str, ...], tuple[object, ...], LockDefaults]
             | None
         ) = None
 
@@ -247,16 +246,30 @@ class Settings:
         self._valid[key] = value
         return value
 
-    def lock_defaults(self) -> tuple[float, str, Protocol, bool, float | None]:
+    def lock_defaults(self) -> LockDefaults:
         """``LOCK_EXPIRE``, ``CACHE``, ``MEMCACHED_PROTOCOL``, ``RENEW`` and
-        ``LIVENESS`` in one read, the hot path of every acquire: the TASKLOCK
-        dict is taken from the cache Django's settings object keeps of it
-        (emptied by Django on every change: override_settings, assignment), and
-        the values it gave last time are reused while it holds the same ones."""
+        ``LIVENESS`` in one read, the hot path of every acquire.
+
+        The TASKLOCK dict is taken from the cache Django's settings object keeps
+        of it (emptied by Django on every change: override_settings,
+        assignment). What it gave last time is reused while it is the same dict
+        holding the very same key and value objects (a change in place, or an
+        equal value of another type such as 1 for True, is read and validated
+        anew): two C-level identity passes, not a lookup per setting."""
         raw = _django_settings_cache.get("TASKLOCK", _UNSET)
+        memo = self._lock_memo
+        if (
+            memo is not None
+            and raw is memo[0]
+            and len(raw) == len(memo[1])
+            and all(map(is_, raw, memo[1]))
+            and all(map(is_, raw.values(), memo[2]))
+        ):
+            return memo[3]
         if raw is _UNSET:  # not read yet since it last changed, or not set
             raw = getattr(django_settings, "TASKLOCK", None)
         if not isinstance(raw, dict):
+            self._lock_memo = None
             return (
                 self.LOCK_EXPIRE,
                 self.CACHE,
@@ -264,42 +277,21 @@ class Settings:
                 self.RENEW,
                 self.LIVENESS,
             )
-        # A misspelt key must not leave its value silently unused (a frozenset
-        # test of a few keys: cheap enough for every acquire).
-        if not _KNOWN_KEYS.issuperset(raw):
-            _check_known_keys(raw)
-        get = raw.get
-        given = (
-            get("LOCK_EXPIRE", _UNSET),
-            get("CACHE", _UNSET),
-            get("MEMCACHED_PROTOCOL", _UNSET),
-            get("RENEW", _UNSET),
-            get("LIVENESS", _UNSET),
-        )
-        memo = self._lock_memo
-        if memo is not None:
-            seen = memo[0]
-            # The very same objects (an equal value of another type, 1 for
-            # True, must be validated).
-            if (
-                seen[0] is given[0]
-                and seen[1] is given[1]
-                and seen[2] is given[2]
-                and seen[3] is given[3]
-                and seen[4] is given[4]
-            ):
-                return memo[1]
+        # A misspelt key must not leave its value silently unused.
+        _check_known_keys(raw)
         valid = self._valid
         values = []
-        for key, value in zip(_LOCK_KEYS, given, strict=True):
+        for key in _LOCK_KEYS:
+            value = raw.get(key, _UNSET)
             if value is _UNSET:
                 value = DEFAULTS[key]
             elif valid.get(key, _UNSET) is not value:
                 value = self._get(key)
             values.append(value)
         expire, cache, protocol, renew, liveness = values
-        self._lock_memo = given, (expire, cache, protocol, renew, liveness)
-        return expire, cache, protocol, renew, liveness
+        result = (expire, cache, protocol, renew, liveness)
+        self._lock_memo = raw, tuple(raw), tuple(raw.values()), result
+        return result
 
     @property
     def LOCK_EXPIRE(self) -> float:
@@ -340,13 +332,14 @@ class Settings:
     @property
     def RESTART_GRACE(self) -> float:
         """Seconds after a memcached restart during which new locks on it are
-        refused, unless set: ``REASSERT_GRACE`` while liveness records are on
-        (their threads put live holders' locks back within two beats),
-        ``LOCK_EXPIRE`` without them."""
+        refused, unless set: ``LIVENESS`` while liveness records are on (a live
+        holder's record thread puts its locks back within a beat or two; one
+        that cannot show life for ``LIVENESS`` may lose its locks anyway, to a
+        contender on another host), ``LOCK_EXPIRE`` without them."""
         value: float | None = self._get("RESTART_GRACE")
         if value is not None:
             return value
-        return self.LOCK_EXPIRE if self.LIVENESS is None else REASSERT_GRACE
+        return self.LOCK_EXPIRE if self.LIVENESS is None else self.LIVENESS
 
     @property
     def QUEUE_EXPIRE(self) -> float:

@@ -215,7 +215,10 @@ def _evict(server: Memcached, lock_id: str, token_size: int) -> None:
 
 def killed_worker(redis_url: str, tries: int) -> Row:
     """SIGKILL the pool process running a locked task (expire=3 s); how soon does
-    the next run of the same task and arguments start?"""
+    the next run of the same task and arguments start? Wrong: the lock outlived
+    its expiry by more than memcached's whole second and a poll. Crash recovery
+    (rows 28-33) frees it sooner, at once or as the worker's parent notices the
+    dead child, so how much sooner varies with the machine's load."""
     from django_tasklock import Lock, lock_id_for
     from tests import tasks
     from tests.celery_app import app
@@ -232,7 +235,7 @@ def killed_worker(redis_url: str, tries: int) -> Row:
     worker = celery_worker("tests.celery_app", "faults", 1, env)
     recoveries: list[float] = []
     frees: list[float] = []
-    attempts = overlapping = early = 0
+    attempts = overlapping = late = 0
     try:
         for attempt in range(tries):
             attempts += 1
@@ -250,6 +253,7 @@ def killed_worker(redis_url: str, tries: int) -> Row:
             while lock.locked():
                 time.sleep(0.02)
             frees.append(time.monotonic() - killed_at)
+            late += frees[-1] > 3 + 1.5
             # Keep asking for the same run; skipped ones return at once.
             while len(tasks.runs(name)) < 2:
                 tasks.hold_for.delay(name, 0)
@@ -260,12 +264,10 @@ def killed_worker(redis_url: str, tries: int) -> Row:
             second_start = float(second["start"])  # type: ignore[arg-type]
             recoveries.append(second_start - killed_at)
             overlapping += second_start < killed_at
-            # The lock (3 s) must hold until it expires: no run before then.
-            early += second_start < float(first["start"]) + 2.0  # type: ignore[arg-type]
     finally:
         stop_process(worker)
         app.pool.force_close_all()
-    row = Row("4. worker SIGKILLed mid-task (expire 3s)", attempts, overlapping, early)
+    row = Row("4. worker SIGKILLed mid-task (expire 3s)", attempts, overlapping, late)
     row.figures.append(
         f"lock free {min(frees):.1f}-{max(frees):.1f}s and next run "
         f"{min(recoveries):.1f}-{max(recoveries):.1f}s after the kill"

@@ -47,7 +47,8 @@ def node_restarted(main: Memcached, tries: int, ids: int = 75) -> Row:
                     1, initializer=setup_django, initargs=(main.address,)
                 ) as pool:
                     result = pool.apply(
-                        take_until_all, (caches_setting, tasklock, names, EXPIRE + 6)
+                        take_until_all,
+                        (caches_setting, tasklock, names, grace + EXPIRE + 6),
                     )
                 taken: dict[str, float] = result["taken"]  # type: ignore[assignment]
                 attempts += len(on_victim)
@@ -67,8 +68,8 @@ def node_restarted(main: Memcached, tries: int, ids: int = 75) -> Row:
             close_thread_connections()
             for server in servers:
                 server.stop()
-    # New locks on the restarted node are refused for the grace (5 s with
-    # liveness records, as here; LOCK_EXPIRE without): taken a second sooner,
+    # New locks on the restarted node are refused for the grace (LIVENESS
+    # with liveness records, as here; LOCK_EXPIRE without): taken a second sooner,
     # and the old holders' locks may still be valid.
     wrong += sum(wait < min(grace, EXPIRE) - 1 for wait in waits)
     row = Row(

@@ -348,24 +348,26 @@ def _wait_to_be_told(key: str, limit: float = 60.0) -> None:
             time.sleep(0.05)
 
 
+def _run_until_told(self, key: str, **details: object) -> str:
+    """Record the run's start, wait until the test lets ``key`` go, record its end."""
+    started = time.monotonic()
+    record(key, started, task_id=self.request.id, phase="start", **details)
+    _wait_to_be_told(key)
+    return _ran(self, key, started)
+
+
 @app.task(bind=True)
 @single_instance(mode="until_finished", expire=60)
 def finish_when_told(self, key):
     """until_finished, running until the test lets it go."""
-    started = time.monotonic()
-    record(key, started, task_id=self.request.id, phase="start")
-    _wait_to_be_told(key)
-    return _ran(self, key, started)
+    return _run_until_told(self, key)
 
 
 @app.task(bind=True)
 @single_instance(expire=60)
 def skip_when_told(self, key):
     """while_running, running until the test lets it go."""
-    started = time.monotonic()
-    record(key, started, task_id=self.request.id, phase="start")
-    _wait_to_be_told(key)
-    return _ran(self, key, started)
+    return _run_until_told(self, key)
 
 
 # Crash recovery (tests/test_recovery_workers.py): locks that would last ten
@@ -376,37 +378,25 @@ def skip_when_told(self, key):
 @single_instance(expire=600)
 def hold_long_when_told(self, key):
     """while_running with a 600 s lock, running until the test lets it go."""
-    started = time.monotonic()
-    record(key, started, task_id=self.request.id, phase="start")
-    _wait_to_be_told(key)
-    return _ran(self, key, started)
+    return _run_until_told(self, key)
 
 
 @app.task(bind=True)
 @single_instance(mode="until_finished", expire=600)
 def queue_long_when_told(self, key):
     """until_finished with a 600 s lock, running until the test lets it go."""
-    started = time.monotonic()
-    record(key, started, task_id=self.request.id, phase="start")
-    _wait_to_be_told(key)
-    return _ran(self, key, started)
+    return _run_until_told(self, key)
 
 
 @app.task(bind=True)
 @single_instance(key="key", limit=2, expire=600)
 def slot_long_when_told(self, key, n):
     """Two at a time per key, 600 s slots, running until the test lets it go."""
-    started = time.monotonic()
-    record(key, started, task_id=self.request.id, phase="start", n=n)
-    _wait_to_be_told(key)
-    return _ran(self, key, started)
+    return _run_until_told(self, key, n=n)
 
 
 @app.task(bind=True)
 @single_instance(expire=600, on_contention="wait")
 def wait_long_when_told(self, key):
     """Waits for a 600 s lock held elsewhere, then runs until told."""
-    started = time.monotonic()
-    record(key, started, task_id=self.request.id, phase="start")
-    _wait_to_be_told(key)
-    return _ran(self, key, started)
+    return _run_until_told(self, key)

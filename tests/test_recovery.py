@@ -24,6 +24,7 @@ from django_tasklock.tokens import (
     process_identity,
     token_process,
 )
+from reliability.recovery import SLACK
 from tests.conftest import background
 from tests.services import stop_and_wait
 from tests.workers import Holder
@@ -215,7 +216,7 @@ def test_a_restart_refuses_new_locks_for_seconds_and_live_holders_keep_theirs(
 ):
     """Default settings (LOCK_EXPIRE 600): a pool node restarted empty under 20
     holders. Their process puts its locks back, so new locks there are refused
-    for seconds, not ten minutes, and nobody takes a live holder's lock."""
+    for LIVENESS (10 s), not ten minutes, and nobody takes a live holder's lock."""
     from tests.services import Memcached
     from tests.workers import restart_under_holders
 
@@ -244,7 +245,9 @@ def test_a_restart_refuses_new_locks_for_seconds_and_live_holders_keep_theirs(
             server.stop()
     assert outcome["on_victim"], outcome
     refused_for = outcome["refused_for"]
-    assert refused_for is not None and 1 <= refused_for <= 15, outcome
+    # RESTART_GRACE defaults to LIVENESS (10 s): refused that long (less the
+    # whole second of the server's uptime), and not much longer on a busy machine.
+    assert refused_for is not None and 8 <= refused_for <= 10 + SLACK, outcome
     assert outcome["stolen"] == [], outcome
     assert all(outcome["owned"]), outcome
 
