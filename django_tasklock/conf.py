@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import math
-from operator import is_
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from django.conf import settings as django_settings
@@ -224,7 +223,7 @@ class Settings:
         self._valid: dict[str, object] = {}
         # lock_defaults(): the TASKLOCK values it last read, and what they gave.
         self._lock_memo: (
-            tuple[dict[str, object], tuple[str, ...], tuple[object, ...], LockDefaults]
+            tuple[dict[str, object], dict[str, object], object, object, LockDefaults]
             | None
         ) = None
 
@@ -253,19 +252,22 @@ class Settings:
         The TASKLOCK dict is taken from the cache Django's settings object keeps
         of it (emptied by Django on every change: override_settings,
         assignment). What it gave last time is reused while it is the same dict
-        holding the very same key and value objects (a change in place, or an
-        equal value of another type such as 1 for True, is read and validated
-        anew): two C-level identity passes, not a lookup per setting."""
+        with the same contents; a change in place, even to an equal value of
+        another type such as 0 for False, is read and validated anew. The test
+        is one C-level comparison of the dict with a copy, and an identity check
+        of the two keys whose valid values equal invalid ones of another type
+        (``RENEW``: False and 0; ``LOCK_EXPIRE``: 1 and True); the other keys'
+        valid values equal no invalid one."""
         raw = _django_settings_cache.get("TASKLOCK", _UNSET)
         memo = self._lock_memo
         if (
             memo is not None
             and raw is memo[0]
-            and len(raw) == len(memo[1])
-            and all(map(is_, raw, memo[1]))
-            and all(map(is_, raw.values(), memo[2]))
+            and raw == memo[1]
+            and raw.get("RENEW", _UNSET) is memo[2]
+            and raw.get("LOCK_EXPIRE", _UNSET) is memo[3]
         ):
-            return memo[3]
+            return memo[4]
         if raw is _UNSET:  # not read yet since it last changed, or not set
             raw = getattr(django_settings, "TASKLOCK", None)
         if not isinstance(raw, dict):
@@ -290,7 +292,13 @@ class Settings:
             values.append(value)
         expire, cache, protocol, renew, liveness = values
         result = (expire, cache, protocol, renew, liveness)
-        self._lock_memo = raw, tuple(raw), tuple(raw.values()), result
+        self._lock_memo = (
+            raw,
+            dict(raw),
+            raw.get("RENEW", _UNSET),
+            raw.get("LOCK_EXPIRE", _UNSET),
+            result,
+        )
         return result
 
     @property

@@ -290,7 +290,9 @@ def kept_record(
     that promises none)."""
     if bound is None:
         return None, new_token
-    record = record_for(alias, bound)
+    record = _records.get(alias)
+    if record is None or record.bound != bound:
+        record = record_for(alias, bound)
     if now >= record.due and not record.ensure(backend):
         return None, new_token
     return record, new_live_token
