@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import multiprocessing
 import os
 import platform
 import random
+import signal
 import statistics
 import sys
 import time
@@ -346,6 +348,9 @@ class Peers:
     overlaps: dict[str, int]
     retry_runs: dict[str, tuple[int, int]]
     delay_cost: dict[str, float]
+    #: Kill to the next run of the same call, and the peers' lock timeout.
+    killed: dict[str, float | None]
+    killed_timeout: int
 
 
 def measure_peers(
@@ -402,6 +407,8 @@ def measure_peers(
         overlaps,
         measure_retries(counter, peers, limit=5 if quick else 20),
         measure_delay(rounds=2 if quick else 5, per_round=50 if quick else 200),
+        measure_killed(redis_url, celery_bench.STUCK_TIMEOUT),
+        celery_bench.STUCK_TIMEOUT,
     )
 
 
@@ -428,6 +435,50 @@ def measure_retries(
             _drain(counter, name, calls, limit=limit)
         found[name] = (counter.llen(celery_bench.RUNS), 2 * calls)
     return found
+
+
+def measure_killed(redis_url: str, timeout: int) -> dict[str, float | None]:
+    """Per variant: a call whose pool process is SIGKILLed mid-run, then the same
+    call sent again every 0.2 s until it runs; the seconds from the kill to that
+    run's start (None: not within the peers' lock timeout + 30 s). Every lock
+    lasts longer than the probe: this project's 600 s, the peers' ``timeout``."""
+    import redis
+
+    from benchmarks import celery_bench
+
+    variants = {
+        "until_finished (memcached)": celery_bench.until_finished_stuck,
+        "celery_once QueueOnce": celery_bench.once_stuck,
+        "celery-singleton Singleton": celery_bench.singleton_stuck,
+    }
+    counter = redis.Redis.from_url(redis_url)
+    peers = redis.Redis.from_url(redis_url[:-2] + "/5")
+
+    def runs(n: int) -> list[tuple[int, float]]:
+        found = [json.loads(run) for run in counter.lrange(celery_bench.STUCK, 0, -1)]
+        return [(pid, start) for number, pid, start in found if number == n]
+
+    took: dict[str, float | None] = {}
+    counter.delete(celery_bench.STUCK)
+    for n, (name, task) in enumerate(variants.items()):
+        peers.flushdb()
+        task.delay(n)
+        deadline = time.monotonic() + 60
+        while not runs(n):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{name}: the call to kill never started")
+            time.sleep(0.05)
+        os.kill(runs(n)[0][0], signal.SIGKILL)
+        killed = time.monotonic()
+        while len(runs(n)) < 2 and time.monotonic() < killed + timeout + 30:
+            task.delay(n)
+            time.sleep(0.2)
+        found = runs(n)
+        took[name] = found[1][1] - killed if len(found) > 1 else None
+        for pid, _ in found[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return took
 
 
 def measure_delay(rounds: int, per_round: int = 200) -> dict[str, float]:
@@ -488,7 +539,17 @@ def render_peers(peers: Peers, tasks: int, command: str) -> str:
         f"    {'until_finished, published (lock + publish)':<44}"
         f"{cost['published']:>10.0f}us",
         f"    {'until_finished, joined (no publish)':<44}{cost['joined']:>10.0f}us",
+        "",
+        f"    {'pool process SIGKILLed mid-run: next run':<44}{'after kill':>12}",
     ]
+    for name, took in peers.killed.items():
+        shown = "never" if took is None else f"{took:.1f}s"
+        lock = (
+            "600 s lock"
+            if name.startswith("until")
+            else (f"timeout {peers.killed_timeout} s")
+        )
+        lines.append(f"    {name:<44}{shown:>12}  ({lock})")
     return "\n".join(lines) + "\n"
 
 
@@ -620,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
                 **os.environ,
                 "TASKLOCK_BENCH_BROKER": f"{redis_server.url[:-2]}/1",
                 "TASKLOCK_TEST_REDIS": redis_server.url,
+                "TASKLOCK_BENCH_STUCK_TIMEOUT": "10" if quick else "30",
             }
             os.environ.update(env)
             workers = start_workers(env, count=2, concurrency=2)

@@ -127,6 +127,36 @@ def singleton_retry(self: Any, n: int) -> None:
     _retry_once(self, n)
 
 
+# The killed-worker probe (bench.measure_killed): a call whose pool process is
+# SIGKILLed mid-run. The peers' lock timeouts are cut from their defaults (an
+# hour for celery_once, none for celery-singleton) so that the probe ends.
+STUCK = "bench:stuck"
+STUCK_TIMEOUT = int(os.environ.get("TASKLOCK_BENCH_STUCK_TIMEOUT", "30"))
+
+
+def stuck(n: int) -> None:
+    """Record the run (argument, pid, start), then sit until SIGKILLed."""
+    started = time.monotonic()
+    _counter_client().rpush(STUCK, json.dumps([n, os.getpid(), started]))
+    time.sleep(600)
+
+
+@app.task(bind=True)
+@single_instance(mode="until_finished", expire=600)
+def until_finished_stuck(self: Any, n: int) -> None:
+    stuck(n)
+
+
+@app.task(base=QueueOnce, once={"graceful": True, "timeout": STUCK_TIMEOUT})
+def once_stuck(n: int) -> None:
+    stuck(n)
+
+
+@app.task(base=Singleton, lock_expiry=STUCK_TIMEOUT)
+def singleton_stuck(n: int) -> None:
+    stuck(n)
+
+
 @task_postrun.connect
 def count_done(sender: Any = None, state: str | None = None, **kwargs: Any) -> None:
     if state != "RETRY":  # a retried call counts once, when it is over

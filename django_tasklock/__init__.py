@@ -11,8 +11,11 @@ from .exceptions import (
     LockLost,
     LockNotAcquired,
     LockUsageError,
+    RateLimited,
     TaskLockError,
 )
+from .limits.decorator import rate_limited
+from .limits.limiter import Admission, RateLimiter
 from .locks import Lock, memcache_lock
 from .runs import current_lock
 from .semaphores import Semaphore
@@ -21,6 +24,7 @@ from .targets import lock_id_for
 __version__ = "0.1.0"
 
 __all__ = [
+    "Admission",
     "AlreadyQueued",
     "InvalidLockExpire",
     "Lock",
@@ -29,11 +33,14 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockUsageError",
+    "RateLimited",
+    "RateLimiter",
     "Semaphore",
     "TaskLockError",
     "__version__",
     "current_lock",
     "lock_id_for",
     "memcache_lock",
+    "rate_limited",
     "single_instance",
 ]

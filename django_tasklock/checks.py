@@ -17,6 +17,10 @@ Ids are stable and documented in docs/reference/checks.rst:
 - E013 TASKLOCK['RESTART_GRACE'] is not None or a number of seconds >= 0.
 - E014 TASKLOCK['QUEUE_EXPIRE'] is not a number of seconds in (0, 30 days].
 - E016 TASKLOCK['LIVENESS'] is not None or a number of seconds in [3, 86400].
+- E017 TASKLOCK['RATE_LIMITS'] is not a dict of names to rates ("100/m", or a
+  dict of rate, kind, burst and cache), or one of its rates is not a rate.
+- E018 TASKLOCK['RATE_KIND'] is not window or smooth.
+- E019 TASKLOCK['ON_LIMIT'] is not retry, raise, wait or skip.
 - E015 CACHES is not set: Django's implicit default is a LocMemCache per
   process, so no lock is shared between worker processes.
 - E012 TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
@@ -72,6 +76,9 @@ _SETTING_IDS = {
     "RESTART_GRACE": "django_tasklock.E013",
     "QUEUE_EXPIRE": "django_tasklock.E014",
     "LIVENESS": "django_tasklock.E016",
+    "RATE_LIMITS": "django_tasklock.E017",
+    "RATE_KIND": "django_tasklock.E018",
+    "ON_LIMIT": "django_tasklock.E019",
 }
 _OPTION_IDS = {
     "default_noreply": "django_tasklock.E005",

@@ -39,6 +39,8 @@ LockDefaults = tuple[float, str, Protocol, bool, "float | None"]
 Contention = Literal["skip", "raise", "retry", "wait"]
 CONTENTION_POLICIES: Final = ("skip", "raise", "retry", "wait")
 TIMEOUT_POLICIES: Final = ("skip", "raise")
+RATE_KINDS: Final = ("window", "smooth")
+LIMIT_POLICIES: Final = ("retry", "raise", "wait", "skip")
 
 DEFAULTS: Final[dict[str, Any]] = {
     "LOCK_EXPIRE": 600,
@@ -51,6 +53,9 @@ DEFAULTS: Final[dict[str, Any]] = {
     "RESTART_GRACE": None,
     "QUEUE_EXPIRE": 3600,
     "LIVENESS": 10,
+    "RATE_LIMITS": {},
+    "RATE_KIND": "window",
+    "ON_LIMIT": "retry",
 }
 
 
@@ -134,7 +139,50 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
     ),
     "QUEUE_EXPIRE": lambda v: validate_expire(v, name="TASKLOCK['QUEUE_EXPIRE']"),
     "LIVENESS": lambda v: v if v is None else validate_liveness(v),
+    "RATE_LIMITS": lambda v: validate_rate_limits(v),
+    "RATE_KIND": lambda v: validate_choice(
+        v, name="TASKLOCK['RATE_KIND']", choices=RATE_KINDS
+    ),
+    "ON_LIMIT": lambda v: validate_choice(
+        v, name="TASKLOCK['ON_LIMIT']", choices=LIMIT_POLICIES
+    ),
 }
+
+
+def validate_rate_limits(value: object) -> dict[str, dict[str, Any]]:
+    """``TASKLOCK['RATE_LIMITS']``: named limits, each a rate (``"100/m"``) or
+    a dict of ``rate`` and optionally ``kind``, ``burst`` and ``cache``."""
+    from .limits.rates import parse_rate
+
+    where = "TASKLOCK['RATE_LIMITS']"
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{where} must be a dict of limit names to rates, such as "
+            f'{{"partner-api": "100/m"}}, not {value!r}.'
+        )
+    limits: dict[str, dict[str, Any]] = {}
+    for name, spec in value.items():
+        entry = spec if isinstance(spec, dict) else {"rate": spec}
+        unknown = set(entry) - {"rate", "kind", "burst", "cache"}
+        if not isinstance(name, str) or not name or unknown or "rate" not in entry:
+            raise ValueError(
+                f'{where}[{name!r}] must be a rate ("100/m") or a dict with '
+                f'"rate" and optionally "kind", "burst" and "cache", not {spec!r}.'
+            )
+        parse_rate(entry["rate"], name=f"{where}[{name!r}]")
+        if "kind" in entry:
+            validate_choice(entry["kind"], name=f"{where}[{name!r}]['kind']",
+                            choices=RATE_KINDS)  # fmt: skip
+        burst = entry.get("burst", 1)
+        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+            raise ValueError(
+                f"{where}[{name!r}]['burst'] must be a whole number >= 1, not {burst!r}."
+            )
+        if "cache" in entry:
+            validate_alias(entry["cache"], name=f"{where}[{name!r}]['cache']")
+        limits[name] = dict(entry)
+    return limits
+
 
 #: The shortest liveness bound: a holder must be able to renew its record at
 #: least once before memcached's whole-second clock may drop it.
@@ -368,6 +416,28 @@ class Settings:
         """``auto`` (meta commands; gets/cas where missing), ``meta`` or ``classic``."""
         value: Protocol = self._get("MEMCACHED_PROTOCOL")
         return value
+
+    @property
+    def RATE_KIND(self) -> str:
+        """The kind of a rate limit that names none: ``window`` or ``smooth``."""
+        value: str = self._get("RATE_KIND")
+        return value
+
+    @property
+    def ON_LIMIT(self) -> str:
+        """What a task call over its rate limit does: ``retry`` (at the time the
+        refusal names), ``raise``, ``wait`` or ``skip``."""
+        value: str = self._get("ON_LIMIT")
+        return value
+
+    def named_rate(self, name: str) -> dict[str, Any]:
+        """``TASKLOCK['RATE_LIMITS'][name]`` as a dict with ``rate`` (and maybe
+        ``kind``, ``burst``, ``cache``); empty if there is no such limit."""
+        limits: dict[str, Any] = self._get("RATE_LIMITS")
+        spec = limits.get(name)
+        if spec is None:
+            return {}
+        return dict(spec) if isinstance(spec, dict) else {"rate": spec}
 
 
 settings = Settings()

@@ -12,6 +12,7 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockUsageError",
+    "RateLimited",
     "TaskLockError",
 ]
 
@@ -89,6 +90,30 @@ class LockLost(TaskLockError):
             "it expired, was evicted, flushed or released by force, and another "
             "owner may hold it now. Stop the protected work; writes fenced with "
             "lock.fence are refused from here on."
+        )
+
+
+class RateLimited(TaskLockError):
+    """A rate limit refused the call, so the protected code did not run.
+
+    Raised by ``@rate_limited(on_limit="raise")``, by ``on_limit="wait"`` once
+    its timeout is spent, and by ``on_limit="retry"`` where a call cannot be
+    sent again (called directly, or eagerly). ``limit_id`` is the limit,
+    ``retry_after`` the seconds until it could admit one.
+    """
+
+    def __init__(self, limit_id: str, retry_after: float) -> None:
+        self.limit_id = limit_id
+        self.retry_after = retry_after
+        # args are the constructor's: pickle and Celery's result backends
+        # rebuild it from them.
+        super().__init__(limit_id, retry_after)
+
+    def __str__(self) -> str:
+        return (
+            f"Rate limit {self.limit_id!r} admits no more calls now; the protected "
+            f"code did not run. The next admission is possible in "
+            f"{self.retry_after:.2f}s: try again then."
         )
 
 

@@ -31,6 +31,14 @@ by ``memcache_lock`` and ``@single_instance``) and these keyword arguments:
     result), ``"raised"`` (``AlreadyQueued``) or ``"replaced"`` (the pending
     call was revoked and this one published in its place).
 
+``rate_limit_refused``
+    Sent with ``sender=RateLimiter`` when an admission is refused: ``limiter``,
+    ``limit_id``, ``retry_after`` (seconds until one could be admitted) and
+    ``paused`` (True if a pause refused it).
+``rate_limit_paused``
+    Sent with ``sender=RateLimiter`` by ``RateLimiter.pause()``: ``limiter``,
+    ``limit_id`` and ``seconds`` (until admissions resume).
+
 The signals are sent with ``send_robust``: a receiver that raises is logged by
 Django and never breaks a lock (a metrics exporter that is down must not leave a
 lock held). ``lock_lost`` from the heartbeat is sent in the heartbeat's thread, from
@@ -48,6 +56,8 @@ __all__ = [
     "lock_contended",
     "lock_lost",
     "lock_released",
+    "rate_limit_paused",
+    "rate_limit_refused",
 ]
 
 lock_acquired = Signal()
@@ -55,3 +65,5 @@ lock_contended = Signal()
 lock_released = Signal()
 lock_lost = Signal()
 call_deduplicated = Signal()
+rate_limit_refused = Signal()
+rate_limit_paused = Signal()

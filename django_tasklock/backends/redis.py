@@ -159,6 +159,19 @@ class RedisBackend(LockBackend):
         except redis.exceptions.NoScriptError:
             return client.eval(script, len(keys), *keys, *args)
 
+    def script(self, text: str, keys: tuple[str, ...], *args: object) -> Any:
+        """Run the Lua script ``text`` (by its SHA once Redis has it) on the
+        primary: how other parts of the package (rate limits) run their own
+        atomic steps."""
+        if text not in _SHA:
+            _SHA[text] = hashlib.sha1(text.encode()).hexdigest()
+        return self._script(text, keys, *args)
+
+    def raw(self, key: str) -> bytes | None:
+        """The bytes stored at ``key``, as a script wrote them (no serializer)."""
+        value: bytes | None = self._redis(key).get(key)
+        return value
+
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         import redis
 

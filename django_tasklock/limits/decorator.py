@@ -1,0 +1,226 @@
+"""``@rate_limited``: at most N runs of a task per period, across every worker.
+
+A run is admitted as it starts. One over the limit is never dropped silently:
+by default the call is sent again to run at the time the refusal names (not in
+a tight loop, and not counted against the task's ``max_retries``); ``raise``,
+``wait`` (up to a timeout, then raise) and ``skip`` (logged at INFO) are there
+when asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, Final, Literal, TypeVar, cast
+
+from ..arguments import KeySpec, binder, call_digest
+from ..conf import LIMIT_POLICIES, settings
+from ..exceptions import RateLimited
+from ..options import check_key
+from .limiter import Admission, RateLimiter
+from .rates import RateSpec, parse_rate
+
+__all__ = ["rate_limited"]
+
+logger = logging.getLogger("django_tasklock.limits")
+
+F = TypeVar("F", bound=Callable[..., Any])
+OnLimit = Literal["retry", "raise", "wait", "skip"]
+
+
+def rate_limited(
+    rate: RateSpec | None = None,
+    *,
+    name: str | None = None,
+    key: KeySpec = None,
+    kind: str | None = None,
+    burst: int | None = None,
+    on_limit: OnLimit | None = None,
+    timeout: float | None = None,
+    cache: str | None = None,
+) -> Callable[[F], F]:
+    """Admit at most ``rate`` runs of the decorated task per period.
+
+    ``rate``: ``"10/m"``, ``"100/30s"``, ``(10, 60)``; omitted, the named limit
+    ``TASKLOCK["RATE_LIMITS"][name]``. ``name``: share one limit between tasks
+    (one partner API's quota); default, the function's dotted path. ``key``:
+    one limit per value of these arguments (an argument name, a list of names
+    or a callable, as ``@single_instance``'s ``key``); default, one limit for
+    every call. ``kind``: ``"window"`` or ``"smooth"`` (see ``RateLimiter``).
+
+    ``on_limit`` (default ``TASKLOCK["ON_LIMIT"]``, ``"retry"``): ``"retry"``
+    sends the call again to run when the limit will admit it (a bound Celery
+    task; its ``max_retries`` are not spent); ``"raise"`` raises
+    ``RateLimited``; ``"wait"`` waits up to ``timeout`` seconds (default
+    ``TASKLOCK["WAIT_TIMEOUT"]``) and then raises; ``"skip"`` returns None and
+    logs at INFO.
+    """
+    if rate is None and name is None:
+        raise TypeError('rate_limited needs a rate ("10/m"), a name=, or both.')
+    if rate is not None:
+        parse_rate(rate)  # refused now, not at the first call
+    if on_limit is not None and on_limit not in LIMIT_POLICIES:
+        raise ValueError(
+            f"on_limit must be one of {', '.join(LIMIT_POLICIES)}, not {on_limit!r}."
+        )
+
+    def decorate(func: F) -> F:
+        signature = inspect.signature(func)
+        parameters = list(signature.parameters.values())
+        takes_self = bool(parameters) and parameters[0].kind in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        )
+        check_key(func, key, signature)
+        if on_limit == "retry" and not takes_self:
+            raise TypeError(
+                f"on_limit='retry' needs a bound Celery task, but {func.__qualname__} "
+                "takes no 'self', so a call over the limit could not be sent again "
+                "and would be lost. Use @app.task(bind=True), or another on_limit."
+            )
+        limits = _Limits(
+            name or f"{func.__module__}.{func.__qualname__}",
+            (rate, kind, burst, cache),
+            key,
+            binder(signature),
+            parameters[0].name if takes_self else None,
+        )
+        limiter_for = limits.for_call
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            limiter = limiter_for(args, kwargs)
+            admission = limiter.admit()
+            if admission:
+                return func(*args, **kwargs)
+            policy = on_limit or cast(OnLimit, settings.ON_LIMIT)
+            if policy == "retry" and not takes_self:
+                # The setting's default, on a function that cannot be sent again.
+                raise RateLimited(limiter.limit_id, admission.retry_after)
+            return POLICIES[policy](limiter, admission, args, timeout, func, kwargs)
+
+        wrapper.__signature__ = signature  # type: ignore[attr-defined]
+        wrapper._tasklock_rate_limit = limiter_for  # type: ignore[attr-defined]
+        return cast(F, wrapper)
+
+    return decorate
+
+
+class _Limits:
+    """The limiters of one decorated function, by limit id (its calls' keys)."""
+
+    def __init__(
+        self,
+        base: str,
+        given: tuple[RateSpec | None, str | None, int | None, str | None],
+        key: KeySpec,
+        bind: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]],
+        self_name: str | None,
+    ) -> None:
+        self.base, self.given, self.key = base, given, key
+        self.bind, self.self_name = bind, self_name
+        self.limiters: dict[str, RateLimiter] = {}
+
+    def for_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RateLimiter:
+        limit_id = self.base
+        if self.key is not None:
+            arguments = self.bind(args, kwargs)
+            if self.self_name is not None:
+                arguments.pop(self.self_name, None)
+            limit_id = f"{self.base}-{call_digest(self.base, arguments, self.key)}"
+        limiter = self.limiters.get(limit_id)
+        if limiter is None:
+            limiter = self._make(limit_id)
+            if len(self.limiters) < 1024:
+                self.limiters[limit_id] = limiter
+        return limiter
+
+    def _make(self, limit_id: str) -> RateLimiter:
+        # A named limit is read from TASKLOCK['RATE_LIMITS'] each time one is
+        # made (settings may change); what the decorator was given wins.
+        rate, kind, burst, cache = self.given
+        named = settings.named_rate(self.base) if rate is None else {}
+        if rate is None and not named:
+            raise ValueError(
+                f'rate_limited(name={self.base!r}) has no rate: pass one ("10/m") '
+                f"or define TASKLOCK['RATE_LIMITS'][{self.base!r}]."
+            )
+        return RateLimiter(
+            limit_id,
+            rate if rate is not None else named["rate"],
+            kind=kind or named.get("kind"),
+            burst=burst if burst is not None else named.get("burst"),
+            cache=cache or named.get("cache"),
+        )
+
+
+Policy = Callable[
+    [RateLimiter, Admission, tuple[Any, ...], "float | None", Callable[..., Any],
+     dict[str, Any]],
+    Any,
+]  # fmt: skip
+
+
+def _raise(limiter: RateLimiter, admission: Admission, *_: Any) -> Any:
+    raise RateLimited(limiter.limit_id, admission.retry_after)
+
+
+def _skip(limiter: RateLimiter, admission: Admission, *_: Any) -> Any:
+    logger.info(
+        "Skipped a call under rate limit %r: over the limit, next admission in %.2fs",
+        limiter.limit_id,
+        admission.retry_after,
+    )
+    return None
+
+
+def _wait(
+    limiter: RateLimiter,
+    admission: Admission,
+    args: tuple[Any, ...],
+    timeout: float | None,
+    func: Callable[..., Any],
+    kwargs: dict[str, Any],
+) -> Any:
+    waited = limiter.wait(settings.WAIT_TIMEOUT if timeout is None else timeout)
+    if not waited:
+        raise RateLimited(limiter.limit_id, waited.retry_after)
+    return func(*args, **kwargs)
+
+
+def _retry(
+    limiter: RateLimiter, admission: Admission, args: tuple[Any, ...], *_: Any
+) -> Any:
+    """Send the call again, to run when the limit said it could admit one: a
+    new message with the same task id, arguments and retry count, and Celery's
+    ``Retry`` raised so that the worker records this run as a retry."""
+    task = args[0]
+    request = getattr(task, "request", None)
+    if request is None or request.called_directly or request.is_eager:
+        raise RateLimited(limiter.limit_id, admission.retry_after)
+    from celery.exceptions import Retry
+
+    countdown = admission.retry_after
+    again = task.signature_from_request(
+        request, countdown=countdown, retries=request.retries
+    )
+    again.apply_async()
+    logger.info(
+        "Sent %s[%s] again to run in %.2fs: over rate limit %r",
+        getattr(task, "name", "?"),
+        request.id,
+        countdown,
+        limiter.limit_id,
+    )
+    raise Retry(when=countdown, sig=again)
+
+
+#: What a run over the limit does, by ``on_limit``.
+POLICIES: Final[dict[str, Policy]] = {
+    "retry": _retry,
+    "raise": _raise,
+    "wait": _wait,
+    "skip": _skip,
+}

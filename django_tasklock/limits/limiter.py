@@ -1,0 +1,185 @@
+"""``RateLimiter``: at most N admissions per period, across every process that
+uses the same lock store."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple
+
+from ..backends import backend_for
+from ..conf import settings
+from ..exceptions import LockBackendError
+from ..signals import rate_limit_paused, rate_limit_refused
+from . import store
+from .kinds import KINDS, Kind
+from .rates import MAX_WINDOW_COUNT, Rate, RateSpec, parse_rate
+
+__all__ = ["Admission", "RateLimiter"]
+
+logger = logging.getLogger("django_tasklock.limits")
+
+
+class Admission(NamedTuple):
+    """The answer to one ``admit()``: true when admitted. ``retry_after`` is
+    the seconds until an admission could be allowed (0 when admitted), ``at``
+    the time it was judged at (seconds since the epoch, by the clock that
+    judged it: Redis's, else this host's), ``paused`` whether a pause refused it."""
+
+    admitted: bool
+    retry_after: float
+    at: float
+    paused: bool = False
+
+    def __bool__(self) -> bool:
+        return self.admitted
+
+
+class RateLimiter:
+    """At most ``rate`` admissions under the name ``limit_id``, shared by every
+    process and task that uses it.
+
+    ``rate``: ``"10/m"``, ``"100/30s"``, ``(10, 60)``; None takes the named
+    limit ``TASKLOCK["RATE_LIMITS"][limit_id]``. ``kind``: ``"window"`` (at
+    most N in any period of that length; default ``TASKLOCK["RATE_KIND"]``) or
+    ``"smooth"`` (GCRA: one per period/N on average, bursts of up to
+    ``burst``, default N). ``cache``: a CACHES alias (default
+    ``TASKLOCK["CACHE"]``).
+    """
+
+    def __init__(
+        self,
+        limit_id: str,
+        rate: RateSpec | None = None,
+        *,
+        kind: str | None = None,
+        burst: int | None = None,
+        cache: str | None = None,
+    ) -> None:
+        if not isinstance(limit_id, str) or not limit_id:
+            raise TypeError(f"limit_id must be a non-empty str, not {limit_id!r}.")
+        named: dict[str, Any] = settings.named_rate(limit_id) if rate is None else {}
+        if rate is None and not named:
+            raise ValueError(
+                f'RateLimiter({limit_id!r}) has no rate: pass one ("10/m") or '
+                f"define TASKLOCK['RATE_LIMITS'][{limit_id!r}]."
+            )
+        self.limit_id = limit_id
+        self.rate: Rate = parse_rate(named.get("rate", rate), name="rate")
+        kind_name = kind or named.get("kind") or settings.RATE_KIND
+        if kind_name not in KINDS:
+            raise ValueError(
+                f"kind must be one of {', '.join(KINDS)}, not {kind_name!r}."
+            )
+        burst = named.get("burst", burst)
+        if burst is None:
+            burst = self.rate.count
+        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+            raise ValueError(f"burst must be a whole number >= 1, not {burst!r}.")
+        if kind_name == "window" and self.rate.count > MAX_WINDOW_COUNT:
+            raise ValueError(
+                f"rate {self.rate}: the window kind keeps every admission of the "
+                f'last period, at most {MAX_WINDOW_COUNT}; use kind="smooth" for '
+                "higher counts."
+            )
+        self.kind: Kind = KINDS[kind_name](self.rate, burst)
+        self._cache = cache or named.get("cache")
+
+    def __repr__(self) -> str:
+        return f"<RateLimiter {self.limit_id!r} {self.rate} {self.kind.name}>"
+
+    @property
+    def cache(self) -> str:
+        """The CACHES alias that keeps this limit's state."""
+        return self._cache or settings.CACHE
+
+    def _store(self) -> tuple[Any, str]:
+        backend = backend_for(self.cache, protocol=settings.MEMCACHED_PROTOCOL)
+        return backend, backend.key_for(f"{self.limit_id}-rate")
+
+    def _call(self, doing: str, step: Any, *args: Any) -> Any:
+        backend, key = self._store()
+        try:
+            return step(backend, key, self.kind, *args)
+        except backend.errors as exc:
+            raise LockBackendError(
+                f"Could not {doing}: {type(exc).__name__}: {exc}",
+                lock_id=self.limit_id,
+                store=backend.describe(key),
+            ) from exc
+
+    def admit(self) -> Admission:
+        """One admission now, or a refusal saying when to come back. Raises
+        ``LockBackendError`` when the store cannot be reached: nothing is
+        admitted then."""
+        verdict = self._call("admit under the rate limit", store.admit)
+        admission = Admission(
+            verdict.admitted, verdict.retry_after, verdict.at / 1000, verdict.paused
+        )
+        if not verdict.admitted and rate_limit_refused.receivers:
+            rate_limit_refused.send_robust(
+                RateLimiter,
+                limiter=self,
+                limit_id=self.limit_id,
+                retry_after=admission.retry_after,
+                paused=admission.paused,
+            )
+        return admission
+
+    def wait(self, timeout: float) -> Admission:
+        """Admit, waiting up to ``timeout`` seconds for room (each wait as long
+        as the refusal said); the last refusal if there was none by then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            admission = self.admit()
+            left = deadline - time.monotonic()
+            if admission or admission.retry_after > left:
+                return admission
+            time.sleep(max(admission.retry_after, 0.001))
+
+    def pause(self, seconds: float) -> float:
+        """Stop admissions under this limit for ``seconds``, in every process
+        (a partner answered "429, retry after 30 s"). A longer pause already
+        set is kept. Returns the seconds until admissions resume."""
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not 0 < seconds <= 30 * 86400
+        ):
+            raise ValueError(f"pause() takes seconds in (0, 30 days], not {seconds!r}.")
+        left: float = self._call("pause the rate limit", store.pause, seconds)
+        logger.info(
+            "Rate limit %r paused for %.1fs (admissions resume in %.1fs)",
+            self.limit_id,
+            seconds,
+            left,
+        )
+        if rate_limit_paused.receivers:
+            rate_limit_paused.send_robust(
+                RateLimiter, limiter=self, limit_id=self.limit_id, seconds=left
+            )
+        return left
+
+    def state(self) -> dict[str, object]:
+        """What the store says of this limit now (``tasklock status``)."""
+        found = self._call("read the rate limit", lambda b, k, _kind: store.read(b, k))
+        shown: dict[str, object] = {
+            "limit": self.limit_id,
+            "rate": str(self.rate),
+            "kind": self.kind.name,
+            "cache": self.cache,
+        }
+        if self.kind.name == "smooth":
+            shown["burst"] = self.kind.burst
+        if found is None:
+            shown["state"] = "no admissions remembered"
+            return shown
+        value, now = found
+        shown.update(self.kind.describe(value, now))
+        return shown
+
+    def reset(self) -> bool:
+        """Forget every admission and pause; True if there was any."""
+        return bool(
+            self._call("reset the rate limit", lambda b, k, _kind: store.reset(b, k))
+        )
