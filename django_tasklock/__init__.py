@@ -14,7 +14,7 @@ from .exceptions import (
     RateLimited,
     TaskLockError,
 )
-from .limits.decorator import rate_limited
+from .limits.decorator import current_admission, rate_limited
 from .limits.limiter import Admission, RateLimiter
 from .locks import Lock, memcache_lock
 from .runs import current_lock
@@ -38,6 +38,7 @@ __all__ = [
     "Semaphore",
     "TaskLockError",
     "__version__",
+    "current_admission",
     "current_lock",
     "lock_id_for",
     "memcache_lock",

@@ -9,6 +9,7 @@ when asked for.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import logging
@@ -22,12 +23,22 @@ from ..options import check_key
 from .limiter import Admission, RateLimiter
 from .rates import RateSpec, parse_rate
 
-__all__ = ["rate_limited"]
+__all__ = ["current_admission", "rate_limited"]
 
 logger = logging.getLogger("django_tasklock.limits")
 
 F = TypeVar("F", bound=Callable[..., Any])
 OnLimit = Literal["retry", "raise", "wait", "skip"]
+
+_admitted: contextvars.ContextVar[Admission | None] = contextvars.ContextVar(
+    "tasklock_admission", default=None
+)
+
+
+def current_admission() -> Admission | None:
+    """Inside a ``@rate_limited`` body: the admission that let this run start
+    (its ``at`` is when the limit counted it); None elsewhere."""
+    return _admitted.get()
 
 
 def rate_limited(
@@ -94,9 +105,13 @@ def rate_limited(
             limiter = limiter_for(args, kwargs)
             admission = limiter.admit()
             if admission:
-                return func(*args, **kwargs)
+                token = _admitted.set(admission)
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    _admitted.reset(token)
             policy = on_limit or cast(OnLimit, settings.ON_LIMIT)
-            if policy == "retry" and not takes_self:
+            if policy == "retry" and _task_of(args) is None:
                 # The setting's default, on a function that cannot be sent again.
                 raise RateLimited(limiter.limit_id, admission.retry_after)
             return POLICIES[policy](limiter, admission, args, timeout, func, kwargs)
@@ -106,6 +121,14 @@ def rate_limited(
         return cast(F, wrapper)
 
     return decorate
+
+
+def _task_of(args: tuple[Any, ...]) -> Any:
+    """The bound task a call was given as its first argument; None if none."""
+    first = args[0] if args else None
+    if hasattr(first, "request") and callable(getattr(first, "retry", None)):
+        return first
+    return None
 
 
 class _Limits:
@@ -127,7 +150,7 @@ class _Limits:
         limit_id = self.base
         if self.key is not None:
             arguments = self.bind(args, kwargs)
-            if self.self_name is not None:
+            if self.self_name is not None and _task_of(args) is not None:
                 arguments.pop(self.self_name, None)
             limit_id = f"{self.base}-{call_digest(self.base, arguments, self.key)}"
         limiter = self.limiters.get(limit_id)
@@ -187,7 +210,11 @@ def _wait(
     waited = limiter.wait(settings.WAIT_TIMEOUT if timeout is None else timeout)
     if not waited:
         raise RateLimited(limiter.limit_id, waited.retry_after)
-    return func(*args, **kwargs)
+    token = _admitted.set(waited)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _admitted.reset(token)
 
 
 def _retry(

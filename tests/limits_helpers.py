@@ -1,0 +1,107 @@
+"""Rate-limit helpers shared by the tests and the reliability suite: the
+guarantees as formulas over recorded admission times, and a storm of
+processes admitting under one limit."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from typing import Any
+
+
+def window_violations(times_ms: list[int], count: int, period_ms: int) -> int:
+    """Admissions that make more than ``count`` in some period of ``period_ms``:
+    pairs ``count`` apart (in time order) less than a period apart."""
+    times = sorted(times_ms)
+    return sum(
+        times[i + count] - times[i] < period_ms for i in range(len(times) - count)
+    )
+
+
+def smooth_violations(
+    times_ms: list[int], count: int, period_ms: int, burst: int
+) -> int:
+    """Admissions GCRA with these parameters would have refused, replayed in
+    time order with the store's own rounding (its arrival time kept to the
+    microsecond)."""
+    interval = period_ms / count
+    tolerance = (burst - 1) * interval
+    tat: float | None = None
+    bad = 0
+    for at in sorted(times_ms):
+        tat = at if tat is None else max(tat, at)
+        bad += tat - at > tolerance + 1e-6
+        tat = float(f"{tat + interval:.3f}")
+    return bad
+
+
+def admitted_share(times_ms: list[int], count: int, period_ms: int) -> float:
+    """Admissions over what the rate allows between the first and the last
+    (``count`` per period, plus the first period's ``count``)."""
+    times = sorted(times_ms)
+    if len(times) < 2:
+        return 0.0
+    allowed = count * (times[-1] - times[0]) / period_ms + count
+    return len(times) / allowed
+
+
+_total: Any = None
+
+
+def _join(total: Any) -> None:
+    global _total
+    _total = total
+    from tests.workers import setup_django
+
+    setup_django()
+
+
+def admit_until(
+    tasklock: dict[str, object],
+    limiter: tuple[str, str, dict[str, Any]],
+    start_at: float,
+    wanted: int,
+    give_up: float,
+) -> list[int]:
+    """Admit under one limit until the storm's processes have been admitted
+    ``wanted`` times between them, coming back when each refusal says; the
+    admission times (ms, the limit's clock)."""
+    from django.conf import settings
+
+    from django_tasklock import RateLimiter
+
+    settings.TASKLOCK = tasklock
+    limit_id, rate, options = limiter
+    rate_limiter = RateLimiter(limit_id, rate, **options)
+    times: list[int] = []
+    while time.monotonic() < start_at:
+        time.sleep(0.005)
+    ends = start_at + give_up
+    while _total.value < wanted and time.monotonic() < ends:
+        admission = rate_limiter.admit()
+        if admission:
+            times.append(round(admission.at * 1000))
+            with _total.get_lock():
+                _total.value += 1
+        else:
+            time.sleep(min(admission.retry_after, 1.0))
+    return times
+
+
+def admission_storm(
+    tasklock: dict[str, object],
+    limiter: tuple[str, str, dict[str, Any]],
+    processes: int,
+    wanted: int,
+    give_up: float = 120.0,
+) -> list[int]:
+    """``processes`` spawned processes admitting under one limit, started
+    together, until ``wanted`` admissions between them; every admission's time."""
+    context = multiprocessing.get_context("spawn")
+    total = context.Value("q", 0)
+    with context.Pool(processes, initializer=_join, initargs=(total,)) as pool:
+        pool.map(time.sleep, [0.05] * processes * 4)
+        start_at = time.monotonic() + 1.0
+        arguments = (tasklock, limiter, start_at, wanted, give_up)
+        found = pool.starmap(admit_until, [arguments] * processes)
+    return sorted(at for times in found for at in times)

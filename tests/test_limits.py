@@ -1,0 +1,390 @@
+"""Rate limits (``RateLimiter``, ``@rate_limited``) against every store."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+from django.core.checks import run_checks
+from django.test import override_settings
+
+from django_tasklock import (
+    RateLimited,
+    RateLimiter,
+    current_admission,
+    rate_limited,
+)
+from django_tasklock.exceptions import LockBackendError, LockConfigurationError
+from django_tasklock.limits.kinds import Smooth, Window
+from django_tasklock.limits.rates import Rate, parse_rate
+from django_tasklock.signals import rate_limit_paused, rate_limit_refused
+from tests.limits_helpers import (
+    admission_storm,
+    admitted_share,
+    smooth_violations,
+    window_violations,
+)
+
+# -- rates -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "rate"),
+    [
+        ("10/m", Rate(10, 60)),
+        ("10/s", Rate(10, 1)),
+        ("5000/h", Rate(5000, 3600)),
+        ("3/d", Rate(3, 86400)),
+        ("100/30s", Rate(100, 30)),
+        ("7 / 5m", Rate(7, 300)),
+        ("2/0.5s", Rate(2, 0.5)),
+        ((10, 60), Rate(10, 60)),
+    ],
+)
+def test_rates_parse(text, rate):
+    assert parse_rate(text) == rate
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("10/x", "is not a rate"),
+        ("ten/m", "is not a rate"),
+        ("0/m", "at least 1"),
+        ((5, -1), "more than 0 seconds"),
+        ((5, 0), "more than 0 seconds"),
+        ("10/0s", "more than 0 seconds"),
+        ((True, 5), "is not a rate"),
+        ((2.5, 5), "whole number"),
+        ("10/31d", "30 days"),
+        (10, "is not a rate"),
+    ],
+)
+def test_bad_rates_say_what_to_write(value, says):
+    with pytest.raises(ValueError, match=says) as raised:
+        parse_rate(value)
+    assert '"N/m"' in str(raised.value) or "count" in str(raised.value) or (
+        "period" in str(raised.value)
+    )
+
+
+def test_rates_print_as_written():
+    assert str(parse_rate("10/m")) == "10/m"
+    assert str(parse_rate("100/30s")) == "100/30s"
+
+
+# -- the kinds, on a clock the test sets -------------------------------------------
+
+
+def test_window_admits_count_per_period_and_names_the_wait():
+    window = Window(Rate(3, 10), burst=3)
+    state, times = None, []
+    for now in (0, 100, 200, 300, 9_999, 10_000, 10_050, 10_100, 10_200):
+        verdict = window.decide(state, now)
+        if verdict.admitted:
+            state = verdict.state
+            times.append(now)
+        elif now == 300:
+            assert verdict.retry_after == pytest.approx(9.7)
+        elif now == 9_999:
+            assert verdict.retry_after == pytest.approx(0.001)
+    assert times == [0, 100, 200, 10_000, 10_100, 10_200]
+    assert window_violations(times, 3, 10_000) == 0
+    assert window_violations([0, 100, 200, 9_999], 3, 10_000) == 1  # the check sees one
+
+
+def test_window_never_goes_back_in_time():
+    """A clock behind the last admission (another host's) judges at that time."""
+    window = Window(Rate(2, 10), burst=2)
+    first = window.decide(None, 5_000)
+    late = window.decide(first.state, 4_000)
+    assert late.admitted and late.at == 5_000
+    assert not window.decide(late.state, 4_500).admitted
+
+
+def test_smooth_spaces_admissions_and_allows_a_burst():
+    smooth = Smooth(Rate(10, 10), burst=3)  # one a second, bursts of 3
+    state, times = None, []
+    for now in range(0, 10_000, 100):
+        verdict = smooth.decide(state, now)
+        if verdict.admitted:
+            state, times = verdict.state, [*times, now]
+    # Three at once, then one a second.
+    assert times[:3] == [0, 100, 200]
+    assert [b - a for a, b in zip(times[3:], times[4:], strict=False)] == [1000] * (
+        len(times) - 4
+    )
+    assert smooth_violations(times, 10, 10_000, 3) == 0
+    assert smooth_violations([0, 100, 200, 300], 10, 10_000, 3) == 1
+
+
+def test_pause_refuses_until_it_ends_and_keeps_the_longer_one():
+    window = Window(Rate(5, 1), burst=5)
+    state, _ttl = window.pause(None, 1_000, 30)
+    verdict = window.decide(state, 2_000)
+    assert not verdict.admitted and verdict.paused and verdict.retry_after == 29
+    state, _ttl = window.pause(state, 2_000, 1)  # shorter: the 30 s one stays
+    assert window.decide(state, 30_999).paused
+    assert window.decide(state, 31_000).admitted
+
+
+def test_a_foreign_value_is_a_clear_error():
+    with pytest.raises(ValueError, match="not a window rate-limit state"):
+        Window(Rate(1, 1), 1).decide("some other code's value", 0)
+
+
+# -- every store -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["window", "smooth"])
+def test_admits_the_rate_then_refuses_with_when_to_come_back(any_store, kind):
+    limiter = RateLimiter(f"admits-{kind}", "5/20s", kind=kind)
+    limiter.reset()
+    admissions = [limiter.admit() for _ in range(7)]
+    assert [bool(a) for a in admissions] == [True] * 5 + [False] * 2
+    refused = admissions[-1]
+    wait = 20 if kind == "window" else 4  # smooth: one per 4 s after the burst
+    assert wait - 1 < refused.retry_after <= wait
+    assert not refused.paused
+    state = limiter.state()
+    assert state["kind"] == kind and state["rate"] == "5/20s"
+    if kind == "window":
+        assert state["admitted in the last period"] == 5
+        assert state["left in this period"] == 0
+    else:
+        assert state["burst left"] == 0
+    assert wait - 1 < state["next admission in"] <= wait  # type: ignore[operator]
+    assert limiter.reset() is True
+    assert limiter.admit()
+    limiter.reset()
+
+
+def test_pause_stops_every_process_and_is_signalled(any_store):
+    limiter = RateLimiter("paused", "100/s")
+    limiter.reset()
+    seen: list[dict[str, object]] = []
+
+    def receiver(sender, **kwargs):
+        seen.append(kwargs)
+
+    rate_limit_paused.connect(receiver)
+    rate_limit_refused.connect(receiver)
+    try:
+        assert 29 < limiter.pause(30) <= 30
+        refused = RateLimiter("paused", "100/s").admit()  # another object
+        assert not refused and refused.paused and 29 < refused.retry_after <= 30
+    finally:
+        rate_limit_paused.disconnect(receiver)
+        rate_limit_refused.disconnect(receiver)
+    assert [set(kwargs) for kwargs in seen] == [
+        {"limiter", "limit_id", "seconds", "signal"},
+        {"limiter", "limit_id", "retry_after", "paused", "signal"},
+    ]
+    assert seen[1]["paused"] is True
+    assert limiter.state()["paused for"] > 29  # type: ignore[operator]
+    limiter.reset()
+
+
+def test_wait_comes_back_when_told(any_store):
+    limiter = RateLimiter("waits", "2/1s", kind="smooth", burst=1)
+    limiter.reset()
+    assert limiter.admit()
+    waited = limiter.wait(timeout=5)
+    assert waited
+    assert not limiter.wait(timeout=0.01)  # 0.5 s to go: not within 10 ms
+    limiter.reset()
+
+
+def test_named_limits_come_from_settings(any_store, settings):
+    settings.TASKLOCK = {
+        **any_store.tasklock,
+        "RATE_LIMITS": {"partner-api": {"rate": "2/m", "kind": "smooth", "burst": 2}},
+    }
+    limiter = RateLimiter("partner-api")
+    assert limiter.rate == Rate(2, 60) and limiter.kind.name == "smooth"
+    with pytest.raises(ValueError, match=r"RATE_LIMITS'\]\['nobody'\]"):
+        RateLimiter("nobody")
+
+
+def test_a_store_outage_is_an_error_not_an_admission(settings):
+    settings.CACHES = {
+        **settings.CACHES,
+        "gone": {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": "127.0.0.1:9",  # discard: nothing listens
+        },
+    }
+    limiter = RateLimiter("outage", "10/s", cache="gone")
+    with pytest.raises(LockBackendError, match="admit under the rate limit"):
+        limiter.admit()
+    with pytest.raises(LockBackendError, match="pause the rate limit"):
+        limiter.pause(5)
+
+
+def test_bad_options_are_refused_at_once():
+    with pytest.raises(ValueError, match="kind must be one of window, smooth"):
+        RateLimiter("x", "1/s", kind="leaky")
+    with pytest.raises(ValueError, match="burst must be a whole number"):
+        RateLimiter("x", "1/s", burst=0)
+    with pytest.raises(ValueError, match='use kind="smooth"'):
+        RateLimiter("x", "100000/h")
+    with pytest.raises(ValueError, match=r"pause\(\) takes seconds"):
+        RateLimiter("x", "1/s").pause(-1)
+    with pytest.raises(TypeError, match="needs a rate"):
+        rate_limited()
+    with pytest.raises(ValueError, match="is not a rate"):
+        rate_limited("10/x")
+    with pytest.raises(ValueError, match="on_limit must be one of"):
+        rate_limited("1/s", on_limit="drop")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="needs a bound Celery task"):
+
+        @rate_limited("1/s", on_limit="retry")
+        def unbound(*, x):
+            return x
+
+
+def test_rate_limited_exception_round_trips():
+    error = pickle.loads(pickle.dumps(RateLimited("api", 2.5)))
+    assert isinstance(error, RateLimited)
+    assert (error.limit_id, error.retry_after) == ("api", 2.5)
+    assert "2.50s" in str(error)
+
+
+# -- the decorator's policies (direct calls; Celery workers in test_limits_workers) --
+
+
+def test_policies_on_a_plain_function(any_store, caplog):
+    calls = []
+
+    @rate_limited("1/m", on_limit="raise", name="policy-raise")
+    def raising(n):
+        calls.append(current_admission())
+        return n
+
+    @rate_limited("1/m", on_limit="skip", name="policy-skip")
+    def skipping(n):
+        return n
+
+    for name in ("policy-raise", "policy-skip"):
+        RateLimiter(name, "1/m").reset()
+    assert raising(1) == 1 and calls[0] and calls[0].admitted
+    assert current_admission() is None
+    with pytest.raises(RateLimited) as raised:
+        raising(2)
+    assert 59 < raised.value.retry_after <= 60
+    assert skipping(1) == 1
+    with caplog.at_level(logging.INFO, logger="django_tasklock.limits"):
+        assert skipping(2) is None
+    assert "Skipped a call under rate limit 'policy-skip'" in caplog.text
+    for name in ("policy-raise", "policy-skip"):
+        RateLimiter(name, "1/m").reset()
+
+
+def test_keys_give_one_limit_per_argument_value(any_store):
+    @rate_limited("1/m", key="host", on_limit="raise", name="per-host")
+    def fetch(host, path):
+        return host
+
+    assert fetch("a.example", "/1") == "a.example"
+    assert fetch("b.example", "/1") == "b.example"
+    with pytest.raises(RateLimited) as raised:
+        fetch("a.example", "/2")
+    assert raised.value.limit_id.startswith("per-host-")
+    for host in ("a.example", "b.example"):
+        fetch._tasklock_rate_limit((host, "/"), {}).reset()  # type: ignore[attr-defined]
+
+
+def test_retry_outside_a_worker_raises_rather_than_drops(any_store):
+    class Task:
+        request = type("Request", (), {"called_directly": True, "is_eager": False})()
+
+        def retry(self):
+            raise AssertionError("not called: the call is direct")
+
+    @rate_limited("1/m", name="direct-retry")
+    def bound(self, n):
+        return n
+
+    RateLimiter("direct-retry", "1/m").reset()
+    assert bound(Task(), 1) == 1
+    with pytest.raises(RateLimited):
+        bound(Task(), 2)
+    RateLimiter("direct-retry", "1/m").reset()
+
+
+# -- settings and checks -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "check_id"),
+    [
+        ("RATE_LIMITS", {"api": "10/x"}, "E017"),
+        ("RATE_LIMITS", {"api": "0/m"}, "E017"),
+        ("RATE_LIMITS", {"api": {"rate": (5, -1)}}, "E017"),
+        ("RATE_LIMITS", {"api": {"rate": "5/m", "colour": "red"}}, "E017"),
+        ("RATE_LIMITS", ["api"], "E017"),
+        ("RATE_KIND", "leaky", "E018"),
+        ("ON_LIMIT", "drop", "E019"),
+    ],
+)
+def test_bad_rate_settings_are_check_errors_and_run_time_errors(
+    settings, key, value, check_id
+):
+    with override_settings(TASKLOCK={**settings.TASKLOCK, key: value}):
+        ids = [message.id for message in run_checks() if message.level >= 40]
+        assert f"django_tasklock.{check_id}" in ids
+        with pytest.raises(LockConfigurationError, match=key):
+            if key == "RATE_LIMITS":
+                RateLimiter("api")
+            elif key == "RATE_KIND":
+                RateLimiter("partner", "1/s")
+            else:  # read when a call is refused
+
+                @rate_limited("1/m", name="on-limit-setting")
+                def once():
+                    return None
+
+                RateLimiter("on-limit-setting", "1/m").reset()
+                once()
+                once()
+
+
+# -- many processes ----------------------------------------------------------------
+
+STORM = [
+    ("memcached-meta", {"CACHE": "default", "MEMCACHED_PROTOCOL": "meta"}, "window"),
+    ("memcached-classic", {"CACHE": "default", "MEMCACHED_PROTOCOL": "classic"},
+     "window"),
+    ("pylibmc", {"CACHE": "pylibmc"}, "window"),
+    ("redis", {"CACHE": "redis"}, "window"),
+    ("memcached-meta", {"CACHE": "default", "MEMCACHED_PROTOCOL": "meta"}, "smooth"),
+    ("redis", {"CACHE": "redis"}, "smooth"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("store", "tasklock", "kind"), STORM, ids=[f"{s}-{k}" for s, _, k in STORM]
+)
+def test_eight_processes_never_exceed_the_limit(store, tasklock, kind):
+    count, period_ms, burst = 40, 500, 10
+    limit_id = f"storm-{store}-{kind}"
+    options = {"kind": kind, "burst": burst}
+    with override_settings(TASKLOCK=tasklock):
+        RateLimiter(limit_id, "40/0.5s", **options).reset()
+    times = admission_storm(tasklock, (limit_id, "40/0.5s", options), 8, 400)
+    assert len(times) >= 400
+    if kind == "window":
+        assert window_violations(times, count, period_ms) == 0
+        # Processes come back when told: the limit is used, not just kept.
+        assert admitted_share(times, count, period_ms) > 0.8
+    else:
+        assert smooth_violations(times, count, period_ms, burst) == 0
+    # The formulas would see a breach: the same times squeezed closer.
+    squeezed = [round(at * 0.9) for at in times]
+    assert (
+        window_violations(squeezed, count, period_ms)
+        if kind == "window"
+        else smooth_violations(squeezed, count, period_ms, burst)
+    ) > 0
