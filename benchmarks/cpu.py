@@ -49,8 +49,11 @@ OPERATIONS: list[tuple[str, str, float | None]] = [
     ("floor: raw add, refused", "", None),
     ("Lock acquire, refused", "floor: raw add, refused", 1.3),
     ("Semaphore(limit=3) cycle", "floor: raw add + delete", None),
+    ("RateLimiter.admit(), smooth", "floor: raw add + delete", None),
+    ("RateLimiter.admit(), window", "floor: raw add + delete", None),
     ("floor: redis-py SET NX PX + Lua delete", "", None),
     ("Lock cycle on Redis", "floor: redis-py SET NX PX + Lua delete", 1.3),
+    ("RateLimiter.admit() on Redis", "floor: redis-py SET NX PX + Lua delete", None),
     ("floor: plain .delay() (memory broker)", "", None),
     (
         "until_finished .delay(), published",
@@ -125,6 +128,17 @@ def _operations() -> dict[str, Callable[[], object]]:
         lock.acquire()
         lock.release()
 
+    # Rate limits that always admit: the smooth kind's state is one number;
+    # the window kind's holds the admissions of its last period, here a
+    # millisecond (one entry: its per-admission floor).
+    from django_tasklock import RateLimiter
+
+    smooth = RateLimiter("cpu-smooth", "1000000/s", kind="smooth")
+    window = RateLimiter("cpu-window", "10/0.001s", kind="window")
+    smooth_redis = RateLimiter("cpu-smooth", "1000000/s", kind="smooth", cache="redis")
+    for limiter in (smooth, window, smooth_redis):
+        limiter.reset()
+
     # .delay() on kombu's in-memory broker: the client's cost of a publish,
     # with the enqueue-time lock (new arguments every time) and without one
     # (the same arguments: every call after the first joins it).
@@ -144,7 +158,8 @@ def _operations() -> dict[str, Callable[[], object]]:
     functions = [
         floor, recipe, with_memcache_lock, lock_cycle,
         lambda: decorated("https://feeds.example/a.xml"),
-        refused_raw, refused, semaphore_cycle, redis_floor, redis_lock_cycle,
+        refused_raw, refused, semaphore_cycle, smooth.admit, window.admit,
+        redis_floor, redis_lock_cycle, smooth_redis.admit,
         plain_delay, published_delay, joined_delay,
     ]  # fmt: skip
     return dict(zip([name for name, _, _ in OPERATIONS], functions, strict=True))

@@ -13,7 +13,7 @@ import time
 import redis
 from celery.signals import task_postrun
 
-from django_tasklock import Lock, current_lock, single_instance
+from django_tasklock import Lock, current_lock, rate_limited, single_instance
 from tests.celery_app import app
 
 
@@ -400,3 +400,30 @@ def slot_long_when_told(self, key, n):
 def wait_long_when_told(self, key):
     """Waits for a 600 s lock held elsewhere, then runs until told."""
     return _run_until_told(self, key)
+
+
+# Rate limits (tests/test_limits_workers.py): every call runs once, at the
+# limit's pace, though each task allows no retries of its own.
+
+
+def _limited(self, key: str, n: int) -> int:
+    from django_tasklock import current_admission
+
+    admission = current_admission()
+    assert admission is not None
+    record(key, time.monotonic(), task_id=self.request.id, n=n,
+           at=round(admission.at * 1000), retries=self.request.retries)  # fmt: skip
+    return n
+
+
+@app.task(bind=True, max_retries=0)
+@rate_limited("4/s", name="tests.limited-window")
+def limited_window(self, key, n):
+    return _limited(self, key, n)
+
+
+@app.task(bind=True, max_retries=0)
+@rate_limited("4/s", name="tests.limited-smooth", kind="smooth", burst=2,
+              cache="redis")  # fmt: skip
+def limited_smooth(self, key, n):
+    return _limited(self, key, n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 
@@ -64,8 +65,10 @@ def test_rates_parse(text, rate):
 def test_bad_rates_say_what_to_write(value, says):
     with pytest.raises(ValueError, match=says) as raised:
         parse_rate(value)
-    assert '"N/m"' in str(raised.value) or "count" in str(raised.value) or (
-        "period" in str(raised.value)
+    assert (
+        '"N/m"' in str(raised.value)
+        or "count" in str(raised.value)
+        or ("period" in str(raised.value))
     )
 
 
@@ -112,9 +115,8 @@ def test_smooth_spaces_admissions_and_allows_a_burst():
             state, times = verdict.state, [*times, now]
     # Three at once, then one a second.
     assert times[:3] == [0, 100, 200]
-    assert [b - a for a, b in zip(times[3:], times[4:], strict=False)] == [1000] * (
-        len(times) - 4
-    )
+    gaps = [b - a for a, b in itertools.pairwise(times[3:])]
+    assert gaps == [1000] * (len(times) - 4)
     assert smooth_violations(times, 10, 10_000, 3) == 0
     assert smooth_violations([0, 100, 200, 300], 10, 10_000, 3) == 1
 
@@ -388,3 +390,45 @@ def test_eight_processes_never_exceed_the_limit(store, tasklock, kind):
         if kind == "window"
         else smooth_violations(squeezed, count, period_ms, burst)
     ) > 0
+
+
+# -- manage.py tasklock rate ---------------------------------------------------------
+
+
+def _command(*args: str) -> str:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("tasklock", "rate", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_the_command_shows_pauses_and_resets_a_limit(any_store, settings):
+    import json
+
+    from django.core.management.base import CommandError
+
+    settings.TASKLOCK = {**any_store.tasklock, "RATE_LIMITS": {"cmd-api": "3/m"}}
+    limiter = RateLimiter("cmd-api")
+    limiter.reset()
+    assert limiter.admit()
+    shown = _command("cmd-api")
+    assert "rate:                         3/m" in shown
+    assert "admitted in the last period:  1" in shown
+    assert "left in this period:          2" in shown
+    paused = _command("cmd-api", "--pause", "30")
+    assert "Paused 'cmd-api': admissions resume in 30.0s." in paused
+    assert not limiter.admit()
+    state = json.loads(_command("cmd-api", "--json"))
+    assert 29 < state["paused for"] <= 30
+    assert "Reset 'cmd-api'." in _command("cmd-api", "--reset")
+    assert limiter.admit()
+    # Any limit id, given its rate; a bad one is a clear command error.
+    assert "no admissions remembered" in _command("cmd-other", "--rate", "5/s")
+    with pytest.raises(CommandError, match="is not a rate"):
+        _command("cmd-other", "--rate", "5/x")
+    with pytest.raises(CommandError, match="has no rate"):
+        _command("cmd-unknown")
+    limiter.reset()

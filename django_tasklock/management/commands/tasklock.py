@@ -7,6 +7,7 @@
     manage.py tasklock status --task feeds.import_feed https://example.com/rss
     manage.py tasklock release <lock id> [--force]
     manage.py tasklock key --task feeds.import_feed https://example.com/rss
+    manage.py tasklock rate partner-api [--rate 10/m] [--pause 30 | --reset]
 
 Task arguments are read as JSON where they parse as JSON (``42``, ``true``,
 ``[1, 2]``, ``'"42"'`` for the string) and as plain strings otherwise; keyword
@@ -28,6 +29,7 @@ from ...integrations.celery.lookup import registered_task, registered_tasks
 from ...modes import queue_lock_id
 from ...status import LockStatus, lock_status, remove, semaphore_status
 from ...targets import lock_cache_for, lock_id_for, lock_mode_for
+from ..rates import add_rate_parser, rate_action
 
 
 def _value(text: str) -> Any:
@@ -72,7 +74,8 @@ def resolve_task(name: str) -> Any:
 class Command(BaseCommand):
     help = (
         "Inspect and clear django_tasklock locks: status, release (a stale lock; "
-        "--force for any), key (the lock id a task call would use)."
+        "--force for any), key (the lock id a task call would use), rate (a rate "
+        "limit's state; --pause, --reset)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -85,6 +88,7 @@ class Command(BaseCommand):
             help="Remove a lock whose holder on this host is gone; --force: any lock.",
         )
         key = actions.add_parser("key", help="Print the lock id a task call would use.")
+        add_rate_parser(actions)
         for sub in (status, release, key):
             sub.add_argument(
                 "values",
@@ -118,6 +122,9 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["action"] == "rate":
+            rate_action(self.stdout, options)
+            return
         lock_id, cache = self._lock_id(options)
         action = options["action"]
         if action == "key":

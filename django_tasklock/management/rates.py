@@ -1,0 +1,71 @@
+"""``manage.py tasklock rate``: a rate limit's state, and the two things an
+operator does to one: pause it (a partner asked for a break) and reset it.
+
+::
+
+    manage.py tasklock rate partner-api                 # a TASKLOCK['RATE_LIMITS'] name
+    manage.py tasklock rate feeds.fetch --rate 10/m     # any limit id, with its rate
+    manage.py tasklock rate partner-api --pause 30
+    manage.py tasklock rate partner-api --reset
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import CommandError, CommandParser
+
+from ..exceptions import LockBackendError, LockConfigurationError
+from ..limits.limiter import RateLimiter
+
+__all__ = ["add_rate_parser", "rate_action"]
+
+
+def add_rate_parser(actions: Any) -> None:
+    rate: CommandParser = actions.add_parser(
+        "rate", help="A rate limit's state; --pause or --reset it."
+    )
+    rate.add_argument("limit_id", help="The limit id (a RATE_LIMITS name, or any).")
+    rate.add_argument("--rate", help='Its rate ("10/m"), unless RATE_LIMITS names it.')
+    rate.add_argument("--kind", choices=("window", "smooth"))
+    rate.add_argument("--burst", type=int)
+    rate.add_argument("--cache", help="The CACHES alias (default: TASKLOCK's).")
+    rate.add_argument("--json", action="store_true", help="Print JSON.")
+    change = rate.add_mutually_exclusive_group()
+    change.add_argument("--pause", type=float, metavar="SECONDS",
+                        help="Stop admissions for this long, in every process.")  # fmt: skip
+    change.add_argument("--reset", action="store_true",
+                        help="Forget its admissions and any pause.")  # fmt: skip
+
+
+def rate_action(stdout: Any, options: dict[str, Any]) -> None:
+    try:
+        limiter = RateLimiter(
+            options["limit_id"],
+            options["rate"],
+            kind=options["kind"],
+            burst=options["burst"],
+            cache=options["cache"],
+        )
+        if options["pause"] is not None:
+            left = limiter.pause(options["pause"])
+            stdout.write(
+                f"Paused {limiter.limit_id!r}: admissions resume in {left:.1f}s."
+            )
+        elif options["reset"]:
+            had = limiter.reset()
+            stdout.write(
+                f"Reset {limiter.limit_id!r}."
+                if had
+                else f"{limiter.limit_id!r} had nothing to reset."
+            )
+        state = limiter.state()
+    except (TypeError, ValueError, LockBackendError, LockConfigurationError) as exc:
+        raise CommandError(str(exc)) from exc
+    if options["json"]:
+        stdout.write(json.dumps(state, default=str))
+        return
+    for field, value in state.items():
+        shown = f"{value:.2f}s" if isinstance(value, float) else value
+        stdout.write(f"{field + ':':<30}{shown}")

@@ -1,0 +1,47 @@
+"""``@rate_limited`` over real ``celery worker`` processes: two prefork workers
+of four processes each take three times more calls than the limit allows per
+period; every call runs exactly once, and the admissions keep to the limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from django_tasklock import RateLimiter
+from tests import tasks
+from tests.limits_helpers import smooth_violations, window_violations
+from tests.test_celery_workers import broker  # noqa: F401
+from tests.workers import start_workers, stop_workers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def workers(broker):  # noqa: F811
+    processes = start_workers(broker, ["limits-a", "limits-b"], concurrency=4)
+    yield processes
+    stop_workers(processes)
+
+
+@pytest.mark.parametrize(
+    ("task", "kind"),
+    [(tasks.limited_window, "window"), (tasks.limited_smooth, "smooth")],
+    ids=["window", "smooth"],
+)
+def test_every_call_runs_once_at_the_limits_pace(workers, settings, task, kind):
+    name = f"tests.limited-{kind}"
+    cache = "redis" if kind == "smooth" else "default"
+    RateLimiter(name, "4/s", kind=kind, burst=2, cache=cache).reset()
+    key = f"limited-{kind}"
+    sent = [task.delay(key, n) for n in range(12)]  # three periods' worth
+    assert sorted(result.get(timeout=60) for result in sent) == list(range(12))
+    runs = tasks.runs(key)
+    assert sorted(run["n"] for run in runs) == list(range(12)), "ran twice or never"
+    # Sent again at the time each refusal named, without spending max_retries (0).
+    assert all(run["retries"] == 0 for run in runs)
+    times = [int(run["at"]) for run in runs]  # type: ignore[call-overload]
+    if kind == "window":
+        assert window_violations(times, 4, 1000) == 0
+    else:
+        assert smooth_violations(times, 4, 1000, 2) == 0
+    # Three periods' worth cannot fit in less than two periods.
+    assert max(times) - min(times) >= 2000 - 1
