@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lock-demo bench bench-cpu faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
+.PHONY: demo lock-demo bench bench-cpu bench-rates faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -71,6 +71,11 @@ bench: services $(STAMP)
 # Performance); BENCH_ARGS="--write-docs" updates its table.
 bench-cpu: services $(STAMP)
 	$(BIN)/python -m benchmarks.cpu $(BENCH_ARGS)
+
+# Rate limits over real workers: exactness, lost calls, beside Celery's own
+# (see docs/explanation/performance.rst); BENCH_ARGS="--write-docs" updates it.
+bench-rates: services $(STAMP)
+	$(BIN)/python -m benchmarks.rates $(BENCH_ARGS)
 
 # The fault suite at full size (see README.rst, Reliability).
 faults: services $(STAMP)

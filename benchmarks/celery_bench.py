@@ -26,7 +26,7 @@ from celery.signals import task_postrun  # noqa: E402
 from celery_once import QueueOnce  # noqa: E402
 from celery_singleton import Singleton  # noqa: E402
 
-from django_tasklock import single_instance  # noqa: E402
+from django_tasklock import rate_limited, single_instance  # noqa: E402
 
 DONE = "bench:done"
 RUNS = "bench:runs"
@@ -161,3 +161,72 @@ def singleton_stuck(n: int) -> None:
 def count_done(sender: Any = None, state: str | None = None, **kwargs: Any) -> None:
     if state != "RETRY":  # a retried call counts once, when it is over
         _counter_client().incr(DONE)
+
+
+# Rate limits (benchmarks/rates.py): every real pool process hammering one
+# limit; calls over a limit sent again when it says; Celery's own rate_limit.
+ADMITTED = "bench:admitted"
+RATE_RUNS = "bench:rate-runs"
+
+
+@app.task
+def hammer_limit(
+    limiter: list[Any], start_at: float, wanted: int, give_up: float
+) -> int:
+    """Admit under one limit until ``wanted`` admissions between every process
+    doing this (counted in Redis), each refusal followed by a sleep of the time
+    it names; every admission's time (ms) goes to a Redis list."""
+    from django_tasklock import RateLimiter
+
+    limit_id, rate, kind, burst, cache = limiter
+    rate_limiter = RateLimiter(limit_id, rate, kind=kind, burst=burst, cache=cache)
+    counter = _counter_client()
+    while time.time() < start_at:
+        time.sleep(0.005)
+    admitted = 0
+    ends = time.monotonic() + give_up
+    count = f"{ADMITTED}:{limit_id}:count"
+    # Looked at before each admission: a process that slept through the last
+    # ones must not take one more from a period nobody else is using.
+    while time.monotonic() < ends and int(counter.get(count) or 0) < wanted:
+        admission = rate_limiter.admit()
+        if admission:
+            admitted += 1
+            counter.rpush(f"{ADMITTED}:{limit_id}", round(admission.at * 1000))
+            counter.incr(count)
+        else:
+            time.sleep(min(admission.retry_after, 1.0))
+    return admitted
+
+
+def _ran(kind: str, n: int) -> None:
+    """Record a run: its argument and when it was let in (the limit's time of
+    admission under @rate_limited, else now)."""
+    from django_tasklock import current_admission
+
+    admission = current_admission()
+    at = time.time() if admission is None else admission.at
+    _counter_client().rpush(f"{RATE_RUNS}:{kind}", json.dumps([n, at]))
+
+
+@app.task(bind=True, max_retries=0)
+@rate_limited("20/s", name="bench-calls-window")
+def calls_window(self: Any, n: int) -> None:
+    _ran("window", n)
+
+
+@app.task(bind=True, max_retries=0)
+@rate_limited("20/s", name="bench-calls-smooth", kind="smooth", burst=5)
+def calls_smooth(self: Any, n: int) -> None:
+    _ran("smooth", n)
+
+
+@app.task(rate_limit="10/s")
+def celery_rate_limited(n: int) -> None:
+    _ran("celery", n)
+
+
+@app.task(bind=True, max_retries=0)
+@rate_limited("10/s", name="bench-calls-beside-celery")
+def limiter_beside_celery(self: Any, n: int) -> None:
+    _ran("limiter", n)

@@ -32,11 +32,15 @@ import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.services import Memcached, Redis, celery_worker, stop_process  # noqa: E402
+
+if TYPE_CHECKING:
+    from example_project.feedserver import FeedServer
 
 TASKS = ("import_feed", "import_feed_single")
 
@@ -357,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         if server.peak > per_host:
             say("   <- MORE FETCHES AT ONCE THAN THE SEMAPHORE ALLOWS")
             ok = False
+        ok = report_rate(server, settings.FEED_FETCH_RATE) and ok
     say(
         f"Stopped every process the demo started ({time.monotonic() - started:.1f}s in all)."
     )
@@ -369,6 +374,26 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0 if ok else 1
+
+
+def report_rate(server: FeedServer, rate_text: str) -> bool:
+    """The busiest period the feed server saw, against the fetch rate limit.
+    A request arrives a moment after its admission; half a second of that is
+    allowed for before calling the limit broken."""
+    from django_tasklock.limits.rates import parse_rate
+
+    rate = parse_rate(rate_text)
+    shorter = rate.period - 0.5
+    busiest, within = server.busiest(rate.period), server.busiest(shorter)
+    say(
+        f"At most {busiest} requests reached it in any {rate.period:g}s and {within} "
+        f"in any {shorter:g}s (the importer admits {rate} fetches per host, a "
+        "RateLimiter per host; a request arrives a moment after its admission)."
+    )
+    if within > rate.count:
+        say("   <- MORE FETCHES PER PERIOD THAN THE RATE LIMIT ALLOWS")
+        return False
+    return True
 
 
 if __name__ == "__main__":

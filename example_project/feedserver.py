@@ -19,9 +19,23 @@ CONTENT_TYPES = {".rss": "application/rss+xml", ".atom": "application/atom+xml"}
 class FeedServer:
     """Serves ``fixtures/<path>`` on a free loopback port in a background thread."""
 
+    def busiest(self, seconds: float) -> int:
+        """The most requests that arrived within any ``seconds``."""
+        times = sorted(self.arrivals)
+        best = start = 0
+        for end, at in enumerate(times):
+            while at - times[start] >= seconds:
+                start += 1
+            best = max(best, end - start + 1)
+        return best
+
     def __init__(self, delay: float = 0.3) -> None:
         self.delay = delay
         self.requests = 0
+        #: When each request arrived (time.monotonic()).
+        self.arrivals: list[float] = []
+        #: Answer 429 with this Retry-After (seconds) while set.
+        self.throttle: int | None = None
         #: Requests being answered now, and the most at one moment.
         self.in_flight = self.peak = 0
         self._count = threading.Lock()
@@ -31,6 +45,14 @@ class FeedServer:
             def do_GET(self) -> None:
                 with server._count:
                     server.requests += 1
+                    server.arrivals.append(time.monotonic())
+                if server.throttle is not None:
+                    self.send_response(429)
+                    self.send_header("Retry-After", str(server.throttle))
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                with server._count:
                     server.in_flight += 1
                     server.peak = max(server.peak, server.in_flight)
                 try:

@@ -116,6 +116,10 @@ FEED_TIMEOUT = 10
 #: At most this many feeds are fetched at once from one host, across every worker
 #: (a django_tasklock Semaphore per host; see feeds/importer.py).
 FEED_FETCHES_PER_HOST = 2
+#: And at most this many fetches per period from one host, across every worker
+#: (a django_tasklock RateLimiter per host, the window kind: a feed server's
+#: politeness limit). A 429 answer with Retry-After pauses that host's limit.
+FEED_FETCH_RATE = "20/5s"
 
 LOGGING = {
     "version": 1,

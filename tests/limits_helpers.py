@@ -4,6 +4,7 @@ processes admitting under one limit."""
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import time
 from typing import Any
@@ -35,13 +36,20 @@ def smooth_violations(
     return bad
 
 
-def admitted_share(times_ms: list[int], count: int, period_ms: int) -> float:
-    """Admissions over what the rate allows between the first and the last
-    (``count`` per period, plus the first period's ``count``)."""
+def admitted_share(
+    times_ms: list[int], count: int, period_ms: int, burst: int | None = None
+) -> float:
+    """Admissions over the most the limit allows between the first and the
+    last: ``count`` per started period for the window kind; for the smooth
+    kind (``burst`` given), ``burst`` plus one per interval."""
     times = sorted(times_ms)
     if len(times) < 2:
         return 0.0
-    allowed = count * (times[-1] - times[0]) / period_ms + count
+    span = times[-1] - times[0]
+    if burst is None:
+        allowed = count * (span // period_ms + 1)
+    else:
+        allowed = burst + math.floor(span * count / period_ms)
     return len(times) / allowed
 
 

@@ -335,3 +335,62 @@ def test_at_most_two_fetches_at_once_from_one_host():
     # Six fetchers at once, one host: the semaphore lets two through at a time.
     assert slow.peak == 2, slow.peak
     assert slow.requests == len(urls)
+
+
+def test_fetches_from_one_host_keep_to_the_rate_limit(settings):
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlsplit
+
+    from django_tasklock import RateLimiter
+    from example_project.feeds.importer import fetch
+    from tests.conftest import close_connections
+
+    settings.FEED_FETCH_RATE = "3/1s"
+    server = FeedServer(delay=0).start()
+    try:
+        urls = server.feed_urls() * 2
+        host = urlsplit(urls[0]).netloc
+        RateLimiter(f"feeds-fetch-rate:{host}", "3/1s").reset()
+
+        def fetch_in_thread(url):
+            try:
+                return len(fetch(url)[0])
+            finally:
+                close_connections()
+
+        with ThreadPoolExecutor(6) as pool:
+            sizes = list(pool.map(fetch_in_thread, urls))
+    finally:
+        server.stop()
+    assert all(size > 0 for size in sizes) and len(sizes) == len(urls) == 12
+    # Three a second: twelve fetches span at least three seconds, and no 0.8 s
+    # (a second, less the moment between an admission and its arrival) saw
+    # more than three.
+    assert max(server.arrivals) - min(server.arrivals) >= 3.0 - 0.2
+    assert server.busiest(0.8) <= 3
+
+
+def test_a_429_pauses_the_hosts_limit_for_every_worker(settings):
+    from urllib.parse import urlsplit
+
+    from django_tasklock import RateLimiter
+    from example_project.feeds.importer import fetch
+
+    settings.FEED_FETCH_RATE = "100/1s"
+    server = FeedServer(delay=0).start()
+    try:
+        url = server.feed_urls()[0]
+        limiter = RateLimiter(f"feeds-fetch-rate:{urlsplit(url).netloc}", "100/1s")
+        limiter.reset()
+        server.throttle = 3
+        with pytest.raises(FeedImportError, match="asked for a break of 3s"):
+            fetch(url)
+        refused = limiter.admit()  # as any other worker would see it
+        assert not refused and refused.paused and 2 < refused.retry_after <= 3
+        server.throttle = None
+        started = time.monotonic()
+        assert len(fetch(url)[0]) > 0  # waits out the pause, then fetches
+        assert time.monotonic() - started >= 2
+    finally:
+        server.stop()
+    limiter.reset()

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.utils import timezone as django_timezone
 from django.utils.html import strip_tags
 
-from django_tasklock import Semaphore
+from django_tasklock import RateLimiter, Semaphore
 
 from .models import Entry, Feed
 
@@ -52,8 +52,10 @@ class ImportResult:
 
 
 def fetch(url: str) -> tuple[bytes, dict[str, str]]:
-    """Download ``url``, at most ``FEED_FETCHES_PER_HOST`` (2) at once per host
-    across every worker: a Semaphore per host, waited on up to three timeouts."""
+    """Download ``url``, at most ``FEED_FETCHES_PER_HOST`` (2) at once and
+    ``FEED_FETCH_RATE`` per period per host, across every worker: a Semaphore
+    and a RateLimiter per host, each waited on up to three timeouts. A 429
+    answer pauses the host's limit for its Retry-After, in every worker."""
     timeout = getattr(settings, "FEED_TIMEOUT", 10)
     per_host = getattr(settings, "FEED_FETCHES_PER_HOST", 2)
     host = urlsplit(url).netloc
@@ -63,13 +65,40 @@ def fetch(url: str) -> tuple[bytes, dict[str, str]]:
             f"Could not fetch {url}: {host} was busy with {per_host} fetches of "
             f"ours for {3 * timeout}s."
         )
+    # Admitted last, right before the request: the host sees our fetches at
+    # the pace the limit admits them.
+    rate = RateLimiter(
+        f"feeds-fetch-rate:{host}", getattr(settings, "FEED_FETCH_RATE", "20/5s")
+    )
     try:
+        if not rate.wait(timeout=3 * timeout):
+            raise FeedImportError(
+                f"Could not fetch {url}: {host} had its {rate.rate} fetches of ours "
+                f"for {3 * timeout}s."
+            )
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.read(), {k.lower(): v for k, v in response.headers.items()}
+    except urllib.error.HTTPError as exc:
+        if exc.code == 429:
+            seconds = _retry_after(exc.headers.get("Retry-After"))
+            rate.pause(seconds)
+            raise FeedImportError(
+                f"Could not fetch {url}: {host} asked for a break of {seconds:g}s "
+                "(429); every worker's fetches from it wait that long."
+            ) from exc
+        raise FeedImportError(f"Could not fetch {url}: {exc}") from exc
     except (urllib.error.URLError, OSError) as exc:
         raise FeedImportError(f"Could not fetch {url}: {exc}") from exc
     finally:
         fetches.release_quietly()
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds from a Retry-After header (seconds; 60 when missing or a date)."""
+    try:
+        return max(float(value or ""), 1.0)
+    except ValueError:
+        return 60.0
 
 
 def parse(url: str, body: bytes, headers: dict[str, str]) -> Any:
