@@ -77,3 +77,30 @@ def test_instruction_count_quick_run_reports_the_floor_and_a_lock():
     assert floor_count / 2 < lock_count < floor_count * 3
     assert lock_count != floor_count
     assert float(lock.group(2)) == pytest.approx(lock_count / floor_count, abs=0.01)
+
+
+@pytest.mark.slow
+def test_rate_limit_quick_run_counts_no_violation_and_no_lost_call():
+    out = run_module("benchmarks.rates", "--quick", timeout=900)
+    rows = re.findall(
+        r"^\s+(window|smooth), (memcached|Redis)\s+200/s\s+([\d,]+)\s+[\d.]+s"
+        r"\s+(\d+)\s+([\d.]+)%",
+        out,
+        re.M,
+    )
+    assert len(rows) == 4, out
+    for kind, store, admitted, violations, share in rows:
+        assert int(admitted.replace(",", "")) >= 1000, (kind, store)
+        assert int(violations) == 0, (kind, store)
+        # Callers that come back when told get most of the rate (the docs
+        # table, from a full run alone on the machine, shows how much).
+        assert float(share) > 50, (kind, store)
+    calls = re.findall(
+        r"^\s+@rate_limited, (window|smooth)\s+(\d+)/60\s+(\d+)$", out, re.M
+    )
+    assert calls == [("window", "60", "0"), ("smooth", "60", "0")], out
+    celery = re.search(r'Celery rate_limit="10/s"\s+(\d+)$', out, re.M)
+    ours = re.search(r'@rate_limited\("10/s"\)\s+(\d+)$', out, re.M)
+    assert celery and ours, out
+    # Per worker: two workers let twice the rate through; the limiter, its rate.
+    assert int(ours.group(1)) <= 10 < int(celery.group(1))
