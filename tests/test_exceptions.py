@@ -16,6 +16,7 @@ from django_tasklock.exceptions import (
     LockLost,
     LockNotAcquired,
     LockUsageError,
+    RateLimited,
     TaskLockError,
 )
 
@@ -44,6 +45,7 @@ EXAMPLES = [
     (LockConfigurationError("TASKLOCK must be a dict"), {}),
     (InvalidLockExpire("expire must be ..."), {}),
     (LockUsageError("release() called on ..."), {}),
+    (RateLimited("partner-api", 2.5), {"limit_id": "partner-api", "retry_after": 2.5}),
 ]
 
 

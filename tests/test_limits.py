@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import pickle
 
 import pytest
 from django.core.checks import run_checks
@@ -244,13 +243,6 @@ def test_bad_options_are_refused_at_once():
         @rate_limited("1/s", on_limit="retry")
         def unbound(*, x):
             return x
-
-
-def test_rate_limited_exception_round_trips():
-    error = pickle.loads(pickle.dumps(RateLimited("api", 2.5)))
-    assert isinstance(error, RateLimited)
-    assert (error.limit_id, error.retry_after) == ("api", 2.5)
-    assert "2.50s" in str(error)
 
 
 # -- the decorator's policies (direct calls; Celery workers in test_limits_workers) --

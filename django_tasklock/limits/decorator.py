@@ -68,14 +68,7 @@ def rate_limited(
     ``TASKLOCK["WAIT_TIMEOUT"]``) and then raises; ``"skip"`` returns None and
     logs at INFO.
     """
-    if rate is None and name is None:
-        raise TypeError('rate_limited needs a rate ("10/m"), a name=, or both.')
-    if rate is not None:
-        parse_rate(rate)  # refused now, not at the first call
-    if on_limit is not None and on_limit not in LIMIT_POLICIES:
-        raise ValueError(
-            f"on_limit must be one of {', '.join(LIMIT_POLICIES)}, not {on_limit!r}."
-        )
+    _check_options(rate, name, on_limit)
 
     def decorate(func: F) -> F:
         signature = inspect.signature(func)
@@ -129,6 +122,18 @@ def _task_of(args: tuple[Any, ...]) -> Any:
     if hasattr(first, "request") and callable(getattr(first, "retry", None)):
         return first
     return None
+
+
+def _check_options(rate: RateSpec | None, name: str | None, on_limit: object) -> None:
+    """Refuse at decoration what would fail at the first call."""
+    if rate is None and name is None:
+        raise TypeError('rate_limited needs a rate ("10/m"), a name=, or both.')
+    if rate is not None:
+        parse_rate(rate)
+    if on_limit is not None and on_limit not in LIMIT_POLICIES:
+        raise ValueError(
+            f"on_limit must be one of {', '.join(LIMIT_POLICIES)}, not {on_limit!r}."
+        )
 
 
 class _Limits:
