@@ -424,3 +424,43 @@ def test_the_command_shows_pauses_and_resets_a_limit(any_store, settings):
     with pytest.raises(CommandError, match="has no rate"):
         _command("cmd-unknown")
     limiter.reset()
+
+
+@pytest.mark.parametrize("kind", ["memcached", "redis"])
+def test_round_trips_per_admission(settings, memcached, redis_server, kind):
+    from tests.conftest import close_connections
+    from tests.faultproxy import FaultProxy
+
+    upstream = memcached.port if kind == "memcached" else redis_server.port
+    proxy = FaultProxy(upstream)
+    if kind == "memcached":
+        config = {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": proxy.address,
+        }
+    else:
+        config = {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": f"redis://{proxy.address}/0",
+        }
+    settings.CACHES = {**settings.CACHES, "counted": config}
+    settings.TASKLOCK = {"CACHE": "counted", "MEMCACHED_PROTOCOL": "meta"}
+    try:
+        limiter = RateLimiter("counted", "2/m")
+        limiter.reset()  # connects, loads Redis's script cache
+        warm = RateLimiter("counted-warm", "1/m")
+        warm.admit()
+        counts = []
+        for _ in range(3):  # admitted, admitted, refused
+            before = proxy.requests
+            limiter.admit()
+            counts.append(proxy.requests - before)
+        # Redis: one script. memcached: read with the CAS id, write back if
+        # unchanged (the first admission, with nothing stored, adds instead);
+        # a refusal writes nothing.
+        assert counts == ([1, 1, 1] if kind == "redis" else [2, 2, 1])
+        limiter.reset()
+        warm.reset()
+    finally:
+        proxy.close()
+        close_connections()

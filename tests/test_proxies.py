@@ -202,3 +202,16 @@ def test_contention_through_the_proxy_no_overlaps(through_proxy):
     assert overlaps(holds) == 0
     assert len(holds) >= 200, f"only {len(holds)} acquisitions"
     assert refused >= len(holds), "too little contention to prove anything"
+
+
+@pytest.mark.parametrize("kind", ["window", "smooth"])
+def test_rate_limits_through_the_proxy(through_proxy, kind):
+    """twemproxy has no meta commands: admissions take the classic gets/cas path."""
+    from django_tasklock import RateLimiter
+
+    limiter = RateLimiter(f"proxied-{kind}", "3/20s", kind=kind)
+    limiter.reset()
+    assert [bool(limiter.admit()) for _ in range(4)] == [True, True, True, False]
+    assert limiter.pause(5) > 4
+    assert limiter.admit().paused
+    assert limiter.reset()
