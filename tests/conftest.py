@@ -162,6 +162,29 @@ def any_store(request: pytest.FixtureRequest, settings: object) -> Store:
     return chosen
 
 
+def counted_cache(settings, memcached, redis_server, kind: str):
+    """A CACHES alias ``counted`` on memcached or Redis through a FaultProxy,
+    which counts the requests that reach the store (round trips), as
+    TASKLOCK's cache; the proxy (close it when done)."""
+    from tests.faultproxy import FaultProxy
+
+    upstream = memcached.port if kind == "memcached" else redis_server.port
+    proxy = FaultProxy(upstream)
+    if kind == "memcached":
+        config = {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": proxy.address,
+        }
+    else:
+        config = {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": f"redis://{proxy.address}/0",
+        }
+    settings.CACHES = {**settings.CACHES, "counted": config}
+    settings.TASKLOCK = {"CACHE": "counted", "MEMCACHED_PROTOCOL": "meta"}
+    return proxy
+
+
 def background(function, *args):
     """Start ``function`` in a new thread; return the thread and a dict that gets
     its ``result`` or ``error`` when it ends.

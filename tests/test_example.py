@@ -311,24 +311,28 @@ def test_fenced_writes_in_order_are_accepted(feeds):
     assert store(url, parsed).feed.fence == 11
 
 
-def test_at_most_two_fetches_at_once_from_one_host():
+def fetch_at_once(urls: list[str]) -> list[int]:
+    """Fetch ``urls`` from six threads at once, as six workers would; the sizes."""
     from concurrent.futures import ThreadPoolExecutor
 
     from example_project.feeds.importer import fetch
     from tests.conftest import close_connections
 
+    def fetch_in_thread(url):
+        try:
+            return len(fetch(url)[0])
+        finally:
+            close_connections()
+
+    with ThreadPoolExecutor(6) as pool:
+        return list(pool.map(fetch_in_thread, urls))
+
+
+def test_at_most_two_fetches_at_once_from_one_host():
     slow = FeedServer(delay=0.3).start()
     try:
         urls = slow.feed_urls()
-
-        def fetch_in_thread(url):
-            try:
-                return len(fetch(url)[0])
-            finally:
-                close_connections()
-
-        with ThreadPoolExecutor(6) as pool:
-            sizes = list(pool.map(fetch_in_thread, urls))
+        sizes = fetch_at_once(urls)
     finally:
         slow.stop()
     assert all(size > 0 for size in sizes) and len(sizes) == len(urls) >= 5
@@ -338,12 +342,9 @@ def test_at_most_two_fetches_at_once_from_one_host():
 
 
 def test_fetches_from_one_host_keep_to_the_rate_limit(settings):
-    from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import urlsplit
 
     from django_tasklock import RateLimiter
-    from example_project.feeds.importer import fetch
-    from tests.conftest import close_connections
 
     settings.FEED_FETCH_RATE = "3/1s"
     server = FeedServer(delay=0).start()
@@ -351,15 +352,7 @@ def test_fetches_from_one_host_keep_to_the_rate_limit(settings):
         urls = server.feed_urls() * 2
         host = urlsplit(urls[0]).netloc
         RateLimiter(f"feeds-fetch-rate:{host}", "3/1s").reset()
-
-        def fetch_in_thread(url):
-            try:
-                return len(fetch(url)[0])
-            finally:
-                close_connections()
-
-        with ThreadPoolExecutor(6) as pool:
-            sizes = list(pool.map(fetch_in_thread, urls))
+        sizes = fetch_at_once(urls)
     finally:
         server.stop()
     assert all(size > 0 for size in sizes) and len(sizes) == len(urls) == 12

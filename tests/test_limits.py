@@ -428,23 +428,9 @@ def test_the_command_shows_pauses_and_resets_a_limit(any_store, settings):
 
 @pytest.mark.parametrize("kind", ["memcached", "redis"])
 def test_round_trips_per_admission(settings, memcached, redis_server, kind):
-    from tests.conftest import close_connections
-    from tests.faultproxy import FaultProxy
+    from tests.conftest import close_connections, counted_cache
 
-    upstream = memcached.port if kind == "memcached" else redis_server.port
-    proxy = FaultProxy(upstream)
-    if kind == "memcached":
-        config = {
-            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
-            "LOCATION": proxy.address,
-        }
-    else:
-        config = {
-            "BACKEND": "django.core.cache.backends.redis.RedisCache",
-            "LOCATION": f"redis://{proxy.address}/0",
-        }
-    settings.CACHES = {**settings.CACHES, "counted": config}
-    settings.TASKLOCK = {"CACHE": "counted", "MEMCACHED_PROTOCOL": "meta"}
+    proxy = counted_cache(settings, memcached, redis_server, kind)
     try:
         limiter = RateLimiter("counted", "2/m")
         limiter.reset()  # connects, loads Redis's script cache

@@ -241,22 +241,9 @@ def test_semaphore_in_a_thread_closes_nothing_of_others(any_store):
 
 @pytest.mark.parametrize("kind", ["memcached", "redis"])
 def test_round_trips_per_acquire_and_release(settings, memcached, redis_server, kind):
-    from tests.faultproxy import FaultProxy
+    from tests.conftest import counted_cache
 
-    upstream = memcached.port if kind == "memcached" else redis_server.port
-    proxy = FaultProxy(upstream)
-    if kind == "memcached":
-        config = {
-            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
-            "LOCATION": proxy.address,
-        }
-    else:
-        config = {
-            "BACKEND": "django.core.cache.backends.redis.RedisCache",
-            "LOCATION": f"redis://{proxy.address}/0",
-        }
-    settings.CACHES = {**settings.CACHES, "counted": config}
-    settings.TASKLOCK = {"CACHE": "counted", "MEMCACHED_PROTOCOL": "meta"}
+    proxy = counted_cache(settings, memcached, redis_server, kind)
     try:
         warm = Semaphore("counted", 3)  # connects, loads the scripts
         assert warm.acquire() and warm.release()
