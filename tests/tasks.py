@@ -427,3 +427,12 @@ def limited_window(self, key, n):
               cache="redis")  # fmt: skip
 def limited_smooth(self, key, n):
     return _limited(self, key, n)
+
+
+@app.task(bind=True, max_retries=0)
+@rate_limited("2/s", name="tests.limited-until-finished")
+@single_instance(mode="until_finished", expire=60)
+def limited_until_finished(self, key, n):
+    """A rate limit above an enqueue-time lock: a call sent again for its turn
+    keeps its place (the lock is handed to the message that carries it)."""
+    return _limited(self, key, n)

@@ -45,3 +45,13 @@ def test_every_call_runs_once_at_the_limits_pace(workers, settings, task, kind):
         assert smooth_violations(times, 4, 1000, 2) == 0
     # Three periods' worth cannot fit in less than two periods.
     assert max(times) - min(times) >= 2000 - 1
+
+
+def test_a_rate_limit_above_an_enqueue_time_lock_loses_no_call(workers):
+    RateLimiter("tests.limited-until-finished", "2/s").reset()
+    key = "limited-until-finished"
+    sent = [tasks.limited_until_finished.delay(key, n) for n in range(6)]
+    assert sorted(result.get(timeout=60) for result in sent) == list(range(6))
+    runs = tasks.runs(key)
+    assert sorted(run["n"] for run in runs) == list(range(6)), "ran twice or never"
+    assert window_violations([int(run["at"]) for run in runs], 2, 1000) == 0  # type: ignore[call-overload]
