@@ -276,7 +276,9 @@ class Lock(StoreReads, Holding):
                     hold = backend.acquire(key, token, expire)
                 else:
                     hold = backend.take_over(key, self._take_over, token, expire)
-                if hold is None:
+                # Refused: look at its holder when due (the test is here, not
+                # in the call, as it fails on all but one refusal in many).
+                if hold is None and backend.looks.get(key, 0.0) <= tried_at:
                     hold = take_from_dead(self, backend, key, token, expire)
             except backend.errors as exc:
                 raise take_failed(self, backend, key, token, exc) from exc

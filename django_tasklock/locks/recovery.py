@@ -96,7 +96,8 @@ def take_from_dead(
 ) -> Hold | None:
     """After an acquire was refused: the lock, taken for ``token``, if its
     holder is dead; None if it lives, cannot be judged, or was looked at less
-    than ``LOOK_EVERY`` ago. Raises ``backend.errors``."""
+    than ``LOOK_EVERY`` ago (the caller may test ``backend.looks`` first, as
+    ``Lock.acquire`` does). Raises ``backend.errors``."""
     now = time.monotonic()
     looks = backend.looks
     if looks.get(key, 0.0) > now:
