@@ -450,3 +450,20 @@ def test_round_trips_per_admission(settings, memcached, redis_server, kind):
     finally:
         proxy.close()
         close_connections()
+
+
+def test_a_named_limit_follows_its_setting_and_given_options_win(any_store, settings):
+    settings.TASKLOCK = {**any_store.tasklock, "RATE_LIMITS": {"followed": "1/m"}}
+
+    @rate_limited(name="followed", on_limit="raise")
+    def call():
+        return "ran"
+
+    RateLimiter("followed").reset()
+    assert call() == "ran"
+    with pytest.raises(RateLimited):
+        call()
+    settings.TASKLOCK = {**any_store.tasklock, "RATE_LIMITS": {"followed": "3/m"}}
+    assert call() == "ran"  # the same state, now judged against 3 a minute
+    assert RateLimiter("followed", burst=2, kind="smooth").kind.burst == 2
+    RateLimiter("followed").reset()

@@ -158,16 +158,20 @@ class _Limits:
             if self.self_name is not None and _task_of(args) is not None:
                 arguments.pop(self.self_name, None)
             limit_id = f"{self.base}-{call_digest(self.base, arguments, self.key)}"
-        limiter = self.limiters.get(limit_id)
+        # A named limit is looked up on every call (one dict read), so that a
+        # change of TASKLOCK['RATE_LIMITS'] makes a new limiter.
+        seen = limit_id
+        if self.given[0] is None:
+            seen = f"{limit_id} {settings.named_rate(self.base)}"
+        limiter = self.limiters.get(seen)
         if limiter is None:
             limiter = self._make(limit_id)
             if len(self.limiters) < 1024:
-                self.limiters[limit_id] = limiter
+                self.limiters[seen] = limiter
         return limiter
 
     def _make(self, limit_id: str) -> RateLimiter:
-        # A named limit is read from TASKLOCK['RATE_LIMITS'] each time one is
-        # made (settings may change); what the decorator was given wins.
+        # What the decorator was given wins over the named limit's entries.
         rate, kind, burst, cache = self.given
         named = settings.named_rate(self.base) if rate is None else {}
         if rate is None and not named:

@@ -71,9 +71,8 @@ class RateLimiter:
             raise ValueError(
                 f"kind must be one of {', '.join(KINDS)}, not {kind_name!r}."
             )
-        burst = named.get("burst", burst)
         if burst is None:
-            burst = self.rate.count
+            burst = named.get("burst", self.rate.count)
         if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
             raise ValueError(f"burst must be a whole number >= 1, not {burst!r}.")
         if kind_name == "window" and self.rate.count > MAX_WINDOW_COUNT:
