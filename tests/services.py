@@ -133,6 +133,24 @@ class Memcached(Server):
     def flush_all(self) -> None:
         assert self.raw(b"flush_all") == b"OK"
 
+    def keys(self) -> set[str]:
+        """Every key the server holds (``lru_crawler metadump all``)."""
+        from urllib.parse import unquote
+
+        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
+            sock.sendall(b"lru_crawler metadump all\r\n")
+            data = b""
+            while not data.endswith(b"END\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        return {
+            unquote(line.split(" ", 1)[0].removeprefix("key="))
+            for line in data.decode().splitlines()
+            if line.startswith("key=")
+        }
+
     def stat(self, name: str) -> int:
         with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
             sock.sendall(b"stats\r\n")
