@@ -182,3 +182,38 @@ def test_django_client_fails_instead_of_rehashing_with_these_options(settings, p
         time.sleep(0.1)
     assert "refused" in results and False in results and results[-1] is True, results
     victim.start()
+
+
+def test_a_process_that_learns_of_the_restart_later_still_refuses(settings, pool):
+    """The first process to see the restart records the new run on the pool's
+    other nodes; a process that never saw the old run reads that record, and
+    must still know the run is a restart (it is marked so), not a new
+    deployment. Before the mark, a holder's liveness thread that reconnected
+    first made every later process hand the ids out at once."""
+    from django_tasklock.backends.memcached import restarts
+
+    settings.TASKLOCK = {
+        "CACHE": "pool",
+        "LOCK_EXPIRE": EXPIRE,
+        "RESTART_GRACE": 60,
+        "LIVENESS": None,
+    }
+    victim = pool[0]
+    lock_id = next(
+        i
+        for i in IDS
+        if backend_for("pool")._client(backend_for("pool").key_for(i)).server[1]
+        == victim.port
+    )
+    assert Lock(lock_id).acquire()  # learns the run, records it
+    victim.stop(signal.SIGKILL)
+    victim.start()
+    with pytest.raises(LockBackendError, match="RESTART_GRACE"):
+        Lock(lock_id).acquire()  # sees the restart, records the new run
+    # A fresh process: nothing remembered, new connections.
+    close_connections()
+    with restarts._runs_mutex:
+        restarts._runs.clear()
+    restarts._refused.clear()
+    with pytest.raises(LockBackendError, match="RESTART_GRACE"):
+        Lock(lock_id).acquire()

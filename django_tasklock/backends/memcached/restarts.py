@@ -103,9 +103,21 @@ class Restarts:
         with _runs_mutex:
             seen = _runs.get(server)
             _runs[server] = run
+        # A record of this very run marked as a restart: another process saw it
+        # replace an earlier one (and recorded it first), so this is a restart
+        # too, with the same grace from the same start.
+        told = False
         if seen is None:
-            seen = self._recorded_run(server)
-        if seen is not None and not _same_run(seen, run):
+            recorded = self._recorded_run(server)
+            if recorded is not None:
+                seen, told = recorded[0], recorded[1] and _same_run(recorded[0], run)
+        restarted = told or (seen is not None and not _same_run(seen, run))
+        if restarted:
+            was = (
+                "a restart another process recorded"
+                if told or seen is None
+                else f"was {seen[0]}"
+            )
             grace = tasklock_settings.RESTART_GRACE
             # When it started, on this process's monotonic clock, late rather
             # than early: memcached's uptime runs up to 2 s ahead, in whole
@@ -116,14 +128,14 @@ class Restarts:
             left = started + grace - time.monotonic()
             if left > 0:
                 logger.warning(
-                    "memcached at %s restarted about %ds ago (pid %d, was %d) and "
+                    "memcached at %s restarted about %ds ago (pid %d, %s) and "
                     "came back empty: locks it held are gone while their holders "
                     "may still run. New locks on it are refused for %.0fs more "
                     "(TASKLOCK['RESTART_GRACE'] = %ss).",
-                    _server_name(server), uptime, run[0], seen[0], left, grace,
+                    _server_name(server), uptime, run[0], was, left, grace,
                 )  # fmt: skip
         if seen is None or not _same_run(seen, run):
-            self._record_run(server, run)
+            self._record_run(server, run, restarted)
 
     def _others(self, server: Any) -> list[Any]:
         hash_client = self.hash_client
@@ -131,21 +143,26 @@ class Restarts:
             return []
         return [c for c in hash_client.clients.values() if c.server != server]
 
-    def _recorded_run(self, server: Any) -> tuple[int, int] | None:
+    def _recorded_run(self, server: Any) -> tuple[tuple[int, int], bool] | None:
+        """The run of ``server`` recorded on another server of the pool, and
+        whether the process that recorded it saw it replace an earlier run
+        (``pid:start:r``); None if no other server has a record."""
         for other in self._others(server):
             try:
                 value = other.get(_record_key(server))
             except self.errors:
                 continue
             if value is not None:
-                pid, _, start = str(value).partition(":")
-                return int(pid), int(start)
+                pid, _, rest = str(value).partition(":")
+                start, _, flag = rest.partition(":")
+                return (int(pid), int(start)), flag == "r"
         return None
 
-    def _record_run(self, server: Any, run: tuple[int, int]) -> None:
+    def _record_run(self, server: Any, run: tuple[int, int], restarted: bool) -> None:
+        value = f"{run[0]}:{run[1]}" + (":r" if restarted else "")
         for other in self._others(server):
             try:
-                other.set(_record_key(server), f"{run[0]}:{run[1]}", MAX_EXPIRE)
+                other.set(_record_key(server), value, MAX_EXPIRE)
             except self.errors:
                 continue
 
