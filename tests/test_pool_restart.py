@@ -111,7 +111,8 @@ def test_without_the_grace_the_restarted_node_hands_its_ids_out_again(
     assert early == set(on_victim)
 
 
-def test_this_process_refuses_a_node_it_saw_restart(settings, pool, caplog):
+def id_on_first_node(settings, pool):
+    """A 60 s grace, no liveness records; the pool's first node and an id on it."""
     settings.TASKLOCK = {
         "CACHE": "pool",
         "LOCK_EXPIRE": EXPIRE,
@@ -119,12 +120,15 @@ def test_this_process_refuses_a_node_it_saw_restart(settings, pool, caplog):
         "LIVENESS": None,
     }
     victim = pool[0]
+    backend = backend_for("pool")
     lock_id = next(
-        i
-        for i in IDS
-        if backend_for("pool")._client(backend_for("pool").key_for(i)).server[1]
-        == victim.port
+        i for i in IDS if backend._client(backend.key_for(i)).server[1] == victim.port
     )
+    return victim, lock_id
+
+
+def test_this_process_refuses_a_node_it_saw_restart(settings, pool, caplog):
+    victim, lock_id = id_on_first_node(settings, pool)
     holder = Lock(lock_id)
     assert holder.acquire()  # a node first seen (a new deployment): not refused
     victim.stop(signal.SIGKILL)
@@ -192,19 +196,7 @@ def test_a_process_that_learns_of_the_restart_later_still_refuses(settings, pool
     first made every later process hand the ids out at once."""
     from django_tasklock.backends.memcached import restarts
 
-    settings.TASKLOCK = {
-        "CACHE": "pool",
-        "LOCK_EXPIRE": EXPIRE,
-        "RESTART_GRACE": 60,
-        "LIVENESS": None,
-    }
-    victim = pool[0]
-    lock_id = next(
-        i
-        for i in IDS
-        if backend_for("pool")._client(backend_for("pool").key_for(i)).server[1]
-        == victim.port
-    )
+    victim, lock_id = id_on_first_node(settings, pool)
     assert Lock(lock_id).acquire()  # learns the run, records it
     victim.stop(signal.SIGKILL)
     victim.start()
