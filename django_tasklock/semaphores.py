@@ -100,6 +100,8 @@ class Semaphore(Holding):
         self.lock: Lock | None = None
         #: The slot held, 0 to limit - 1.
         self.slot: int | None = None
+        #: What the lock console shows of its holder (see ``Lock.about``).
+        self.about: object = None
 
     def __repr__(self) -> str:
         state = f"slot {self.slot}" if self.held else "free"
@@ -184,6 +186,7 @@ class Semaphore(Holding):
         random.shuffle(free)  # holders spread over the slots, so rarely race
         for slot in free:
             lock = Lock(ids[slot], **self._options)
+            lock.about, lock.slot_of = self.about, self.lock_id
             if lock.acquire():
                 self.lock, self.slot = lock, slot
                 return True

@@ -7,6 +7,7 @@ views and health checks too.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from .backends import LockBackend, backend_for
@@ -20,8 +21,11 @@ __all__ = [
     "LockChanged",
     "LockStatus",
     "Owner",
+    "expiry_text",
     "force_release",
+    "holder_text",
     "lock_status",
+    "release_refusal",
     "remove",
     "semaphore_status",
 ]
@@ -232,3 +236,60 @@ def semaphore_status(
 
     validate_limit(limit)
     return [lock_status(slot_id(name, slot), cache=cache) for slot in range(limit)]
+
+
+_PENDING = {
+    "queued": "a call published and not started yet (no process holds it); it "
+    "expires after its countdown plus QUEUE_EXPIRE",
+    "started": "a call a worker started (until_started: new calls may be sent)",
+    "running": "a call a worker runs",
+}
+
+
+def holder_text(status: LockStatus) -> str:
+    """Who holds a held lock, in words."""
+    owner = status.owner
+    if owner is not None:
+        return owner.describe()
+    call = status.call
+    if call is not None:
+        return _PENDING[call[0]]
+    return "not a django_tasklock token (other code)"
+
+
+def expiry_text(ttl: float | None) -> str:
+    """When a lock with ``ttl`` seconds left expires, in words."""
+    if ttl is None:
+        return "unknown"
+    if math.isinf(ttl):
+        return "never (stored without a timeout by other code)"
+    return f"in {ttl:.0f}s" if ttl >= 1 else f"in {ttl:.2f}s"
+
+
+def release_refusal(status: LockStatus, *, force: bool, how: str) -> str | None:
+    """Why ``status``'s lock may not be released, None if it may: a lock whose
+    holder is gone (``stale``) may, any other only when forced. ``how`` says how
+    to force it (``"Pass --force"``), at the start of a sentence."""
+    lock_id = status.lock_id
+    if not status.held:
+        return f"Lock {lock_id!r} is not held; nothing to release."
+    if force or status.stale:
+        return None
+    call = status.call
+    if status.owner is None and call is not None and call[0] == "queued":
+        return (
+            f"Lock {lock_id!r} holds call {call[1]}, published and not started "
+            f"yet; it expires {expiry_text(status.ttl)} (its countdown plus "
+            "QUEUE_EXPIRE). Its message may still be in the queue: releasing it "
+            f"lets an identical call be sent beside it. {how} only if the "
+            "message is gone (a purged queue)."
+        )
+    if status.owner is None and call is None:
+        holder = "not a django_tasklock token: no process to look at"
+    else:
+        holder = holder_text(status)
+    return (
+        f"Lock {lock_id!r} is held by {status.value} ({holder}), expiring "
+        f"{expiry_text(status.ttl)}. Its holder may still be running: releasing "
+        f"it lets a second run start beside it. {how} to release it anyway."
+    )

@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from django.core.cache import close_caches
 
 from ..backends import backend_for, close_thread_connections
+from ..conf import settings
 from ..tokens import new_live_token, new_token, this_process
+from .roster import Entry, Roster
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -46,6 +48,7 @@ __all__ = [
     "forget_records",
     "kept_record",
     "leave",
+    "note_queued",
     "record_for",
     "record_id",
 ]
@@ -103,6 +106,8 @@ class Record:
         #: The locks taken with this record, by id: put back after a restart
         #: (``reassert``); those no longer held are dropped at the next beat.
         self.held: dict[int, Held] = {}
+        #: What this process holds, listed for the lock console (``roster``).
+        self.roster = Roster(self.id, alias)
 
     def write(self, backend: LockBackend) -> None:
         """Write the record now (one round trip); raises ``backend.errors``."""
@@ -172,6 +177,7 @@ class Record:
             self.write(backend)
             if self.held:
                 reassert(self, backend)
+            self.roster.beat(self, backend)
         except backend.errors as exc:
             if not self._failing:
                 logger.warning(
@@ -206,6 +212,7 @@ class Record:
             backend = backend_for(self.alias)
             try:
                 backend.cache.delete(self.id)
+                self.roster.leave(backend)
             except backend.errors:
                 logger.warning("Could not delete liveness record %r", self.id)
 
@@ -296,6 +303,26 @@ def kept_record(
     if now >= record.due and not record.ensure(backend):
         return None, new_token
     return record, new_live_token
+
+
+def note_queued(
+    alias: str, backend: LockBackend, key: str, entry: Entry, life: float
+) -> None:
+    """List a queued mark this process just wrote (under ``key``, for ``life``
+    seconds at most) in its roster, for the lock console; nothing when
+    ``TASKLOCK['LIVENESS']`` is None. Never raises: a store that would not
+    take the record leaves the mark unlisted, as it is still locked."""
+    bound = settings.LIVENESS
+    if bound is None:
+        return
+    record = record_for(alias, bound)
+    try:
+        if not record.ensure(backend):
+            return
+    except Exception:
+        logger.debug("Could not list queued mark %r", key, exc_info=True)
+        return
+    record.roster.note_mark(key, entry, life)
 
 
 def forget_records(*, delete: bool = False) -> None:

@@ -180,6 +180,11 @@ class Lock(StoreReads, Holding):
 
     #: The task id of the call holding it, written into its tokens.
     call_id: str | None = None
+    #: What the lock console shows of it: the run (``runs.Run``) or a
+    #: ``(task name, args, kwargs)`` triple that took it, if any.
+    about: object = None
+    #: The semaphore this lock is a slot of, if any.
+    slot_of: str | None = None
     # A value the store may hold that acquire() takes over as if the lock were
     # free, in one conditional write; None: take the lock only if free.
     _take_over: str | None = None

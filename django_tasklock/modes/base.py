@@ -90,17 +90,19 @@ class Mode:
 
     def lock_for(self, run: Run) -> Lock | Semaphore:
         """The run's lock: one slot, named after the call if a worker runs it."""
-        return Lock(
+        lock = Lock(
             run.lock_id,
             oid=run.oid,
             max_hold=run.max_hold,
             call_id=run.call_id,
             **run.options.lock_options,
         )
+        lock.about = run
+        return lock
 
     def make_lock(self, run: Run, lock_id: str, take_over: str | None = None) -> Lock:
         """A Lock on ``lock_id`` with the run's options, naming its call."""
-        return Lock(
+        lock = Lock(
             lock_id,
             oid=run.oid,
             max_hold=run.max_hold,
@@ -108,6 +110,8 @@ class Mode:
             take_over=take_over,
             **run.options.lock_options,
         )
+        lock.about = run
+        return lock
 
     def contended(
         self, run: Run, lock: Lock | Semaphore, policy: ContentionPolicy

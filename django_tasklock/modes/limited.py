@@ -23,10 +23,12 @@ class Limited(WhileRunning):
 
     def lock_for(self, run: Run) -> Semaphore:
         assert run.options.limit is not None
-        return Semaphore(
+        semaphore = Semaphore(
             run.lock_id,
             limit=run.options.limit,
             oid=run.oid,
             max_hold=run.max_hold,
             **run.options.lock_options,
         )
+        semaphore.about = run
+        return semaphore

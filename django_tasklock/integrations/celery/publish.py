@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
@@ -20,7 +21,9 @@ from ...calls import call_of, queue_life, queued, store, store_error
 from ...conf import settings
 from ...exceptions import AlreadyQueued, LockBackendError
 from ...locks import Lock
+from ...locks.liveness import note_queued
 from ...locks.recovery import replaceable
+from ...locks.roster import Entry, describe_call
 from ...modes import MODES
 from ...policies import DUPLICATES
 from ...runs import held
@@ -195,10 +198,21 @@ class _Publish:
 
     def _publish(self, restore: Peek | None = None) -> Any:
         try:
-            return self._call_original()
+            sent = self._call_original()
         except BaseException:
             self._roll_back(restore)
             raise
+        entry = Entry(
+            lock_id=self.queue_id,
+            kind="queued",
+            task=self.name,
+            args=describe_call(self.args or (), self.kwargs or {}),
+            call_id=self.task_id,
+            since=time.time(),
+            renews=False,
+        )
+        note_queued(self.alias, self.backend, self.key, entry, self.life)
+        return sent
 
     def _roll_back(self, restore: Peek | None) -> None:
         """The publish failed: nothing was sent, so nothing may stay locked."""

@@ -27,7 +27,15 @@ from django.utils.module_loading import import_string
 from ...exceptions import LockBackendError, LockConfigurationError
 from ...integrations.celery.lookup import registered_task, registered_tasks
 from ...modes import queue_lock_id
-from ...status import LockStatus, lock_status, remove, semaphore_status
+from ...status import (
+    LockStatus,
+    expiry_text,
+    holder_text,
+    lock_status,
+    release_refusal,
+    remove,
+    semaphore_status,
+)
 from ...targets import lock_cache_for, lock_id_for, lock_mode_for
 from ..rates import add_rate_parser, rate_action
 
@@ -224,11 +232,9 @@ class Command(BaseCommand):
                 lines.append(("Call", f"{call[0]}, task id {call[1]}"))
             if owner is not None:
                 lines.append(("Holder", owner.describe()))
-            elif call is not None:
-                lines.append(("Holder", _PENDING[call[0]]))
             else:
-                lines.append(("Holder", "not a django_tasklock token (other code)"))
-            lines.append(("Expires", _expiry(status.ttl)))
+                lines.append(("Holder", holder_text(status)))
+            lines.append(("Expires", expiry_text(status.ttl)))
         fence = (
             "none (no fencing counter: no fence was drawn, or it expired)"
             if status.fence is None
@@ -240,31 +246,9 @@ class Command(BaseCommand):
 
     def _release(self, lock_id: str, cache: str | None, force: bool) -> None:
         status = lock_status(lock_id, cache=cache)
-        if not status.held:
-            raise CommandError(f"Lock {lock_id!r} is not held; nothing to release.")
-        owner = status.owner
-        call = status.call
-        if not force and not status.stale:
-            if owner is None and call is not None and call[0] == "queued":
-                raise CommandError(
-                    f"Lock {lock_id!r} holds call {call[1]}, published and not "
-                    f"started yet; it expires {_expiry(status.ttl)} (its countdown "
-                    "plus QUEUE_EXPIRE). Its message may still be in the queue: "
-                    "releasing it lets an identical call be sent beside it. Pass "
-                    "--force only if the message is gone (a purged queue)."
-                )
-            if owner is not None:
-                holder = owner.describe()
-            elif call is not None:
-                holder = _PENDING[call[0]]
-            else:
-                holder = "not a django_tasklock token: no process to look at"
-            raise CommandError(
-                f"Lock {lock_id!r} is held by {status.value} ({holder}), "
-                f"expiring {_expiry(status.ttl)}. Its holder may still be running: "
-                "releasing it lets a second run start beside it. Pass --force to "
-                "release it anyway."
-            )
+        refused = release_refusal(status, force=force, how="Pass --force")
+        if refused is not None:
+            raise CommandError(refused)
         # The very item judged above, or nothing: a lock that changed hands since
         # it was read (a live worker took it after it expired) is left alone.
         if not remove(status):
@@ -276,24 +260,9 @@ class Command(BaseCommand):
         self.stdout.write(f"Released lock {lock_id!r} held by {status.value} ({why}).")
 
 
-_PENDING = {
-    "queued": "a call published and not started yet (no process holds it); it "
-    "expires after its countdown plus QUEUE_EXPIRE",
-    "started": "a call a worker started (until_started: new calls may be sent)",
-}
-
-
 def _as_json(status: LockStatus) -> dict[str, Any]:
     data = status.as_dict()
     data["never_expires"] = status.ttl is not None and math.isinf(status.ttl)
     if data["never_expires"]:
         data["ttl"] = None
     return data
-
-
-def _expiry(ttl: float | None) -> str:
-    if ttl is None:
-        return "unknown"
-    if math.isinf(ttl):
-        return "never (stored without a timeout by other code)"
-    return f"in {ttl:.0f}s" if ttl >= 1 else f"in {ttl:.2f}s"

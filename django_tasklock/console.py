@@ -1,0 +1,138 @@
+"""What the admin's lock console lists: every held lock, semaphore slot and
+queued call that a process lists in its store's roster (``locks.roster``),
+found, filtered and paged without scanning the cache.
+
+A page costs, per store, two ``get_many`` calls for the rosters, then, for each
+row shown, the reads of ``status.lock_status`` (the store's own value, time
+left and last fence, and the holder's liveness record when it runs elsewhere):
+bounded by the page's size, whatever the size of the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from django.conf import settings as django_settings
+
+from .backends import backend_for
+from .conf import settings
+from .exceptions import LockConfigurationError
+from .locks.roster import Entry, read_roster
+from .status import LockStatus, lock_status
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["Inventory", "Listed", "lock_aliases", "take_inventory"]
+
+#: Kinds of entries, in the order the console filters them.
+KINDS = ("lock", "slot", "queued")
+
+
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """One lock id a process lists in one store."""
+
+    alias: str
+    entry: Entry
+    #: The lister's liveness record id and host.
+    record: str
+    host: str
+
+    @property
+    def lock_id(self) -> str:
+        return self.entry.lock_id
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since it was taken or published."""
+        return max((time.time() if now is None else now) - self.entry.since, 0.0)
+
+    def status(self) -> LockStatus:
+        """The lock as its store holds it now (raises ``LockBackendError``)."""
+        return lock_status(self.entry.lock_id, cache=self.alias)
+
+
+@dataclasses.dataclass
+class Inventory:
+    """Everything the rosters of some stores list."""
+
+    entries: list[Listed]
+    #: Processes listing at least one entry, per alias; aliases whose roster
+    #: could not be read, with why; aliases whose every roster slot is taken.
+    processes: dict[str, int]
+    failed: dict[str, str]
+    full: list[str]
+
+    def tasks(self) -> list[str]:
+        return sorted({listed.entry.task for listed in self.entries})
+
+    def select(
+        self,
+        *,
+        task: str | None = None,
+        alias: str | None = None,
+        kind: str | None = None,
+        search: str | None = None,
+    ) -> list[Listed]:
+        """The entries of ``task``, in ``alias``, of ``kind``, whose lock id or
+        task id contains ``search``; oldest first."""
+        found: Iterable[Listed] = self.entries
+        if task:
+            found = [one for one in found if one.entry.task == task]
+        if alias:
+            found = [one for one in found if one.alias == alias]
+        if kind:
+            found = [one for one in found if one.entry.kind == kind]
+        if search:
+            needle = search.strip()
+            found = [
+                one
+                for one in found
+                if needle in one.entry.lock_id or needle == (one.entry.call_id or "")
+            ]
+        return sorted(found, key=lambda one: (one.entry.since, one.lock_id))
+
+
+def lock_aliases() -> list[str]:
+    """The CACHES aliases locks can be taken in (``TASKLOCK['CACHE']`` first)."""
+    aliases = [settings.CACHE]
+    for alias in django_settings.CACHES:
+        if alias in aliases:
+            continue
+        try:
+            backend_for(alias)
+        except LockConfigurationError:
+            continue  # a cache locks cannot be taken in (the dummy cache, ...)
+        aliases.append(alias)
+    return aliases
+
+
+def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
+    """Read the rosters of ``aliases`` (default: every lock store). A lock id
+    listed twice (a queued mark its publisher lists, taken over by the worker
+    that runs it) is listed once, by its holder."""
+    inventory = Inventory([], {}, {}, [])
+    aliases = lock_aliases() if aliases is None else list(aliases)
+    for alias in aliases:
+        backend = backend_for(alias)
+        try:
+            listing = read_roster(backend)
+        except backend.errors as exc:
+            inventory.failed[alias] = f"{type(exc).__name__}: {exc}"
+            continue
+        if listing.full:
+            inventory.full.append(alias)
+        best: dict[str, Listed] = {}
+        records = set()
+        for record, host, written, entry in listing.entries:
+            if written != alias and written in aliases:
+                continue  # the same store under another alias: listed there
+            records.add(record)
+            seen = best.get(entry.lock_id)
+            if seen is None or (seen.entry.kind == "queued" and entry.kind != "queued"):
+                best[entry.lock_id] = Listed(alias, entry, record, host)
+        inventory.entries += best.values()
+        inventory.processes[alias] = len(records)
+    return inventory

@@ -1,0 +1,287 @@
+"""The roster: what each process holds, kept in the store so that the admin's
+lock console can list held locks without scanning the cache.
+
+A shared production memcached or Redis holds millions of unrelated keys and
+neither can list the keys of one kind. So every process that keeps a liveness
+record (``liveness``) also keeps one roster slot, ``tasklock-roster:<n>`` for
+``n`` below ``SLOTS``, claimed with ``add`` when its record is first written.
+The slot holds what the process holds in that store: its locks (semaphore slots
+and a worker's call locks included) and the queued marks it published, with
+the task name, arguments and task id where they are known. More than ``CHUNK``
+entries spill into ``tasklock-roster:<n>:<i>`` items.
+
+What it costs: nothing on an acquire or a release. The liveness thread, once a
+beat, compares the held locks with those written last (a set comparison in
+memory) and rewrites the slot only when they changed, or when the slot nears
+its expiry (one ``set_many`` of about 150 bytes per entry, in the round trip
+that writes the record). Listing costs one ``get_many`` of the ``SLOTS`` slot
+keys and one of the spilled chunks, however large the cache.
+
+A slot outlives its process for as long as any lock it lists may: a SIGKILLed
+worker's locks stay listed (with their holder judged dead) until they are
+taken or expire. A process that exits deletes its slot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import time
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+if TYPE_CHECKING:
+    from ..backends import LockBackend
+    from .liveness import Held, Record
+
+__all__ = [
+    "CHUNK",
+    "ROSTER_PREFIX",
+    "SLOTS",
+    "Entry",
+    "Roster",
+    "describe_call",
+    "read_roster",
+    "slot_key",
+]
+
+logger = logging.getLogger("django_tasklock.locks")
+
+ROSTER_PREFIX: Final = "tasklock-roster:"
+#: How many processes one store's roster lists.
+SLOTS: Final = 1024
+#: Entries per roster item (memcached keeps items up to 1 MB by default).
+CHUNK: Final = 2000
+#: Queued marks listed per process, at most (the newest).
+MARKS: Final = 8000
+#: Arguments are shown up to this many characters.
+ARGS_SHOWN: Final = 200
+
+
+def slot_key(slot: int, chunk: int = 0) -> str:
+    return f"{ROSTER_PREFIX}{slot}" if chunk == 0 else f"{ROSTER_PREFIX}{slot}:{chunk}"
+
+
+class Entry(NamedTuple):
+    """A lock or mark one process listed, as the roster stores it."""
+
+    #: The lock id, and what it is: ``"lock"``, ``"slot"`` (a semaphore's) or
+    #: ``"queued"`` (a mark a ``.delay()`` wrote).
+    lock_id: str
+    kind: str
+    #: The task name (or, for a plain ``Lock``, its id) and its arguments as
+    #: ``repr`` shows them ("" when not known).
+    task: str
+    args: str
+    #: The task id of the call, if any.
+    call_id: str | None
+    #: Wall-clock time (Unix) it was taken or published.
+    since: float
+    #: True if a heartbeat renews it.
+    renews: bool
+
+
+def describe_call(args: Any, kwargs: Any) -> str:
+    """A call's arguments as the console shows them, at most ``ARGS_SHOWN``
+    characters."""
+    parts = [repr(arg) for arg in args]
+    parts += [f"{key}={value!r}" for key, value in dict(kwargs).items()]
+    shown = ", ".join(parts)
+    if len(shown) > ARGS_SHOWN:
+        shown = shown[: ARGS_SHOWN - 1] + "…"
+    return shown
+
+
+def _describe(about: Any) -> tuple[str, str]:
+    """(task name, arguments) of a run (``runs.Run``) or a ``(name, args,
+    kwargs)`` triple."""
+    if about is None:
+        return "", ""
+    if isinstance(about, tuple):
+        name, args, kwargs = about
+    else:
+        name, args, kwargs = about.name, about.args, about.kwargs
+        if about.bound and args:
+            args = args[1:]
+    return name, describe_call(args, kwargs)
+
+
+def entry_of(lock: Held, wall_offset: float) -> Entry:
+    """The roster entry of a lock this process holds."""
+    about = getattr(lock, "about", None)
+    task, args = _describe(about)
+    slot = getattr(lock, "slot_of", None)
+    return Entry(
+        lock_id=lock.lock_id,
+        kind="lock" if slot is None else "slot",
+        task=task or (slot or lock.lock_id),
+        args=args,
+        call_id=getattr(lock, "call_id", None),
+        since=(lock.acquired_at or 0.0) + wall_offset,
+        renews=getattr(lock, "_heartbeat", None) is not None,
+    )
+
+
+class Mark(NamedTuple):
+    """A queued mark this process published, listed until it expires."""
+
+    entry: Entry
+    #: monotonic: when the store drops it at the latest.
+    until: float
+
+
+class Roster:
+    """One process's roster slot in one store (kept by its ``Record``)."""
+
+    def __init__(self, record_id: str, alias: str) -> None:
+        self.record_id, self.alias = record_id, alias
+        #: The slot claimed (None: none yet; -1: every slot was taken).
+        self.slot: int | None = None
+        self.chunks = 0
+        #: The tokens of the locks written last (by object id), and the marks.
+        self.listed: dict[int, str | None] = {}
+        self.marks: dict[str, Mark] = {}
+        self.marks_listed = 0
+        #: Wall clock: when the slot must be written again at the latest.
+        self.renew_by = 0.0
+        self.full_warned = False
+
+    def note_mark(self, key: str, entry: Entry, life: float) -> None:
+        """Remember a mark this process published (listed at the next beat);
+        at most ``MARKS`` per process, the oldest dropped first."""
+        marks = self.marks
+        marks.pop(key, None)
+        marks[key] = Mark(entry, time.monotonic() + life)
+        if len(marks) > MARKS:
+            del marks[next(iter(marks))]
+
+    def beat(self, record: Record, backend: LockBackend) -> None:
+        """Rewrite the slot if what is held changed or it nears its expiry;
+        raises ``backend.errors``."""
+        now = time.monotonic()
+        marks = self.marks
+        for key in [key for key, mark in marks.items() if mark.until <= now]:
+            del marks[key]
+        held = record.held
+        wall = time.time()
+        # Tokens, not objects: one Lock object may be taken again, and a new
+        # one may be made where a released one was.
+        tokens = {ident: lock.token for ident, lock in list(held.items())}
+        if (
+            self.slot is not None
+            and tokens == self.listed
+            and len(marks) == self.marks_listed
+            and wall < self.renew_by
+        ):
+            return
+        if self.slot is None:
+            self.slot = self._claim(backend)
+        if self.slot < 0:
+            return
+        locks = list(held.values())
+        offset = wall - now
+        entries = [entry_of(lock, offset) for lock in locks if lock._hold is not None]
+        entries += [mark.entry for mark in marks.values()]
+        # As long as any lock it lists may live, at least three records' worth.
+        lives = [(lock._valid_until or now) - now + 1 for lock in locks]
+        lives += [mark.until - now for mark in marks.values()]
+        timeout = math.ceil(max([3 * record.bound, *lives]) + record.bound)
+        self._write(backend, entries, timeout)
+        self.listed = tokens
+        self.marks_listed = len(marks)
+        self.renew_by = wall + max(timeout - 2 * record.bound, 1.0)
+
+    def _write(self, backend: LockBackend, entries: list[Entry], timeout: int) -> None:
+        assert self.slot is not None
+        chunks = [entries[i : i + CHUNK] for i in range(0, len(entries), CHUNK)] or [[]]
+        head = {
+            "record": self.record_id,
+            "alias": self.alias,
+            "host": socket.gethostname(),
+            "chunks": len(chunks),
+            "entries": [list(entry) for entry in chunks[0]],
+        }
+        items = {slot_key(self.slot): json.dumps(head, separators=(",", ":"))}
+        for i, chunk in enumerate(chunks[1:], start=1):
+            items[slot_key(self.slot, i)] = json.dumps(
+                [list(entry) for entry in chunk], separators=(",", ":")
+            )
+        backend.cache.set_many(items, timeout=timeout)
+        if self.chunks > len(chunks):
+            backend.cache.delete_many(
+                [slot_key(self.slot, i) for i in range(len(chunks), self.chunks)]
+            )
+        self.chunks = len(chunks)
+
+    def _claim(self, backend: LockBackend) -> int:
+        """Take a free slot (``add``): the first free one this process sees."""
+        taken = backend.cache.get_many([slot_key(slot) for slot in range(SLOTS)])
+        for slot in range(SLOTS):
+            if slot_key(slot) in taken:
+                continue
+            if backend.cache.add(slot_key(slot), "{}", timeout=60):
+                return slot
+        if not self.full_warned:
+            logger.warning(
+                "All %d roster slots of this store are taken: the lock console "
+                "does not list the locks of process %r",
+                SLOTS,
+                self.record_id,
+            )
+            self.full_warned = True
+        return -1
+
+    def leave(self, backend: LockBackend) -> None:
+        """Delete the slot (the process is on its way out); raises
+        ``backend.errors``."""
+        if self.slot is not None and self.slot >= 0:
+            backend.cache.delete_many(
+                [slot_key(self.slot, i) for i in range(max(self.chunks, 1))]
+            )
+        self.slot, self.listed = None, {}
+
+
+class Listing(NamedTuple):
+    """Every entry a store's roster lists, with its holder."""
+
+    #: ``(record id, host, alias, entry)`` for each entry: ``alias`` is the
+    #: CACHES alias its process wrote it through (another alias may name the
+    #: same store).
+    entries: list[tuple[str, str, str, Entry]]
+    #: Slots in use, and whether every slot was.
+    processes: int
+    full: bool
+
+
+def read_roster(backend: LockBackend) -> Listing:
+    """What every process lists in ``backend``'s store: two ``get_many`` calls
+    (one round trip per server each); raises ``backend.errors``."""
+    heads = backend.cache.get_many([slot_key(slot) for slot in range(SLOTS)])
+    spilled: list[str] = []
+    parsed: list[tuple[int, dict[str, Any]]] = []
+    for key, text in heads.items():
+        head = _load(text)
+        if not isinstance(head, dict) or "record" not in head:
+            continue  # being claimed
+        slot = int(key.removeprefix(ROSTER_PREFIX))
+        parsed.append((slot, head))
+        spilled += [slot_key(slot, i) for i in range(1, int(head.get("chunks", 1)))]
+    more = backend.cache.get_many(spilled) if spilled else {}
+    entries: list[tuple[str, str, str, Entry]] = []
+    for slot, head in parsed:
+        rows: list[Any] = list(head.get("entries", []))
+        for i in range(1, int(head.get("chunks", 1))):
+            rows.extend(_load(more.get(slot_key(slot, i))) or [])
+        record, host, alias = head["record"], head["host"], head.get("alias", "")
+        entries += [(record, host, alias, Entry(*row)) for row in rows]
+    return Listing(entries, len(parsed), len(heads) >= SLOTS)
+
+
+def _load(text: object) -> Any:
+    if not isinstance(text, str):
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

@@ -1,0 +1,214 @@
+"""The lock console: what the rosters list (``locks.roster``, ``console``) and
+the admin pages, against the real stores, with Django's test client (the
+browser tests are in test_console_browser.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.auth.models import Permission, User
+
+from django_tasklock import Lock, Semaphore, lock_id_for, single_instance
+from django_tasklock.console import take_inventory
+from django_tasklock.locks.liveness import forget_records
+from django_tasklock.locks.roster import SLOTS, slot_key
+from django_tasklock.status import lock_status
+from tests.conftest import SHARED_STORES, wait_until
+from tests.workers import Holder
+
+pytestmark = pytest.mark.django_db
+
+CONSOLE = "/admin/django_tasklock/heldlock/"
+HOST = socket.gethostname()
+
+
+@pytest.fixture(autouse=True)
+def _quick_records(settings):
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60, "LIVENESS": 3}
+
+
+def listed(lock_id, alias="default"):
+    return [one for one in take_inventory([alias]).entries if one.lock_id == lock_id]
+
+
+def held_lock(lock_id, task="feeds.import_feed", args=(), kwargs=None, **options):
+    lock = Lock(lock_id, **options)
+    lock.about = (task, args, kwargs or {})
+    assert lock.acquire()
+    wait_until(lambda: listed(lock_id, lock._alias or "default"), 10)
+    return lock
+
+
+@pytest.mark.parametrize("store", SHARED_STORES, ids=lambda store: store.name)
+def test_a_held_lock_is_listed_with_its_task_arguments_and_holder(settings, store):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": 3}
+    lock = held_lock(
+        "feeds.import_feed-lock-1", args=("https://a.example/rss",), kwargs={"n": 2}
+    )
+    [one] = listed("feeds.import_feed-lock-1", store.alias)
+    assert one.entry.kind == "lock"
+    assert one.entry.task == "feeds.import_feed"
+    assert one.entry.args == "'https://a.example/rss', n=2"
+    assert one.host == HOST and f":{os.getpid()}-" in one.record
+    assert 0 <= one.age() < 10
+    status = one.status()
+    assert status.held and status.value == lock.token
+    assert status.owner is not None and status.owner.alive is True
+    assert lock.release()
+    wait_until(lambda: not listed("feeds.import_feed-lock-1", store.alias), 10)
+
+
+def test_semaphore_slots_and_decorated_runs_are_listed_with_what_took_them(settings):
+    semaphore = Semaphore("reports", limit=3)
+    assert semaphore.acquire()
+    assert semaphore.lock is not None
+    slot_id = semaphore.lock.lock_id
+    wait_until(lambda: listed(slot_id), 10)
+    [slot] = listed(slot_id)
+    assert (slot.entry.kind, slot.entry.task) == ("slot", "reports")
+    seen = locked_report(7, b="x")
+    assert seen.task == locked_report.__module__ + ".locked_report"
+    assert seen.args == "7, b='x'"
+    semaphore.release()
+
+
+@single_instance(expire=60)
+def locked_report(n, b=None):
+    """Returns its own roster entry, as listed while it runs."""
+    lock_id = lock_id_for(locked_report, n, b=b)
+    wait_until(lambda: listed(lock_id), 10)
+    return listed(lock_id)[0].entry
+
+
+def test_a_process_that_exits_takes_its_roster_slot_with_it(settings, memcached):
+    holder = Holder("default", "feeds-lock-exit", liveness=3)
+    try:
+        wait_until(lambda: listed("feeds-lock-exit"), 10)
+        assert holder.ask("exit") == ""  # leaves holding: the way out releases
+        holder.process.wait(timeout=10)
+        assert not listed("feeds-lock-exit")
+        assert take_inventory(["default"]).processes["default"] == 0
+    finally:
+        holder.close()
+
+
+def test_a_killed_holders_locks_stay_listed_and_show_it_dead(settings, admin_client):
+    holder = Holder("default", "feeds-lock-killed", liveness=3)
+    try:
+        wait_until(lambda: listed("feeds-lock-killed"), 10)
+        holder.kill()
+        [one] = listed("feeds-lock-killed")
+        assert one.status().owner.alive is False
+        page = admin_client.get(CONSOLE).content.decode()
+        assert "feeds-lock-killed" in page and "state-dead" in page
+        # Its holder is gone: released without forcing, and logged.
+        query = {"alias": "default", "lock_id": "feeds-lock-killed"}
+        confirm = admin_client.get(CONSOLE + "release/", query).content.decode()
+        assert "Its holder is gone" in confirm and "tasklock-force" not in confirm
+        done = admin_client.post(
+            CONSOLE + "release/", {**query, "seen": holder.token}, follow=True
+        )
+        assert "its holder was gone" in done.content.decode()
+        assert not lock_status("feeds-lock-killed").held
+        entry = LogEntry.objects.get(object_repr="feeds-lock-killed")
+        assert entry.action_flag == DELETION and holder.token in entry.change_message
+    finally:
+        holder.close()
+
+
+def test_the_page_lists_finds_filters_and_pages(settings, admin_client):
+    locks = [held_lock(f"feeds.import_feed-lock-{n:03}", args=(n,)) for n in range(60)]
+    locks += [held_lock(f"feeds.other-lock-{n}", task="feeds.other") for n in range(5)]
+    page = admin_client.get(CONSOLE).content.decode()
+    assert "65 listed" in page, page[page.find("tasklock-summary") :][:300]
+    assert page.count('class="tasklock-row"') == 50
+    assert f"{os.getpid()}@{HOST}" in page and "alive" in page
+    second = admin_client.get(CONSOLE, {"p": 2}).content.decode()
+    assert second.count('class="tasklock-row"') == 15
+    other = admin_client.get(CONSOLE, {"task": "feeds.other"}).content.decode()
+    assert other.count('class="tasklock-row"') == 5 and "5 listed" in other
+    found = admin_client.get(CONSOLE, {"q": "lock-042"}).content.decode()
+    assert found.count('class="tasklock-row"') == 1
+    assert "feeds.import_feed-lock-042" in found
+    nothing = admin_client.get(CONSOLE, {"alias": "redis"}).content.decode()
+    assert "No held locks match" in nothing
+    for lock in locks:
+        lock.release()
+
+
+def test_a_live_holders_lock_is_released_only_when_forced(settings, admin_client):
+    lock = held_lock("feeds-lock-live")
+    query = {"alias": "default", "lock_id": "feeds-lock-live", "seen": lock.token}
+    refused = admin_client.post(CONSOLE + "release/", query).content.decode()
+    assert "Tick “Release anyway”" in refused
+    assert lock_status("feeds-lock-live").value == lock.token
+    stale = admin_client.post(
+        CONSOLE + "release/", {**query, "seen": "someone-else", "force": "on"}
+    ).content.decode()
+    assert "changed hands" in stale and lock_status("feeds-lock-live").held
+    forced = admin_client.post(
+        CONSOLE + "release/", {**query, "force": "on"}, follow=True
+    ).content.decode()
+    assert "forced" in forced
+    assert not lock_status("feeds-lock-live").held
+    assert lock.release() is False and lock.lost  # its holder is told
+    assert LogEntry.objects.filter(object_repr="feeds-lock-live").count() == 1
+
+
+def test_a_user_without_the_permissions_is_refused(settings, client):
+    lock = held_lock("feeds-lock-perms")
+    viewer = User.objects.create_user("viewer", password="pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_heldlock"))
+    client.force_login(viewer)
+    page = client.get(CONSOLE).content.decode()
+    assert "feeds-lock-perms" in page and "Release…" not in page
+    query = {"alias": "default", "lock_id": "feeds-lock-perms", "seen": lock.token}
+    assert client.get(CONSOLE + "release/", query).status_code == 403
+    assert client.post(CONSOLE + "release/", {**query, "force": "on"}).status_code == 403
+    assert lock_status("feeds-lock-perms").held
+    nobody = User.objects.create_user("nobody", password="pw", is_staff=True)
+    client.force_login(nobody)
+    assert client.get(CONSOLE).status_code == 403
+    lock.release()
+
+
+def test_the_roster_is_read_in_one_round_trip_whatever_the_cache_holds(
+    settings, memcached, redis_server
+):
+    from django.core.cache import caches
+
+    from tests.conftest import close_connections, counted_cache
+
+    lock = held_lock("feeds-lock-counted")
+    caches["default"].set_many({f"unrelated-{n}": n for n in range(5000)})
+    proxy = counted_cache(settings, memcached, redis_server, "memcached")
+    try:
+        before = proxy.requests
+        inventory = take_inventory(["counted"])
+        assert [one.lock_id for one in inventory.entries] == ["feeds-lock-counted"]
+        # One get_many of the slots; the spilled chunks (over CHUNK entries
+        # per process) would take a second (see test_console_scale.py).
+        assert proxy.requests - before == 1
+    finally:
+        close_connections()
+        proxy.close()
+        lock.release()
+
+
+def test_every_slot_taken_is_said_not_hidden(settings, caplog):
+    from django.core.cache import caches
+
+    forget_records()
+    caches["default"].set_many(
+        {slot_key(slot): '{"record":"x","host":"h","chunks":1,"entries":[]}'
+         for slot in range(SLOTS)}
+    )
+    lock = Lock("feeds-lock-full")
+    assert lock.acquire()
+    wait_until(lambda: "roster slots" in caplog.text, 10)
+    inventory = take_inventory(["default"])
+    assert inventory.full == ["default"] and not listed("feeds-lock-full")
+    lock.release()
