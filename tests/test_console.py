@@ -182,7 +182,8 @@ def test_the_roster_is_read_in_one_round_trip_whatever_the_cache_holds(
 
     from tests.conftest import close_connections, counted_cache
 
-    lock = held_lock("feeds-lock-counted")
+    holder = Holder("default", "feeds-lock-counted", liveness=3)
+    wait_until(lambda: listed("feeds-lock-counted"), 10)
     caches["default"].set_many({f"unrelated-{n}": n for n in range(5000)})
     proxy = counted_cache(settings, memcached, redis_server, "memcached")
     try:
@@ -195,7 +196,7 @@ def test_the_roster_is_read_in_one_round_trip_whatever_the_cache_holds(
     finally:
         close_connections()
         proxy.close()
-        lock.release()
+        holder.close()
 
 
 def test_every_slot_taken_is_said_not_hidden(settings, caplog):
