@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.conf import settings as django_settings
 from django.core import checks
 
 
@@ -12,3 +13,11 @@ class TaskLockConfig(AppConfig):
         from .checks import check_settings
 
         checks.register(check_settings, checks.Tags.caches)
+        raw = getattr(django_settings, "TASKLOCK", None)
+        if isinstance(raw, dict) and raw.get("METRICS") == "prometheus":
+            try:
+                from .metrics import install
+
+                install()
+            except ImportError:
+                pass  # reported by the checks (E020), which say what to install

@@ -20,6 +20,7 @@ from typing import Final
 from .backends import LockBackend, backend_for
 from .conf import MAX_EXPIRE, settings
 from .exceptions import LockBackendError
+from .signals import lock_store_failed
 from .tokens import token_owner
 
 __all__ = [
@@ -86,11 +87,16 @@ def store(cache: str | None) -> tuple[LockBackend, str]:
 def store_error(
     backend: LockBackend, lock_id: str, doing: str, exc: BaseException
 ) -> LockBackendError:
-    return LockBackendError(
+    error = LockBackendError(
         f"Could not {doing}: {type(exc).__name__}: {exc}",
         lock_id=lock_id,
         store=backend.describe(backend.keys_for(lock_id)[0]),
     )
+    if lock_store_failed.receivers:
+        lock_store_failed.send_robust(
+            None, lock=None, lock_id=lock_id, doing=doing, error=error
+        )
+    return error
 
 
 class Marks:

@@ -21,6 +21,8 @@ Ids are stable and documented in docs/reference/checks.rst:
   dict of rate, kind, burst and cache), or one of its rates is not a rate.
 - E018 TASKLOCK['RATE_KIND'] is not window or smooth.
 - E019 TASKLOCK['ON_LIMIT'] is not retry, raise, wait or skip.
+- E020 TASKLOCK['METRICS'] is not None or 'prometheus', or prometheus_client
+  is not installed.
 - E015 CACHES is not set: Django's implicit default is a LocMemCache per
   process, so no lock is shared between worker processes.
 - E012 TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
@@ -79,6 +81,7 @@ _SETTING_IDS = {
     "RATE_LIMITS": "django_tasklock.E017",
     "RATE_KIND": "django_tasklock.E018",
     "ON_LIMIT": "django_tasklock.E019",
+    "METRICS": "django_tasklock.E020",
 }
 _OPTION_IDS = {
     "default_noreply": "django_tasklock.E005",

@@ -56,6 +56,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "RATE_LIMITS": {},
     "RATE_KIND": "window",
     "ON_LIMIT": "retry",
+    "METRICS": None,
 }
 
 
@@ -146,6 +147,7 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
     "ON_LIMIT": lambda v: validate_choice(
         v, name="TASKLOCK['ON_LIMIT']", choices=LIMIT_POLICIES
     ),
+    "METRICS": lambda v: validate_metrics(v),
 }
 
 
@@ -186,6 +188,25 @@ def validate_rate_limits(value: object) -> dict[str, dict[str, Any]]:
 
 #: The shortest liveness bound: a holder must be able to renew its record at
 #: least once before memcached's whole-second clock may drop it.
+def validate_metrics(value: object) -> str | None:
+    """Return ``value`` if it is a valid ``TASKLOCK['METRICS']``: None, or
+    ``"prometheus"`` with prometheus_client installed."""
+    if value is None:
+        return None
+    if value != "prometheus":
+        raise LockConfigurationError(
+            f"TASKLOCK['METRICS'] must be None or 'prometheus', got {value!r}."
+        )
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise LockConfigurationError(
+            "TASKLOCK['METRICS'] is 'prometheus', but prometheus_client is not "
+            "installed: pip install 'django-tasklock[prometheus]'."
+        ) from None
+    return "prometheus"
+
+
 MIN_LIVENESS: Final = 3
 
 

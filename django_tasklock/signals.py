@@ -22,6 +22,12 @@ by ``memcache_lock`` and ``@single_instance``) and these keyword arguments:
     ``"check"`` (``check()`` or ``lost`` judging by the clock that the lock's
     life ran out with no extension), and ``reason``: what was found.
 
+``lock_store_failed``
+    Sent when a store call of a lock or of a call's mark fails and
+    ``LockBackendError`` is raised: ``lock`` (None for a call's mark),
+    ``lock_id``, ``doing`` (what failed, "take the lock", "release the
+    lock", ...) and ``error`` (the ``LockBackendError``).
+
 ``call_deduplicated``
     Sent with ``sender`` the Celery task (or Django task) when a call is not
     published because an identical one is pending or running (see the docs,
@@ -56,6 +62,7 @@ __all__ = [
     "lock_contended",
     "lock_lost",
     "lock_released",
+    "lock_store_failed",
     "rate_limit_paused",
     "rate_limit_refused",
 ]
@@ -64,6 +71,7 @@ lock_acquired = Signal()
 lock_contended = Signal()
 lock_released = Signal()
 lock_lost = Signal()
+lock_store_failed = Signal()
 call_deduplicated = Signal()
 rate_limit_refused = Signal()
 rate_limit_paused = Signal()

@@ -92,4 +92,7 @@ CACHES = {
     "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
 }
 
-TASKLOCK = {"LOCK_EXPIRE": 60}
+TASKLOCK: dict[str, object] = {"LOCK_EXPIRE": 60}
+# Worker processes of the metrics tests (tests/test_metrics.py) export them.
+if os.environ.get("TASKLOCK_TEST_METRICS"):
+    TASKLOCK["METRICS"] = "prometheus"

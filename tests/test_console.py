@@ -167,7 +167,9 @@ def test_a_user_without_the_permissions_is_refused(settings, client):
     assert "feeds-lock-perms" in page and "Release…" not in page
     query = {"alias": "default", "lock_id": "feeds-lock-perms", "seen": lock.token}
     assert client.get(CONSOLE + "release/", query).status_code == 403
-    assert client.post(CONSOLE + "release/", {**query, "force": "on"}).status_code == 403
+    assert (
+        client.post(CONSOLE + "release/", {**query, "force": "on"}).status_code == 403
+    )
     assert lock_status("feeds-lock-perms").held
     nobody = User.objects.create_user("nobody", password="pw", is_staff=True)
     client.force_login(nobody)
@@ -204,8 +206,10 @@ def test_every_slot_taken_is_said_not_hidden(settings, caplog):
 
     forget_records()
     caches["default"].set_many(
-        {slot_key(slot): '{"record":"x","host":"h","chunks":1,"entries":[]}'
-         for slot in range(SLOTS)}
+        {
+            slot_key(slot): '{"record":"x","host":"h","chunks":1,"entries":[]}'
+            for slot in range(SLOTS)
+        }
     )
     lock = Lock("feeds-lock-full")
     assert lock.acquire()

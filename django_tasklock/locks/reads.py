@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends import backend_for, fork_generation
 from ..conf import settings
 from ..exceptions import LockBackendError
+from ..signals import lock_store_failed
 
 if TYPE_CHECKING:
     from django.dispatch import Signal
@@ -77,11 +78,16 @@ class StoreReads:
     def _store_error(
         self, backend: LockBackend, key: str, doing: str, exc: BaseException
     ) -> LockBackendError:
-        return LockBackendError(
+        error = LockBackendError(
             f"Could not {doing}: {type(exc).__name__}: {exc}",
             lock_id=self.lock_id,
             store=backend.describe(key),
         )
+        if lock_store_failed.receivers:
+            lock_store_failed.send_robust(
+                type(self), lock=self, lock_id=self.lock_id, doing=doing, error=error
+            )
+        return error
 
     def owned(self) -> bool:
         """True if this object holds the lock and the store agrees."""

@@ -1,0 +1,229 @@
+"""Prometheus metrics from the lock signals: ``TASKLOCK["METRICS"] =
+"prometheus"`` (the ``[prometheus]`` extra) connects them when the app is
+ready.
+
+Counters (``_total``) and histograms, labelled by task name and cache alias,
+never by lock id (one series per argument digest would explode Prometheus):
+
+- ``tasklock_acquisitions_total{task, cache}``
+- ``tasklock_contentions_total{task, cache, policy}``: acquires refused,
+  by the contention policy of the call (``none`` for a plain ``Lock``)
+- ``tasklock_duplicates_total{task, cache, action}``: calls stopped at
+  ``.delay()``: ``joined`` or ``replaced`` (deduplicated), ``raised`` (refused)
+- ``tasklock_locks_lost_total{task, cache, during}``
+- ``tasklock_store_errors_total{task, cache}``
+- ``tasklock_rate_limited_total{task}``: admissions refused by a rate limit
+- ``tasklock_wait_seconds{task, cache}``: how long acquires that took their
+  lock waited
+- ``tasklock_hold_seconds{task, cache}``: how long locks were held
+
+Under Celery's prefork pool, set ``PROMETHEUS_MULTIPROC_DIR`` (an empty
+directory) in the worker's environment before it starts: prometheus_client
+then writes each process's values there, and ``metrics_view`` (or any
+``MultiProcessCollector``) sums them (see the docs, Metrics).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Final
+
+from .conf import settings
+from .signals import (
+    call_deduplicated,
+    lock_acquired,
+    lock_contended,
+    lock_lost,
+    lock_released,
+    lock_store_failed,
+    rate_limit_refused,
+)
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest, HttpResponse
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["LockMetrics", "install", "metrics_view", "task_label"]
+
+#: Seconds: a lock wait is short, a hold may be long.
+WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
+HOLD_BUCKETS: Final = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 600, 1800, 3600)
+_SUFFIXES: Final = ("-lock-", "-slot-", "-run-")
+
+
+def task_label(lock: Any, lock_id: str) -> str:
+    """The ``task`` label of a lock: the task (or function) that took it,
+    else its semaphore's name, else its lock id up to ``-lock-``."""
+    about = getattr(lock, "about", None)
+    if about is not None:
+        return str(about[0] if isinstance(about, tuple) else about.name)
+    slot_of = getattr(lock, "slot_of", None)
+    if slot_of is not None:
+        return str(slot_of)
+    for suffix in _SUFFIXES:
+        lock_id = lock_id.partition(suffix)[0]
+    return lock_id
+
+
+def _cache(lock: Any) -> str:
+    return str(
+        getattr(lock, "_alias", None) or getattr(lock, "_cache", None) or settings.CACHE
+    )
+
+
+def _policy(lock: Any) -> str:
+    about = getattr(lock, "about", None)
+    options = getattr(about, "options", None)
+    if options is None:
+        return "none"
+    return str(options.on_contention or settings.ON_CONTENTION)
+
+
+class LockMetrics:
+    """The counters and histograms, and the signal receivers that fill them."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Histogram
+
+        where = REGISTRY if registry is None else registry
+        both = ["task", "cache"]
+        self.acquisitions = Counter(
+            "tasklock_acquisitions", "Locks taken.", both, registry=where
+        )
+        self.contentions = Counter(
+            "tasklock_contentions",
+            "Acquires refused because another holder had the lock.",
+            [*both, "policy"],
+            registry=where,
+        )
+        self.duplicates = Counter(
+            "tasklock_duplicates",
+            "Calls stopped at .delay(): joined or replaced (deduplicated), raised "
+            "(refused).",
+            [*both, "action"],
+            registry=where,
+        )
+        self.lost = Counter(
+            "tasklock_locks_lost",
+            "Locks found lost.",
+            [*both, "during"],
+            registry=where,
+        )
+        self.store_errors = Counter(
+            "tasklock_store_errors", "Store calls that failed.", both, registry=where
+        )
+        self.rate_limited = Counter(
+            "tasklock_rate_limited",
+            "Admissions refused by a rate limit.",
+            ["task"],
+            registry=where,
+        )
+        self.wait = Histogram(
+            "tasklock_wait_seconds",
+            "Seconds an acquire that took its lock waited.",
+            both,
+            buckets=WAIT_BUCKETS,
+            registry=where,
+        )
+        self.hold = Histogram(
+            "tasklock_hold_seconds",
+            "Seconds a lock was held.",
+            both,
+            buckets=HOLD_BUCKETS,
+            registry=where,
+        )
+
+    # -- receivers -------------------------------------------------------------
+
+    def on_acquired(
+        self, sender: Any, *, lock: Any, lock_id: str, waited: float, **_: Any
+    ) -> None:
+        labels = (task_label(lock, lock_id), _cache(lock))
+        self.acquisitions.labels(*labels).inc()
+        self.wait.labels(*labels).observe(waited)
+
+    def on_contended(self, sender: Any, *, lock: Any, lock_id: str, **_: Any) -> None:
+        self.contentions.labels(
+            task_label(lock, lock_id), _cache(lock), _policy(lock)
+        ).inc()
+
+    def on_released(
+        self, sender: Any, *, lock: Any, lock_id: str, held: float, **_: Any
+    ) -> None:
+        self.hold.labels(task_label(lock, lock_id), _cache(lock)).observe(held)
+
+    def on_lost(
+        self, sender: Any, *, lock: Any, lock_id: str, during: str, **_: Any
+    ) -> None:
+        self.lost.labels(task_label(lock, lock_id), _cache(lock), during).inc()
+
+    def on_store_failed(
+        self, sender: Any, *, lock: Any, lock_id: str, **_: Any
+    ) -> None:
+        self.store_errors.labels(task_label(lock, lock_id), _cache(lock)).inc()
+
+    def on_deduplicated(self, sender: Any, *, action: str, **_: Any) -> None:
+        from .targets import spec_of
+
+        spec = spec_of(sender, any_mode=True)
+        name = str(getattr(sender, "name", sender))
+        cache = None if spec is None else spec.options.cache
+        self.duplicates.labels(name, cache or settings.CACHE, action).inc()
+
+    def on_rate_limited(self, sender: Any, *, limit_id: str, **_: Any) -> None:
+        self.rate_limited.labels(limit_id.partition(":")[0]).inc()
+
+    _RECEIVERS: Final = (
+        (lock_acquired, "on_acquired"),
+        (lock_contended, "on_contended"),
+        (lock_released, "on_released"),
+        (lock_lost, "on_lost"),
+        (lock_store_failed, "on_store_failed"),
+        (call_deduplicated, "on_deduplicated"),
+        (rate_limit_refused, "on_rate_limited"),
+    )
+
+    def connect(self) -> None:
+        for signal, name in self._RECEIVERS:
+            signal.connect(
+                getattr(self, name), weak=False, dispatch_uid=f"tasklock-{name}"
+            )
+
+    def disconnect(self) -> None:
+        for signal, name in self._RECEIVERS:
+            signal.disconnect(dispatch_uid=f"tasklock-{name}")
+
+
+_installed: list[LockMetrics] = []
+_mutex = threading.Lock()
+
+
+def install() -> LockMetrics:
+    """Make the metrics (once per process) and connect their receivers."""
+    with _mutex:
+        if not _installed:
+            _installed.append(LockMetrics())
+        metrics = _installed[0]
+    metrics.connect()
+    return metrics
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Prometheus's text format, of every process when ``PROMETHEUS_MULTIPROC_DIR``
+    is set (prefork workers and a multi-process web server), else of this one.
+    Route it where only your scraper can reach it."""
+    from django.http import HttpResponse
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        REGISTRY,
+        CollectorRegistry,
+        generate_latest,
+        multiprocess,
+    )
+
+    registry = REGISTRY
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
