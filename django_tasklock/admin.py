@@ -9,6 +9,7 @@ admin's log (``LogEntry``) with who released what.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -23,6 +24,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.http import urlencode
 
+from .backends import close_thread_connections, thread_connections
 from .console import KINDS, Listed, take_inventory
 from .exceptions import LockBackendError
 from .models import HeldLock
@@ -30,6 +32,8 @@ from .status import LockStatus, expiry_text, holder_text, lock_status, release_r
 from .status import remove as remove_lock
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from django.http import HttpRequest, HttpResponse
     from django.urls import URLPattern
 
@@ -92,7 +96,23 @@ class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def get_urls(self) -> list[URLPattern]:
         name = f"{self.opts.app_label}_{self.opts.model_name}"
-        view = self.admin_site.admin_view
+
+        def view(function: Callable[[HttpRequest], HttpResponse]) -> Any:
+            @functools.wraps(function)
+            def closing(request: HttpRequest) -> HttpResponse:
+                # The stores are read through this thread's own lock
+                # connections, which Django's close_caches() leaves open: those
+                # this request opened are closed with it (a web server's
+                # threads may not live long); a thread's earlier ones are kept.
+                fresh = not thread_connections()
+                try:
+                    return function(request)
+                finally:
+                    if fresh:
+                        close_thread_connections()
+
+            return self.admin_site.admin_view(closing)
+
         return [
             path("", view(self.changelist_view), name=f"{name}_changelist"),
             path("release/", view(self.release_view), name=f"{name}_release"),
@@ -138,6 +158,9 @@ class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
             "chosen": chosen,
             "kinds": KINDS,
             "aliases": sorted(inventory.processes) + sorted(inventory.failed),
+            "listing": [
+                (alias, count) for alias, count in inventory.processes.items() if count
+            ],
             "found": len(found),
             "page_query": {
                 number: urlencode({**kept, "p": number})

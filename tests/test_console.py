@@ -139,6 +139,25 @@ def test_the_page_lists_finds_filters_and_pages(settings, admin_client):
         lock.release()
 
 
+def test_a_store_that_does_not_answer_is_said_so_not_shown_empty(
+    settings, admin_client
+):
+    holder = Holder("default", "feeds-lock-beside-down", liveness=3)
+    try:
+        wait_until(lambda: listed("feeds-lock-beside-down"), 10)
+        settings.CACHES = {
+            **settings.CACHES,
+            "down": {
+                "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+                "LOCATION": "127.0.0.1:9",
+            },
+        }
+        page = admin_client.get(CONSOLE).content.decode()
+        assert "Store down could not be read" in page and "1 listed" in page
+    finally:
+        holder.close()
+
+
 def test_a_live_holders_lock_is_released_only_when_forced(settings, admin_client):
     lock = held_lock("feeds-lock-live")
     query = {"alias": "default", "lock_id": "feeds-lock-live", "seen": lock.token}

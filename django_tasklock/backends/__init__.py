@@ -26,6 +26,7 @@ __all__ = [
     "backend_for",
     "caches_implicit",
     "close_thread_connections",
+    "thread_connections",
     "unsafe_options",
     "unsupported_reason",
 ]
@@ -132,6 +133,11 @@ def close_thread_connections() -> None:
     _per_thread.backends = None
     for backend in memo.values():
         backend.close()
+
+
+def thread_connections() -> int:
+    """How many lock backends (each with its connections) this thread has open."""
+    return len(getattr(_per_thread, "backends", None) or {})
 
 
 def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:

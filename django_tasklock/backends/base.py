@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from ..keys import fence_id
 
@@ -179,6 +179,12 @@ class LockBackend(abc.ABC):
     @abc.abstractmethod
     def held_many(self, keys: list[str]) -> list[bool]:
         """For each key, whether anybody holds that lock; one round trip."""
+
+    def read_many(self, keys: list[str]) -> dict[str, Any]:
+        """The values of the cache keys ``keys`` (before Django makes them) that
+        are stored; one round trip per server. Raises ``errors`` when a server
+        does not answer (never reports its keys missing)."""
+        return self.cache.get_many(keys)
 
     @abc.abstractmethod
     def ttl(self, key: str) -> float | None:

@@ -216,7 +216,7 @@ class Roster:
 
     def _claim(self, backend: LockBackend) -> int:
         """Take a free slot (``add``): the first free one this process sees."""
-        taken = backend.cache.get_many([slot_key(slot) for slot in range(SLOTS)])
+        taken = backend.read_many([slot_key(slot) for slot in range(SLOTS)])
         for slot in range(SLOTS):
             if slot_key(slot) in taken:
                 continue
@@ -257,7 +257,7 @@ class Listing(NamedTuple):
 def read_roster(backend: LockBackend) -> Listing:
     """What every process lists in ``backend``'s store: two ``get_many`` calls
     (one round trip per server each); raises ``backend.errors``."""
-    heads = backend.cache.get_many([slot_key(slot) for slot in range(SLOTS)])
+    heads = backend.read_many([slot_key(slot) for slot in range(SLOTS)])
     spilled: list[str] = []
     parsed: list[tuple[int, dict[str, Any]]] = []
     for key, text in heads.items():
@@ -267,7 +267,7 @@ def read_roster(backend: LockBackend) -> Listing:
         slot = int(key.removeprefix(ROSTER_PREFIX))
         parsed.append((slot, head))
         spilled += [slot_key(slot, i) for i in range(1, int(head.get("chunks", 1)))]
-    more = backend.cache.get_many(spilled) if spilled else {}
+    more = backend.read_many(spilled) if spilled else {}
     entries: list[tuple[str, str, str, Entry]] = []
     for slot, head in parsed:
         rows: list[Any] = list(head.get("entries", []))

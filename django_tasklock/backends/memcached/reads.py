@@ -52,6 +52,17 @@ class MemcachedReads(LockBackend):
             found.update(client.get_many(its_keys))
         return [key in found for key in keys]
 
+    def read_many(self, keys: list[str]) -> dict[str, Any]:
+        # As held_many: straight to each server, whose failure raises.
+        made = {self.cache.make_and_validate_key(key): key for key in keys}
+        by_client: dict[Any, list[str]] = {}
+        for key in made:
+            by_client.setdefault(self._client(key), []).append(key)
+        found: dict[str, Any] = {}
+        for client, its_keys in by_client.items():
+            found.update(client.get_many(its_keys))
+        return {made[key]: value for key, value in found.items()}
+
     def ttl(self, key: str) -> float | None:
         # Only the meta protocol can read an item's remaining time, so this is
         # tried whatever MEMCACHED_PROTOCOL says.
