@@ -451,6 +451,13 @@ class Settings:
         value: str = self._get("ON_LIMIT")
         return value
 
+    @property
+    def METRICS(self) -> str | None:
+        """``"prometheus"`` to export metrics from the lock signals (read when
+        the app is ready), or None."""
+        value: str | None = self._get("METRICS")
+        return value
+
     def named_rate(self, name: str) -> dict[str, Any]:
         """``TASKLOCK['RATE_LIMITS'][name]`` as a dict with ``rate`` (and maybe
         ``kind``, ``burst``, ``cache``); empty if there is no such limit."""

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from django_tasklock.locks.liveness import forget_records  # noqa: E402
 from tests.services import Memcached, Redis, celery_worker, stop_process  # noqa: E402
 
 if TYPE_CHECKING:
@@ -93,6 +94,78 @@ def start_workers(
     say(
         f"Started {count} celery workers (prefork, {concurrency} processes each); logs in {run_dir}"
     )
+
+
+def start_console(stack: ExitStack) -> str:
+    """The example project's web server (the admin's lock console and the
+    metrics), on a free port, with a superuser demo / demo; its address."""
+    import socket
+
+    from django.contrib.auth.models import User
+
+    User.objects.create_superuser("demo", "demo@example.com", "demo")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    web = subprocess.Popen(
+        [sys.executable, "manage.py", "runserver", "--noreload", "--insecure",
+         f"127.0.0.1:{port}"],
+        cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    stack.callback(stop_process, web)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if web.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    "The example project's web server did not start"
+                ) from None
+            time.sleep(0.1)
+    address = f"http://127.0.0.1:{port}"
+    say(
+        f"Lock console: {address}/admin/django_tasklock/heldlock/ (log in as demo, "
+        f"password demo); metrics: {address}/metrics/tasklock"
+    )
+    return address
+
+
+def report_metrics(metrics_dir: Path) -> bool:
+    """What the Prometheus metrics counted, summed over every process (the
+    workers' pool processes and this one), against the database: each run of
+    the @single_instance importer took its lock once, and each skipped
+    duplicate was one refused acquire."""
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    from example_project.feeds.models import ImportRun, TaskOutcome
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
+    task = "example_project.feeds.tasks.import_feed_single"
+    labels = {"task": task, "cache": "default"}
+    taken = registry.get_sample_value("tasklock_acquisitions_total", labels) or 0
+    refused = (
+        registry.get_sample_value(
+            "tasklock_contentions_total", {**labels, "policy": "skip"}
+        )
+        or 0
+    )
+    held = registry.get_sample_value("tasklock_hold_seconds_count", labels) or 0
+    runs = ImportRun.objects.filter(task_name=task).count()
+    skipped = TaskOutcome.objects.filter(task_name=task, outcome="skipped").count()
+    files = len(list(metrics_dir.glob("*.db")))
+    say(
+        f"Metrics ({files} process files summed): {task.rsplit('.', 1)[1]} took its "
+        f"lock {taken:.0f} times ({runs} runs recorded), was refused {refused:.0f} "
+        f"times ({skipped} duplicates skipped), {held:.0f} holds timed."
+    )
+    if (taken, refused, held) != (runs, skipped, runs):
+        say("   <- THE METRICS DO NOT MATCH WHAT RAN")
+        return False
+    return True
 
 
 def storm(task_name: str, urls: list[str], duplicates: int, producers: int) -> int:
@@ -280,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep",
         action="store_true",
-        help="keep the run folder (database, worker logs)",
+        help="keep the run folder (database, worker logs, metrics) and, after the "
+        "report, the workers, the lock console and the metrics endpoint, until Ctrl-C",
     )
     options = parser.parse_args(argv)
     started = time.monotonic()
@@ -290,9 +364,17 @@ def main(argv: list[str] | None = None) -> int:
         if not options.keep:
             stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
         os.environ["EXAMPLE_LOCK_STORE"] = start_lock_store(stack)
+        # Before the store stops: this process's liveness record (it publishes
+        # calls, which its roster lists for the console) goes with it.
+        stack.callback(forget_records, delete=True)
         os.environ["EXAMPLE_DATABASE"] = str(run_dir / "demo.sqlite3")
         os.environ["EXAMPLE_BROKER_DIR"] = str(run_dir / "broker")
         os.environ["DJANGO_SETTINGS_MODULE"] = "example_project.settings"
+        # Prometheus's multiprocess mode: every process writes its counts here
+        # (set before prometheus_client is imported, workers included).
+        metrics_dir = run_dir / "metrics"
+        metrics_dir.mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         for folder in ("queue", "control"):
             (run_dir / "broker" / folder).mkdir(parents=True)
         broker = os.environ.get("CELERY_BROKER_URL", "filesystem:// (kombu, no server)")
@@ -316,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{options.delay}s per response"
         )
         start_workers(stack, run_dir, options.workers, options.concurrency)
+        start_console(stack)
 
         ok = True
         for number, task_name in enumerate(TASKS, 1):
@@ -362,6 +445,16 @@ def main(argv: list[str] | None = None) -> int:
             say("   <- MORE FETCHES AT ONCE THAN THE SEMAPHORE ALLOWS")
             ok = False
         ok = report_rate(server, settings.FEED_FETCH_RATE) and ok
+        ok = report_metrics(metrics_dir) and ok
+        if options.keep:
+            say(
+                "--keep: the workers, the lock console and the metrics stay up; "
+                "Ctrl-C stops them."
+            )
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                say()
     say(
         f"Stopped every process the demo started ({time.monotonic() - started:.1f}s in all)."
     )

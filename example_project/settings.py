@@ -90,7 +90,7 @@ else:
         }
     }
 
-TASKLOCK = {"LOCK_EXPIRE": 300}
+TASKLOCK = {"LOCK_EXPIRE": 300, "METRICS": "prometheus"}
 
 BROKER_DIR = Path(os.environ.get("EXAMPLE_BROKER_DIR", str(RUN_DIR / "broker")))
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")

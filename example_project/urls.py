@@ -3,4 +3,11 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import path
 
-urlpatterns = [path("admin/", admin.site.urls)]
+from django_tasklock.metrics import metrics_view
+
+# The admin has the lock console (Task locks > Held locks); the metrics are for
+# Prometheus's scraper (the demo prints both addresses).
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("metrics/tasklock", metrics_view),
+]

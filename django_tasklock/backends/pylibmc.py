@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 from pymemcache.exceptions import MemcacheError
 
 from ..keys import memcached_key
-from .base import FenceCounter, Hold, LockBackend, Peek
+from .base import FenceCounter, Hold, LockBackend, Peek, unique_value
 from .memcached import _PAST, _bad_counter, _talk, _ttl_of
 
 if TYPE_CHECKING:
@@ -109,11 +109,20 @@ class PyLibMCBackend(LockBackend):
                     number = int(self._mc.incr(fence.key.encode(), 1))
         except self._client_error as exc:
             raise _bad_counter(fence, str(exc).encode()) from exc
-        return number if self._ours(key, token) == hold else None
+        return number if self._still(key, hold, token) is not None else None
+
+    def _still(self, key: str, hold: Hold, token: object) -> int | None:
+        """The CAS id to act on while the item is still the one ``hold`` took:
+        the same CAS id, or a unique token of ours under a new one (memcached's
+        slab rebalancer moved it); None otherwise."""
+        cas = self._ours(key, token)
+        if cas is None or (cas != hold and not unique_value(token)):
+            return None
+        return cas
 
     def release(self, key: str, hold: Hold, token: object) -> bool:
-        cas = self._ours(key, token)
-        return cas is not None and cas == hold and self._write(key, token, cas, _PAST)
+        cas = self._still(key, hold, token)
+        return cas is not None and self._write(key, token, cas, _PAST)
 
     def discard(self, key: str, token: str) -> bool:
         cas = self._ours(key, token)
@@ -125,8 +134,8 @@ class PyLibMCBackend(LockBackend):
     def replace(
         self, key: str, hold: Hold, old: object, new: str, expire: float
     ) -> Hold | None:
-        cas = self._ours(key, old)
-        if cas is None or cas != hold:
+        cas = self._still(key, hold, old)
+        if cas is None:
             return None
         if not self._write(key, new, cas, math.ceil(expire)):
             return None

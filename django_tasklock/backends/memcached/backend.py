@@ -253,11 +253,15 @@ class MemcachedBackend(MemcachedReads):
                 return self._release(client, key, hold, token)
             if reply == b"HD\r\n":
                 return True
-            if reply == b"EX\r\n" or reply == b"NF\r\n":
+            if reply == b"NF\r\n":
                 return False
-            line = self.wire.one_reply(client, sock, reply)
-            if line is not None:
-                return self.wire.deleted(line)
+            if reply != b"EX\r\n":
+                line = self.wire.one_reply(client, sock, reply)
+                if line is not None and not line.startswith(b"EX"):
+                    return self.wire.deleted(line)
+            # Another CAS id: another owner's item, or ours moved by the slab
+            # rebalancer (a new CAS id, same value): told apart by the value.
+            hold.sock = None
         return self.wire.once_more(
             client, lambda: self._release(client, key, hold, token)
         )
@@ -336,6 +340,7 @@ class MemcachedBackend(MemcachedReads):
         new: str,
         ttl: int,
     ) -> MemcachedHold | None:
+        shortcut = hold.sock is not None
         cas = self.wire.owner_cas(client, key, hold, old)
         if cas is None:
             return None
@@ -348,6 +353,12 @@ class MemcachedBackend(MemcachedReads):
             if reply is not None:
                 if reply.startswith(b"HD"):
                     return self.wire.hold(client, _flag(reply, b"c"))
+                if reply.startswith(b"EX") and shortcut:
+                    # The CAS id this connection learnt changed: another
+                    # owner's item, or ours moved by the slab rebalancer. The
+                    # value tells (once).
+                    hold.sock = None
+                    return self._rewrite(client, key, hold, old, new, ttl)
                 if reply.startswith((b"EX", b"NF")):
                     return None
                 raise MemcacheError(f"unexpected reply to ms: {reply!r}")

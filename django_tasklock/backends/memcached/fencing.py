@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pymemcache.exceptions import MemcacheClientError, MemcacheError
 
+from ..base import unique_value
 from .wire import _flag, _wire_key
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def draw(
                 raise _bad_counter(fence, drawn)
             if not (check.startswith(b"VA ") and check.endswith(b" " + data)):
                 return None
-            if _flag(check[: -len(data) - 1], b"c") != hold.cas:
+            if not _same_item(hold, _flag(check[: -len(data) - 1], b"c"), token):
                 return None
             return int(drawn.rsplit(b" ", 1)[1])
     try:
@@ -63,6 +64,20 @@ def draw(
     except MemcacheClientError as exc:
         raise _bad_counter(fence, str(exc).encode()) from exc
     value, cas = client.gets(key)
-    if value != token or cas is None or int(cas) != hold.cas or number is None:
+    if value != token or cas is None or number is None:
+        return None
+    if not _same_item(hold, int(cas), token):
         return None
     return int(number)
+
+
+def _same_item(hold: MemcachedHold, cas: int | None, token: str) -> bool:
+    """Whether the item read back (holding ``token``, under CAS id ``cas``) is
+    the one ``hold`` took: the same CAS id, or a unique token of ours whose item
+    memcached's slab rebalancer moved (a new CAS id, learnt here)."""
+    if cas == hold.cas:
+        return True
+    if cas is None or not unique_value(token):
+        return False
+    hold.cas = cas
+    return True

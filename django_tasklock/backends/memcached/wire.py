@@ -22,6 +22,8 @@ from pymemcache.exceptions import (
     MemcacheUnknownCommandError,
 )
 
+from ..base import unique_value
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -418,13 +420,18 @@ class Wire:
         """
         if hold.sock is not None and getattr(client, "sock", None) is hold.sock:
             return hold.cas
-        # Both must match: the value tells a restarted server's new item (CAS ids
-        # start again from 1) from ours, the CAS id tells our item from a later one
-        # with the same value (other code may store one value every time).
+        # The value tells a restarted server's new item (CAS ids start again
+        # from 1) from ours; for a value other code may store every time, the
+        # CAS id must match too. A unique value of ours under a new CAS id is
+        # our item, moved by memcached's slab rebalancer: its id is learnt.
         value, cas = client.gets(key)
-        if value == token and cas is not None and int(cas) == hold.cas:
-            return hold.cas
-        return None
+        if value != token or cas is None:
+            return None
+        if int(cas) != hold.cas:
+            if not unique_value(token):
+                return None
+            hold.cas = int(cas)
+        return hold.cas
 
     def once_more(self, client: Any, operation: Callable[[], _T]) -> _T:
         """Run ``operation``, again once if a connection from before had dropped.

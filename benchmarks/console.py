@@ -1,0 +1,234 @@
+"""The lock console at scale: 100,000 held locks, then page views timed and
+their round trips counted.
+
+    python -m benchmarks.console [--quick] [--write-docs]
+
+Four processes (``tests.many_holder``) take 25,000 locks each on a private
+memcached (512 MB) and list them in their roster slots. Once the console lists
+all of them, the holders are paused (SIGSTOP: no liveness beat may add a
+request to the count) and the admin's held-lock page is fetched through
+Django's test client, logged in as a superuser: the first page, a middle page,
+a search for one lock id and a filter by task. Every request the page sends
+to memcached goes through a counting proxy (tests/faultproxy.py); the page's
+time is the median of five views. A second run adds 1,000,000 unrelated keys
+to the cache: the count must not change.
+
+``--write-docs`` replaces the table between the console markers in
+docs/explanation/performance.rst.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.tables import write_section  # noqa: E402
+from tests.faultproxy import FaultProxy  # noqa: E402
+from tests.services import Memcached  # noqa: E402
+
+TABLE_START = ".. console-table-start"
+TABLE_END = ".. console-table-end"
+CONSOLE = "/admin/django_tasklock/heldlock/"
+
+
+def start_holders(address: str, total: int, processes: int) -> list[Any]:
+    """``processes`` holders of ``total`` locks in all, on memcached at
+    ``address``; returns once each holds its share."""
+    env = {
+        **os.environ,
+        "TASKLOCK_TEST_MEMCACHED": address,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONPATH": str(ROOT),
+    }
+    share = total // processes
+    holders = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.many_holder",
+                "default",
+                str(share),
+                f"scale{i}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=holder_log(i),
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    for holder in holders:
+        line = holder.stdout.readline().strip()
+        if line != f"held {share}":
+            raise RuntimeError(f"a holder did not take its locks: {line!r}")
+    return holders
+
+
+def holder_log(number: int) -> Any:
+    """Where holder ``number`` writes its stderr: ``$TASKLOCK_BENCH_HOLDER_LOG.<n>``
+    if set, else this process's stderr."""
+    base = os.environ.get("TASKLOCK_BENCH_HOLDER_LOG")
+    return None if base is None else open(f"{base}.{number}", "w")
+
+
+def stop_holders(holders: list[Any]) -> None:
+    for holder in holders:
+        holder.send_signal(signal.SIGCONT)
+        if holder.poll() is None:
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+    for holder in holders:
+        try:
+            holder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait()
+        holder.stdin.close()
+        holder.stdout.close()
+
+
+def logged_in_client() -> Any:
+    from django.contrib.auth.models import User
+    from django.core.management import call_command
+    from django.test import Client
+
+    call_command("migrate", verbosity=0)
+    user = User.objects.create_superuser("bench", "bench@example.com", "pw")
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def view(
+    client: Any, proxy: FaultProxy, query: dict[str, str]
+) -> tuple[float, int, str]:
+    """(seconds, round trips, page) of one view of the console."""
+    before = proxy.requests
+    started = time.perf_counter()
+    response = client.get(CONSOLE, query)
+    elapsed = time.perf_counter() - started
+    if response.status_code != 200:
+        raise RuntimeError(f"the console answered {response.status_code}")
+    return elapsed, proxy.requests - before, response.content.decode()
+
+
+def measure(total: int, processes: int, views: int = 5) -> list[dict[str, Any]]:
+    from django.conf import settings
+    from django.core.cache import caches
+
+    from django_tasklock.console import take_inventory
+
+    memcached = Memcached(args=["-m", "1024"]).start()
+    proxy = FaultProxy(memcached.port)
+    holders: list[Any] = []
+    rows = []
+    try:
+        settings.CACHES = {
+            "default": {
+                "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+                "LOCATION": proxy.address,
+            }
+        }
+        settings.TASKLOCK = {"CACHE": "default"}
+        client = logged_in_client()
+        holders = start_holders(memcached.address, total, processes)
+        deadline = time.monotonic() + 120
+        while len(take_inventory().entries) < total:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the console never listed every held lock")
+            time.sleep(0.5)
+        for holder in holders:
+            holder.send_signal(signal.SIGSTOP)
+        queries = {
+            "first page": {},
+            f"page {total // 100}": {"p": str(total // 100)},
+            "search": {"q": f"scale2-lock-{total // processes - 1}"},
+            "filter by task": {"task": "scale.import_feed", "p": "2"},
+        }
+        for unrelated in (0, 1_000_000 if total >= 100_000 else 10_000):
+            if unrelated:
+                cache = caches["default"]
+                for start in range(0, unrelated, 10_000):
+                    cache.set_many(
+                        {f"unrelated-{n}": n for n in range(start, start + 10_000)}
+                    )
+            for name, query in queries.items():
+                times, trips = [], set()
+                for _ in range(views):
+                    elapsed, count, page = view(client, proxy, query)
+                    times.append(elapsed)
+                    trips.add(count)
+                shown = page.count('class="tasklock-row"')
+                rows.append(
+                    {
+                        "view": name,
+                        "unrelated": unrelated,
+                        "rows": shown,
+                        "median": statistics.median(times),
+                        "worst": max(times),
+                        "trips": sorted(trips),
+                    }
+                )
+    finally:
+        stop_holders(holders)
+        proxy.close()
+        memcached.stop()
+    return rows
+
+
+def render(rows: list[dict[str, Any]], total: int, command: str) -> str:
+    lines = [
+        f"{'view':<16}{'other keys':>11}{'rows':>6}{'median':>9}{'worst':>9}"
+        f"{'round trips':>13}"
+    ]
+    for row in rows:
+        trips = "/".join(str(n) for n in row["trips"])
+        lines.append(
+            f"{row['view']:<16}{row['unrelated']:>11,}{row['rows']:>6}"
+            f"{row['median']:>8.2f}s{row['worst']:>8.2f}s{trips:>13}"
+        )
+    body = "\n".join("    " + line for line in lines)
+    return (
+        f"Measured by ``{command}`` ({total:,} held locks in four processes; a "
+        "page view through Django's test client, its requests to memcached "
+        "counted by a proxy):\n\n.. code-block:: text\n\n" + body + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--write-docs", action="store_true")
+    options = parser.parse_args(argv)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    import django
+    from django.test.utils import setup_test_environment
+
+    django.setup()
+    setup_test_environment()
+    total = 4_000 if options.quick else 100_000
+    rows = measure(total, 4, views=2 if options.quick else 5)
+    command = "python -m benchmarks.console" + (" --quick" if options.quick else "")
+    table = render(rows, total, command)
+    print(table)
+    if options.write_docs:
+        write_section(TABLE_START, TABLE_END, table)
+        print("docs/explanation/performance.rst updated.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
