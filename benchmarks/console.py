@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,8 @@ from tests.services import Memcached  # noqa: E402
 TABLE_START = ".. console-table-start"
 TABLE_END = ".. console-table-end"
 CONSOLE = "/admin/django_tasklock/heldlock/"
+#: The holders' logs, emptied at each run.
+LOGS = Path(tempfile.gettempdir()) / f"tasklock-console-bench-{os.getpid()}"
 
 
 def start_holders(address: str, total: int, processes: int) -> list[Any]:
@@ -51,25 +55,21 @@ def start_holders(address: str, total: int, processes: int) -> list[Any]:
         "PYTHONPATH": str(ROOT),
     }
     share = total // processes
-    holders = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.many_holder",
-                "default",
-                str(share),
-                f"scale{i}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=holder_log(i),
-            text=True,
-        )
-        for i in range(processes)
-    ]
+    holders = []
+    for i in range(processes):
+        command = [sys.executable, "-m", "tests.many_holder", "default"]
+        with holder_log(i) as log:  # the child keeps its own copy
+            holders.append(
+                subprocess.Popen(
+                    [*command, str(share), f"scale{i}"],
+                    cwd=ROOT,
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                )
+            )
     for holder in holders:
         line = holder.stdout.readline().strip()
         if line != f"held {share}":
@@ -78,10 +78,18 @@ def start_holders(address: str, total: int, processes: int) -> list[Any]:
 
 
 def holder_log(number: int) -> Any:
-    """Where holder ``number`` writes its stderr: ``$TASKLOCK_BENCH_HOLDER_LOG.<n>``
-    if set, else this process's stderr."""
-    base = os.environ.get("TASKLOCK_BENCH_HOLDER_LOG")
-    return None if base is None else open(f"{base}.{number}", "w")
+    """Where holder ``number`` writes its stderr (read back by ``lost_at_release``)."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    return (LOGS / f"holder-{number}.log").open("w")
+
+
+def lost_at_release() -> int:
+    """How many locks the holders found lost when they released them (each a
+    WARNING): none, unless something took or moved them."""
+    return sum(
+        log.read_text().count("was no longer held by this owner at release")
+        for log in LOGS.glob("holder-*.log")
+    )
 
 
 def stop_holders(holders: list[Any]) -> None:
@@ -125,7 +133,9 @@ def view(
     return elapsed, proxy.requests - before, response.content.decode()
 
 
-def measure(total: int, processes: int, views: int = 5) -> list[dict[str, Any]]:
+def measure(
+    total: int, processes: int, views: int = 5, unrelated: int = 1_000_000
+) -> list[dict[str, Any]]:
     from django.conf import settings
     from django.core.cache import caches
 
@@ -158,10 +168,10 @@ def measure(total: int, processes: int, views: int = 5) -> list[dict[str, Any]]:
             "search": {"q": f"scale2-lock-{total // processes - 1}"},
             "filter by task": {"task": "scale.import_feed", "p": "2"},
         }
-        for unrelated in (0, 1_000_000 if total >= 100_000 else 10_000):
-            if unrelated:
+        for others in (0, unrelated):
+            if others:
                 cache = caches["default"]
-                for start in range(0, unrelated, 10_000):
+                for start in range(0, others, 10_000):
                     cache.set_many(
                         {f"unrelated-{n}": n for n in range(start, start + 10_000)}
                     )
@@ -175,7 +185,7 @@ def measure(total: int, processes: int, views: int = 5) -> list[dict[str, Any]]:
                 rows.append(
                     {
                         "view": name,
-                        "unrelated": unrelated,
+                        "unrelated": others,
                         "rows": shown,
                         "median": statistics.median(times),
                         "worst": max(times),
@@ -212,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--locks", type=int, default=100_000)
+    parser.add_argument("--unrelated", type=int, default=1_000_000)
+    parser.add_argument("--views", type=int, default=5)
     options = parser.parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     import django
@@ -219,11 +232,16 @@ def main(argv: list[str] | None = None) -> int:
 
     django.setup()
     setup_test_environment()
-    total = 4_000 if options.quick else 100_000
-    rows = measure(total, 4, views=2 if options.quick else 5)
+    total = 4_000 if options.quick else options.locks
+    unrelated = 10_000 if options.quick else options.unrelated
+    views = 2 if options.quick else options.views
+    rows = measure(total, 4, views=views, unrelated=unrelated)
     command = "python -m benchmarks.console" + (" --quick" if options.quick else "")
     table = render(rows, total, command)
     print(table)
+    lost = lost_at_release()
+    shutil.rmtree(LOGS, ignore_errors=True)
+    print(f"Locks the holders found lost when they released them: {lost}")
     if options.write_docs:
         write_section(TABLE_START, TABLE_END, table)
         print("docs/explanation/performance.rst updated.")

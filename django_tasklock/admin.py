@@ -25,7 +25,7 @@ from django.urls import path, reverse
 from django.utils.http import urlencode
 
 from .backends import close_thread_connections, thread_connections
-from .console import KINDS, Listed, take_inventory
+from .console import KINDS, Listed, rate_limits, take_inventory
 from .exceptions import LockBackendError
 from .models import HeldLock
 from .status import LockStatus, expiry_text, holder_text, lock_status, release_refusal
@@ -167,6 +167,7 @@ class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
                 for number in page.paginator.page_range
             },
             "can_release": self.has_delete_permission(request),
+            "limits": rate_limits() if page.number == 1 else [],
         }
         return TemplateResponse(request, "admin/django_tasklock/console.html", context)
 

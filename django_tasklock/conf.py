@@ -458,6 +458,11 @@ class Settings:
         value: str | None = self._get("METRICS")
         return value
 
+    def rate_limit_names(self) -> list[str]:
+        """The names of ``TASKLOCK['RATE_LIMITS']``."""
+        limits: dict[str, Any] = self._get("RATE_LIMITS")
+        return list(limits)
+
     def named_rate(self, name: str) -> dict[str, Any]:
         """``TASKLOCK['RATE_LIMITS'][name]`` as a dict with ``rate`` (and maybe
         ``kind``, ``burst``, ``cache``); empty if there is no such limit."""

@@ -11,6 +11,7 @@ bounded by the page's size, whatever the size of the cache.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -18,14 +19,23 @@ from django.conf import settings as django_settings
 
 from .backends import backend_for
 from .conf import settings
-from .exceptions import LockConfigurationError
+from .exceptions import LockBackendError, LockConfigurationError
 from .locks.roster import Entry, read_roster
 from .status import LockStatus, lock_status
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
-__all__ = ["Inventory", "Listed", "lock_aliases", "take_inventory"]
+    from .limits.limiter import RateLimiter
+
+__all__ = [
+    "Inventory",
+    "LimitRow",
+    "Listed",
+    "lock_aliases",
+    "rate_limits",
+    "take_inventory",
+]
 
 #: Kinds of entries, in the order the console filters them.
 KINDS = ("lock", "slot", "queued")
@@ -136,3 +146,59 @@ def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
         inventory.entries += best.values()
         inventory.processes[alias] = len(records)
     return inventory
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitRow:
+    """A rate limit the console shows: its state as the store holds it now, or
+    why it could not be read, or (one limit per argument key) how to look one
+    up."""
+
+    limit_id: str
+    source: str
+    state: dict[str, object]
+    error: str = ""
+
+
+_tasks_imported = [False]
+
+
+def rate_limits() -> list[LimitRow]:
+    """The named limits (``TASKLOCK["RATE_LIMITS"]``) and every
+    ``@rate_limited`` of the installed apps' ``tasks`` modules (imported once,
+    as the checks do), each read from its store: one read per limit."""
+    from .checks import _import_task_modules
+    from .limits.decorator import DECLARED
+    from .limits.limiter import RateLimiter
+
+    if not _tasks_imported[0]:
+        _tasks_imported[0] = True
+        _import_task_modules()
+    found: dict[str, tuple[str, Callable[[], RateLimiter] | None]] = {}
+    for name in settings.rate_limit_names():
+        found[name] = ("TASKLOCK['RATE_LIMITS']", functools.partial(RateLimiter, name))
+    for name, limits in DECLARED.items():
+        if limits.key is not None:
+            found.setdefault(name, (f"@rate_limited(key={limits.key!r})", None))
+        else:
+            found.setdefault(
+                name, ("@rate_limited", functools.partial(limits._make, name))
+            )
+    rows = []
+    for name, (source, make) in sorted(found.items()):
+        if make is None:
+            rows.append(
+                LimitRow(
+                    name,
+                    source,
+                    {},
+                    "one limit per argument key: "
+                    f"manage.py tasklock rate {name}-<digest>",
+                )
+            )
+            continue
+        try:
+            rows.append(LimitRow(name, source, make().state()))
+        except (LockBackendError, LockConfigurationError, ValueError) as exc:
+            rows.append(LimitRow(name, source, {}, str(exc)))
+    return rows

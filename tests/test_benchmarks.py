@@ -104,3 +104,29 @@ def test_rate_limit_quick_run_counts_no_violation_and_no_lost_call():
     assert celery and ours, out
     # Per worker: two workers let twice the rate through; the limiter, its rate.
     assert int(ours.group(1)) <= 10 < int(celery.group(1))
+
+
+@pytest.mark.slow
+def test_console_page_cost_does_not_grow_with_the_cache():
+    """100,000 held locks in four processes; each page view's round trips are
+    counted, then counted again after 100,000 unrelated keys: the same, two
+    reads of the rosters and three per row shown (the times are printed; the
+    docs' table comes from a full run alone on the machine)."""
+    out = run_module(
+        "benchmarks.console",
+        "--locks", "100000", "--unrelated", "100000", "--views", "1",
+        timeout=900,
+    )  # fmt: skip
+    rows = re.findall(
+        r"^\s+(first page|page \d+|search|filter by task)\s+([\d,]+)\s+(\d+)"
+        r"\s+([\d.]+)s\s+([\d.]+)s\s+([\d/]+)$",
+        out,
+        re.M,
+    )
+    assert len(rows) == 8, out
+    for view, others, shown, _median, _worst, trips in rows:
+        assert "/" not in trips, (view, trips)  # one count per view
+        assert int(shown) == (1 if view == "search" else 50), (view, shown)
+        assert int(trips) == 2 + 3 * int(shown), (view, others, trips)
+    assert {r[5] for r in rows if r[1] == "0"} == {r[5] for r in rows if r[1] != "0"}
+    assert "found lost when they released them: 0" in out, out

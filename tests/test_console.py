@@ -236,3 +236,31 @@ def test_every_slot_taken_is_said_not_hidden(settings, caplog):
     inventory = take_inventory(["default"])
     assert inventory.full == ["default"] and not listed("feeds-lock-full")
     lock.release()
+
+
+def test_rate_limits_are_shown_with_their_state(settings, admin_client):
+    from django_tasklock import RateLimiter, rate_limited
+
+    settings.TASKLOCK = {
+        "CACHE": "default",
+        "LIVENESS": 3,
+        "RATE_LIMITS": {"partner-api": "5/m"},
+    }
+    limiter = RateLimiter("partner-api")
+    assert limiter.admit() and limiter.admit()
+
+    @rate_limited("3/s", name="console-declared", on_limit="raise")
+    def call_partner():
+        return True
+
+    assert call_partner()
+    page = admin_client.get(CONSOLE).content.decode()
+    start = page.index('id="tasklock-limit-list"')
+    table = page[start : page.index("</table>", start)]
+    row = table[table.index('data-limit-id="partner-api"') :].split("</tr>")[0]
+    assert "TASKLOCK[&#x27;RATE_LIMITS&#x27;]" in row and "5/m" in row
+    assert limiter.state()["admitted in the last period"] == 2
+    assert "admitted in the last period: 2" in row and "left in this period: 3" in row
+    declared = table[table.index('data-limit-id="console-declared"') :]
+    assert "admitted in the last period: 1" in declared.split("</tr>")[0]
+    limiter.reset()

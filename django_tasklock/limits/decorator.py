@@ -91,6 +91,7 @@ def rate_limited(
             binder(signature),
             parameters[0].name if takes_self else None,
         )
+        DECLARED[limits.base] = limits
         limiter_for = limits.for_call
 
         @functools.wraps(func)
@@ -134,6 +135,11 @@ def _check_options(rate: RateSpec | None, name: str | None, on_limit: object) ->
         raise ValueError(
             f"on_limit must be one of {', '.join(LIMIT_POLICIES)}, not {on_limit!r}."
         )
+
+
+#: Every ``@rate_limited`` of this process, by its name (the lock console
+#: lists them).
+DECLARED: dict[str, _Limits] = {}
 
 
 class _Limits:
