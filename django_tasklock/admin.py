@@ -153,7 +153,7 @@ class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
         context = {
             **self._context(request, "Held locks"),
             "inventory": inventory,
-            "rows": [_row(listed, now) for listed in page.object_list],
+            "rows": [_row(Listed.of(found), now) for found in page.object_list],
             "page": page,
             "chosen": chosen,
             "kinds": KINDS,

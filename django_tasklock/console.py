@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings as django_settings
 
@@ -41,6 +41,13 @@ __all__ = [
 KINDS = ("lock", "slot", "queued")
 
 
+#: One entry as the rosters list it: (alias, lister's record id, lister's
+#: host, the entry's fields in ``Entry``'s order). Kept as read (100,000 of
+#: them make a page): an ``Entry`` is made only for the rows shown.
+Found = tuple[str, str, str, list[Any]]
+_LOCK_ID, _KIND, _TASK, _CALL_ID, _SINCE = 0, 1, 2, 4, 5
+
+
 @dataclasses.dataclass(frozen=True)
 class Listed:
     """One lock id a process lists in one store."""
@@ -50,6 +57,11 @@ class Listed:
     #: The lister's liveness record id and host.
     record: str
     host: str
+
+    @classmethod
+    def of(cls, found: Found) -> Listed:
+        alias, record, host, row = found
+        return cls(alias, Entry(*row), record, host)
 
     @property
     def lock_id(self) -> str:
@@ -68,15 +80,19 @@ class Listed:
 class Inventory:
     """Everything the rosters of some stores list."""
 
-    entries: list[Listed]
+    entries: list[Found]
     #: Processes listing at least one entry, per alias; aliases whose roster
     #: could not be read, with why; aliases whose every roster slot is taken.
     processes: dict[str, int]
     failed: dict[str, str]
     full: list[str]
 
+    def listed(self) -> list[Listed]:
+        """Every entry, as ``Listed``."""
+        return [Listed.of(found) for found in self.entries]
+
     def tasks(self) -> list[str]:
-        return sorted({listed.entry.task for listed in self.entries})
+        return sorted({found[3][_TASK] for found in self.entries})
 
     def select(
         self,
@@ -85,24 +101,24 @@ class Inventory:
         alias: str | None = None,
         kind: str | None = None,
         search: str | None = None,
-    ) -> list[Listed]:
+    ) -> list[Found]:
         """The entries of ``task``, in ``alias``, of ``kind``, whose lock id or
         task id contains ``search``; oldest first."""
-        found: Iterable[Listed] = self.entries
+        found: Iterable[Found] = self.entries
         if task:
-            found = [one for one in found if one.entry.task == task]
+            found = [one for one in found if one[3][_TASK] == task]
         if alias:
-            found = [one for one in found if one.alias == alias]
+            found = [one for one in found if one[0] == alias]
         if kind:
-            found = [one for one in found if one.entry.kind == kind]
+            found = [one for one in found if one[3][_KIND] == kind]
         if search:
             needle = search.strip()
             found = [
                 one
                 for one in found
-                if needle in one.entry.lock_id or needle == (one.entry.call_id or "")
+                if needle in one[3][_LOCK_ID] or needle == (one[3][_CALL_ID] or "")
             ]
-        return sorted(found, key=lambda one: (one.entry.since, one.lock_id))
+        return sorted(found, key=lambda one: (one[3][_SINCE], one[3][_LOCK_ID]))
 
 
 def lock_aliases() -> list[str]:
@@ -134,15 +150,19 @@ def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
             continue
         if listing.full:
             inventory.full.append(alias)
-        best: dict[str, Listed] = {}
+        best: dict[str, Found] = {}
         records = set()
-        for record, host, written, entry in listing.entries:
+        for record, host, written, rows in listing.entries:
             if written != alias and written in aliases:
                 continue  # the same store under another alias: listed there
-            records.add(record)
-            seen = best.get(entry.lock_id)
-            if seen is None or (seen.entry.kind == "queued" and entry.kind != "queued"):
-                best[entry.lock_id] = Listed(alias, entry, record, host)
+            if rows:
+                records.add(record)
+            for row in rows:
+                seen = best.get(row[_LOCK_ID])
+                if seen is None or (
+                    seen[3][_KIND] == "queued" and row[_KIND] != "queued"
+                ):
+                    best[row[_LOCK_ID]] = (alias, record, host, row)
         inventory.entries += best.values()
         inventory.processes[alias] = len(records)
     return inventory

@@ -31,7 +31,7 @@ def _quick_records(settings):
 
 
 def listed(lock_id, alias="default"):
-    return [one for one in take_inventory([alias]).entries if one.lock_id == lock_id]
+    return [one for one in take_inventory([alias]).listed() if one.lock_id == lock_id]
 
 
 def held_lock(lock_id, task="feeds.import_feed", args=(), kwargs=None, **options):
@@ -210,7 +210,7 @@ def test_the_roster_is_read_in_one_round_trip_whatever_the_cache_holds(
     try:
         before = proxy.requests
         inventory = take_inventory(["counted"])
-        assert [one.lock_id for one in inventory.entries] == ["feeds-lock-counted"]
+        assert [one.lock_id for one in inventory.listed()] == ["feeds-lock-counted"]
         # One get_many of the slots; the spilled chunks (over CHUNK entries
         # per process) would take a second (see test_console_scale.py).
         assert proxy.requests - before == 1

@@ -245,18 +245,20 @@ class Roster:
 class Listing(NamedTuple):
     """Every entry a store's roster lists, with its holder."""
 
-    #: ``(record id, host, alias, entry)`` for each entry: ``alias`` is the
-    #: CACHES alias its process wrote it through (another alias may name the
-    #: same store).
-    entries: list[tuple[str, str, str, Entry]]
+    #: ``(record id, host, alias, rows)`` for each process: ``alias`` is the
+    #: CACHES alias it wrote through (another alias may name the same store);
+    #: each row is an ``Entry``'s fields, in order (made into one by whoever
+    #: shows it: a page shows fifty of 100,000).
+    entries: list[tuple[str, str, str, list[list[Any]]]]
     #: Slots in use, and whether every slot was.
     processes: int
     full: bool
 
 
 def read_roster(backend: LockBackend) -> Listing:
-    """What every process lists in ``backend``'s store: two ``get_many`` calls
-    (one round trip per server each); raises ``backend.errors``."""
+    """What every process lists in ``backend``'s store: two reads (one round
+    trip per server each; the second only if an item spilled); raises
+    ``backend.errors``."""
     heads = backend.read_many([slot_key(slot) for slot in range(SLOTS)])
     spilled: list[str] = []
     parsed: list[tuple[int, dict[str, Any]]] = []
@@ -268,13 +270,14 @@ def read_roster(backend: LockBackend) -> Listing:
         parsed.append((slot, head))
         spilled += [slot_key(slot, i) for i in range(1, int(head.get("chunks", 1)))]
     more = backend.read_many(spilled) if spilled else {}
-    entries: list[tuple[str, str, str, Entry]] = []
+    entries = []
     for slot, head in parsed:
         rows: list[Any] = list(head.get("entries", []))
         for i in range(1, int(head.get("chunks", 1))):
             rows.extend(_load(more.get(slot_key(slot, i))) or [])
+        rows = [row for row in rows if isinstance(row, list) and len(row) == 7]
         record, host, alias = head["record"], head["host"], head.get("alias", "")
-        entries += [(record, host, alias, Entry(*row)) for row in rows]
+        entries.append((record, host, alias, rows))
     return Listing(entries, len(parsed), len(heads) >= SLOTS)
 
 
