@@ -39,5 +39,7 @@ autodoc_default_options = {"members": True, "show-inheritance": False}
 nitpicky = False
 exclude_patterns = ["_build"]
 html_theme = "furo"
+# The lock console's screenshot, taken by tests/test_console_browser.py.
+html_static_path = ["_static"]
 html_title = f"django_tasklock {release}"
 templates_path: list[str] = []
