@@ -194,13 +194,13 @@ def validate_metrics(value: object) -> str | None:
     if value is None:
         return None
     if value != "prometheus":
-        raise LockConfigurationError(
-            f"TASKLOCK['METRICS'] must be None or 'prometheus', got {value!r}."
+        raise ValueError(
+            f"TASKLOCK['METRICS'] must be None or 'prometheus', not {value!r}."
         )
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
-        raise LockConfigurationError(
+        raise ValueError(
             "TASKLOCK['METRICS'] is 'prometheus', but prometheus_client is not "
             "installed: pip install 'django-tasklock[prometheus]'."
         ) from None

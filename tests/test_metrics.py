@@ -135,3 +135,42 @@ def test_contentions_losses_and_store_errors_are_counted(settings, rf):
         close_connections()
     response = metrics_view(rf.get("/metrics"))
     assert response.status_code == 200
+
+
+@pytest.mark.parametrize("value", ["statsd", True, "Prometheus"])
+def test_a_bad_metrics_setting_is_a_check_error_that_says_what_to_write(
+    settings, value
+):
+    from django.core.checks import run_checks
+    from django.test import override_settings
+
+    from django_tasklock.conf import settings as tasklock_settings
+    from django_tasklock.exceptions import LockConfigurationError
+
+    with override_settings(TASKLOCK={"METRICS": value}):
+        errors = [m for m in run_checks() if m.id == "django_tasklock.E020"]
+        assert errors and "None or 'prometheus'" in errors[0].msg
+        with pytest.raises(LockConfigurationError, match="METRICS"):
+            tasklock_settings.METRICS  # noqa: B018
+
+
+def test_the_app_connects_the_metrics_when_asked(settings):
+    """TASKLOCK["METRICS"] = "prometheus" connects the receivers at ready()."""
+    from django.apps import apps
+
+    from django_tasklock import metrics as metrics_module
+    from django_tasklock.signals import lock_acquired
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(metrics_module, "_installed", [LockMetrics(CollectorRegistry())])
+        settings.TASKLOCK = {"CACHE": "default", "METRICS": "prometheus"}
+        before = len(lock_acquired.receivers)
+        apps.get_app_config("django_tasklock").ready()
+        try:
+            assert len(lock_acquired.receivers) == before + 1
+            lock = Lock("ready-lock-1")
+            assert lock.acquire() and lock.release()
+            counted = metrics_module._installed[0].acquisitions
+            assert counted.labels("ready", "default")._value.get() == 1
+        finally:
+            metrics_module._installed[0].disconnect()
