@@ -22,6 +22,7 @@ from .conf import MAX_EXPIRE, settings
 from .exceptions import LockBackendError
 from .signals import lock_store_failed
 from .tokens import token_owner
+from .values import QUEUED, STARTED
 
 __all__ = [
     "QUEUE_SUFFIX",
@@ -39,8 +40,8 @@ logger = logging.getLogger(__name__)
 #: Appended to the lock id of a ``coalesce`` task for its pending call's lock.
 QUEUE_SUFFIX: Final = "-queued"
 
-_QUEUED: Final = "queued:"
-_STARTED: Final = "started:"
+_QUEUED: Final = QUEUED
+_STARTED: Final = STARTED
 
 
 def queued(task_id: str) -> str:

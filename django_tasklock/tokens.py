@@ -21,6 +21,7 @@ from typing import Final
 
 from .backends import FenceCounter
 from .conf import MAX_EXPIRE
+from .values import token_process
 
 __all__ = [
     "FENCE_COUNTER_TTL",
@@ -120,18 +121,6 @@ new_live_token = _tokens.new_live
 def this_process() -> str:
     """This process's identity, as its tokens write it."""
     return _tokens.process
-
-
-def token_process(value: object) -> tuple[str, str] | None:
-    """The owner (``oid@host`` or ``host``) and the process identity
-    (``pid-start-space``, or a bare pid) in a token ``new_token`` made; None for
-    any other value (other code's, such as the recipe's oid, or a call's mark)."""
-    if not isinstance(value, str):
-        return None
-    parts = value.rsplit(":", 4)
-    if len(parts) != 5 or not parts[1].partition("-")[0].isdigit():
-        return None
-    return parts[0], parts[1]
 
 
 def token_owner(value: object) -> tuple[str, int] | None:

@@ -198,19 +198,3 @@ class LockBackend(abc.ABC):
     def last_fence(self, key: str, fence_key: str) -> int | None:
         """The last fencing token drawn for the lock at ``key``; None if none is
         known (never taken, or the counter expired, was evicted or flushed)."""
-
-
-def unique_value(value: object) -> bool:
-    """True for a value only one holder ever stores: a django_tasklock token
-    (random per acquisition) or a call's mark (named after its task id).
-
-    For such a value, the value alone proves ownership when the item's CAS id
-    changed under its holder: memcached's slab rebalancer (``slab_automove``,
-    on by default) gives an item it moves to another page a new CAS id, value
-    unchanged. Other values (a recipe's oid, other code's ``"1"``) are stored
-    by many owners alike: only the CAS id tells their items apart.
-    """
-    from ..calls import call_of
-    from ..tokens import token_process
-
-    return token_process(value) is not None or call_of(value) is not None

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, cast
 from pymemcache.exceptions import MemcacheError
 
 from ..keys import memcached_key
-from .base import FenceCounter, Hold, LockBackend, Peek, unique_value
+from ..values import unique_value
+from .base import FenceCounter, Hold, LockBackend, Peek
 from .memcached import _PAST, _bad_counter, _talk, _ttl_of
 
 if TYPE_CHECKING:

@@ -29,11 +29,19 @@ import logging
 import math
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from ..backends import LockBackend
-    from .liveness import Held, Record
+
+
+class _Record(Protocol):
+    """What the roster reads of its process's liveness record
+    (``liveness.Record``)."""
+
+    bound: float
+    held: dict[int, Any]
+
 
 __all__ = [
     "CHUNK",
@@ -107,7 +115,7 @@ def _describe(about: Any) -> tuple[str, str]:
     return name, describe_call(args, kwargs)
 
 
-def entry_of(lock: Held, wall_offset: float) -> Entry:
+def entry_of(lock: Any, wall_offset: float) -> Entry:
     """The roster entry of a lock this process holds."""
     about = getattr(lock, "about", None)
     task, args = _describe(about)
@@ -156,7 +164,7 @@ class Roster:
         if len(marks) > MARKS:
             del marks[next(iter(marks))]
 
-    def beat(self, record: Record, backend: LockBackend) -> None:
+    def beat(self, record: _Record, backend: LockBackend) -> None:
         """Rewrite the slot if what is held changed or it nears its expiry;
         raises ``backend.errors``."""
         now = time.monotonic()

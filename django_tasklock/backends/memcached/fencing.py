@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pymemcache.exceptions import MemcacheClientError, MemcacheError
 
-from ..base import unique_value
+from ...values import unique_value
 from .wire import _flag, _wire_key
 
 if TYPE_CHECKING:

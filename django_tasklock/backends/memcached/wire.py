@@ -22,7 +22,7 @@ from pymemcache.exceptions import (
     MemcacheUnknownCommandError,
 )
 
-from ..base import unique_value
+from ...values import unique_value
 
 if TYPE_CHECKING:
     from collections.abc import Callable
