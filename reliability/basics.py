@@ -507,17 +507,22 @@ def many_locks(memcached: Memcached, count: int, processes: int) -> Row:
     never = count - len(set(flat))
     # A fencing counter is made only when a holder reads its fence (none does
     # here), and kept a day; anything else that stayed is a leak, but for the
-    # liveness records processes keep of themselves (not of any lock), which
-    # come and go with the processes of this and earlier rows.
+    # liveness records and roster slots processes keep of themselves (not of
+    # any lock), which come and go with the processes of this and earlier rows.
     from django.core.cache import caches
 
     from django_tasklock.keys import fence_id
     from django_tasklock.locks.liveness import RECORD_PREFIX
+    from django_tasklock.locks.roster import ROSTER_PREFIX
 
     with use_cache(memcached.address):
         fences = caches["default"].get_many([fence_id(i) for i in ids])
         counters = len(fences)
-    new = {key for key in memcached.keys() - before if RECORD_PREFIX not in key}
+    new = {
+        key
+        for key in memcached.keys() - before
+        if RECORD_PREFIX not in key and ROSTER_PREFIX not in key
+    }
     leaked = len(new) - counters
     row = Row(f"7. {count} ids, {processes} processes", tried, shared, never + leaked)
     row.figures.append(

@@ -50,6 +50,7 @@ __all__ = [
     "Entry",
     "Roster",
     "describe_call",
+    "note_run",
     "read_roster",
     "slot_key",
 ]
@@ -115,9 +116,26 @@ def _describe(about: Any) -> tuple[str, str]:
     return name, describe_call(args, kwargs)
 
 
-def entry_of(lock: Any, wall_offset: float) -> Entry:
+def note_run(lock: Any, run: Any) -> None:
+    """Note that ``run`` (a ``runs.Run``) took ``lock`` (a ``Lock``; a
+    ``Semaphore`` names its slots' run itself), in the roster of the record
+    the lock was taken with; nothing when it keeps none (nothing would list
+    it). Neither the run nor the lock is kept (a kept Lock would cost every
+    later call new allocations), nor an attribute added to the Lock (a dict of
+    its own): one tuple, one dict store."""
+    record = getattr(lock, "_record", None)
+    if record is not None:
+        args = run.args[1:] if run.bound and run.args else run.args
+        record.roster.runs[id(lock)] = (lock.token, (run.name, args, run.kwargs))
+
+
+def entry_of(lock: Any, wall_offset: float, runs: dict[int, Any]) -> Entry:
     """The roster entry of a lock this process holds."""
-    about = getattr(lock, "about", None)
+    about = lock.about
+    if about is None:
+        noted = runs.get(id(lock))
+        if noted is not None and noted[0] == lock.token:
+            about = noted[1]
     task, args = _describe(about)
     slot = getattr(lock, "slot_of", None)
     return Entry(
@@ -150,7 +168,12 @@ class Roster:
         #: The tokens of the locks written last (by object id), and the marks.
         self.listed: dict[int, str | None] = {}
         self.marks: dict[str, Mark] = {}
-        self.marks_listed = 0
+        #: What took the locks listed here: ``(token, (task name, args,
+        #: kwargs))`` by lock id (``note_run``), forgotten at the first beat
+        #: after their release.
+        self.runs: dict[int, tuple[str | None, Any]] = {}
+        #: How many marks and noted runs were written last.
+        self.counts_listed = (0, 0)
         #: Wall clock: when the slot must be written again at the latest.
         self.renew_by = 0.0
         self.full_warned = False
@@ -176,10 +199,13 @@ class Roster:
         # Tokens, not objects: one Lock object may be taken again, and a new
         # one may be made where a released one was.
         tokens = {ident: lock.token for ident, lock in list(held.items())}
+        runs = self.runs
+        for ident in [ident for ident in runs if ident not in tokens]:
+            runs.pop(ident, None)
         if (
             self.slot is not None
             and tokens == self.listed
-            and len(marks) == self.marks_listed
+            and (len(marks), len(runs)) == self.counts_listed
             and wall < self.renew_by
         ):
             return
@@ -189,7 +215,9 @@ class Roster:
             return
         locks = list(held.values())
         offset = wall - now
-        entries = [entry_of(lock, offset) for lock in locks if lock._hold is not None]
+        entries = [
+            entry_of(lock, offset, runs) for lock in locks if lock._hold is not None
+        ]
         entries += [mark.entry for mark in marks.values()]
         # As long as any lock it lists may live, at least three records' worth.
         lives = [(lock._valid_until or now) - now + 1 for lock in locks]
@@ -197,7 +225,7 @@ class Roster:
         timeout = math.ceil(max([3 * record.bound, *lives]) + record.bound)
         self._write(backend, entries, timeout)
         self.listed = tokens
-        self.marks_listed = len(marks)
+        self.counts_listed = (len(marks), len(runs))
         self.renew_by = wall + max(timeout - 2 * record.bound, 1.0)
 
     def _write(self, backend: LockBackend, entries: list[Entry], timeout: int) -> None:

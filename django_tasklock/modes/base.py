@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..conf import settings
 from ..locks import Lock
+from ..locks.roster import note_run
 from ..policies import CONTENTION, ContentionPolicy
 from ..runs import DEFER, DROP, FREED, held, retry_unbound
 
@@ -73,6 +74,7 @@ class Mode:
                     acquired = policy.acquire(lock, run)
         if not acquired:
             return self.contended(run, lock, policy)
+        note_run(lock, run)
         if self.takes:
             self.taken(run, lock)
         if run.task is not None:
@@ -90,19 +92,17 @@ class Mode:
 
     def lock_for(self, run: Run) -> Lock | Semaphore:
         """The run's lock: one slot, named after the call if a worker runs it."""
-        lock = Lock(
+        return Lock(
             run.lock_id,
             oid=run.oid,
             max_hold=run.max_hold,
             call_id=run.call_id,
             **run.options.lock_options,
         )
-        lock.about = run
-        return lock
 
     def make_lock(self, run: Run, lock_id: str, take_over: str | None = None) -> Lock:
         """A Lock on ``lock_id`` with the run's options, naming its call."""
-        lock = Lock(
+        return Lock(
             lock_id,
             oid=run.oid,
             max_hold=run.max_hold,
@@ -110,8 +110,6 @@ class Mode:
             take_over=take_over,
             **run.options.lock_options,
         )
-        lock.about = run
-        return lock
 
     def contended(
         self, run: Run, lock: Lock | Semaphore, policy: ContentionPolicy

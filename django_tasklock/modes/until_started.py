@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..calls import Marks
 from ..conf import settings
+from ..locks.roster import note_run
 from ..runs import DEFER, DROP, FREED, held
 from .base import Mode
 
@@ -49,6 +50,7 @@ class UntilStarted(Mode):
                         run_lock.lock_id,
                     )
                 return run.host.drop(run)
+        note_run(run_lock, run)
         # current_lock() is the run's lock, and a self.retry() frees it before
         # the retry is sent (its copy would look like a second delivery).
         run.host.guard_retry(run)
