@@ -88,12 +88,19 @@ def _services(
 
 @pytest.fixture(autouse=True)
 def _forget_liveness_records() -> Iterator[None]:
-    """Each test starts with no liveness record thread: the stores and settings
-    a record was written to go with the test."""
+    """Each test starts with no liveness record thread and no token watched
+    for removal: the stores and settings they were written to go with the
+    test."""
     yield
+    from django_tasklock import pending
     from django_tasklock.locks.liveness import forget_records
 
     forget_records()
+    # Tokens of unknown fate a test left watched (its stores are gone, or
+    # stopped for good) would keep a later test's wait for an empty watch
+    # waiting: the stores and settings they were taken in go with the test.
+    with pending._mutex:
+        pending._watched.clear()
 
 
 @pytest.fixture(autouse=True)
