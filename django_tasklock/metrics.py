@@ -72,12 +72,41 @@ def _cache(lock: Any) -> str:
     )
 
 
-def _policy(lock: Any) -> str:
+def _policy(lock: Any, task: str) -> str:
+    """The contention policy of the call that was refused ``lock``: its
+    decorator's (found by the task's name among Celery's registered tasks),
+    else ``TASKLOCK["ON_CONTENTION"]``; ``none`` for a lock no decorator took."""
     about = getattr(lock, "about", None)
     options = getattr(about, "options", None)
     if options is None:
-        return "none"
+        if task not in _declared:
+            _declared[task] = _declared_policy(task)
+        declared = _declared[task]
+        if declared is _NO_DECORATOR:
+            return "none"
+        return str(declared or settings.ON_CONTENTION)
     return str(options.on_contention or settings.ON_CONTENTION)
+
+
+_NO_DECORATOR: Final = "none"
+#: A task name's declared ``on_contention`` (None: the setting's), or
+#: ``_NO_DECORATOR``; looked up once per name.
+_declared: dict[str, str | None] = {}
+
+
+def _declared_policy(task: str) -> str | None:
+    try:
+        from celery import current_app
+    except ImportError:  # Celery is optional
+        return _NO_DECORATOR
+    from .targets import spec_of
+
+    found = current_app.tasks.get(task)
+    spec = None if found is None else spec_of(found, any_mode=True)
+    if spec is None:
+        return _NO_DECORATOR
+    policy: str | None = spec.options.on_contention
+    return policy
 
 
 class LockMetrics:
@@ -144,9 +173,8 @@ class LockMetrics:
         self.wait.labels(*labels).observe(waited)
 
     def on_contended(self, sender: Any, *, lock: Any, lock_id: str, **_: Any) -> None:
-        self.contentions.labels(
-            task_label(lock, lock_id), _cache(lock), _policy(lock)
-        ).inc()
+        task = task_label(lock, lock_id)
+        self.contentions.labels(task, _cache(lock), _policy(lock, task)).inc()
 
     def on_released(
         self, sender: Any, *, lock: Any, lock_id: str, held: float, **_: Any

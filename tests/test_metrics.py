@@ -174,3 +174,20 @@ def test_the_app_connects_the_metrics_when_asked(settings):
             assert counted.labels("ready", "default")._value.get() == 1
         finally:
             metrics_module._installed[0].disconnect()
+
+
+def test_a_refused_call_is_counted_under_its_tasks_policy(settings):
+    from django_tasklock import lock_id_for
+
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
+    metrics = LockMetrics(CollectorRegistry())
+    metrics.connect()
+    holder = Lock(lock_id_for(tasks.import_feed, "https://held.example/rss", seconds=0))
+    try:
+        assert holder.acquire()
+        assert tasks.import_feed("https://held.example/rss", seconds=0) is None
+        refused = metrics.contentions.labels(tasks.import_feed.name, "default", "skip")
+        assert refused._value.get() == 1
+    finally:
+        holder.release()
+        metrics.disconnect()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -120,6 +121,19 @@ def _forget_backends(*, setting: str, **kwargs: Any) -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class _ThreadBackends(dict[str, "LockBackend"]):
+    """One thread's lock backends, closed when the thread ends (its local
+    storage goes with it): a thread pool's threads (Celery's ``threads`` pool,
+    a web server's) leave no socket open behind them."""
+
+    def __del__(self) -> None:
+        backends = list(self.values())
+        self.clear()
+        for backend in backends:
+            with contextlib.suppress(Exception):  # a thread's end must not raise
+                backend.close()
+
+
 def close_thread_connections() -> None:
     """Close the connections django_tasklock opened in this thread.
 
@@ -131,7 +145,9 @@ def close_thread_connections() -> None:
     # use, and a thread that never locked has nothing to forget (backend_for
     # starts over from None).
     _per_thread.backends = None
-    for backend in memo.values():
+    backends = list(memo.values())
+    memo.clear()
+    for backend in backends:
         backend.close()
 
 
@@ -146,7 +162,7 @@ def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
     if memo is None or getattr(_per_thread, "generation", None) != _generation[0]:
         if memo:
             close_thread_connections()
-        memo = _per_thread.backends = {}
+        memo = _per_thread.backends = _ThreadBackends()
         _per_thread.generation = _generation[0]
     backend = memo.get(alias)
     if backend is None:
