@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "--keep",
         action="store_true",
         help="keep the run folder (database, worker logs, metrics) and, after the "
-        "report, the workers, the lock console and the metrics endpoint, until Ctrl-C",
+        "report, the workers, the lock console and the metrics endpoint, until Enter",
     )
     options = parser.parse_args(argv)
     started = time.monotonic()
@@ -449,11 +449,11 @@ def main(argv: list[str] | None = None) -> int:
         if options.keep:
             say(
                 "--keep: the workers, the lock console and the metrics stay up; "
-                "Ctrl-C stops them."
+                "press Enter to stop them."
             )
             try:
-                threading.Event().wait()
-            except KeyboardInterrupt:
+                sys.stdin.readline()
+            except KeyboardInterrupt:  # the servers had it too: they are going
                 say()
     say(
         f"Stopped every process the demo started ({time.monotonic() - started:.1f}s in all)."
