@@ -129,6 +129,24 @@ class Record:
         without records), and the lock's own command reports the store's
         trouble. Never waits on the thread, whose write may hang on a store
         that stopped answering."""
+        self.start()
+        if time.monotonic() < self.due:
+            return True
+        try:
+            self.write(backend)
+        except backend.errors:
+            return False
+        finally:
+            # Written through Django's cache of the calling thread, which may
+            # end without closing it (a thread pool's, a test's): closed now,
+            # as this write is rare (a process's first lock, or a stalled
+            # thread's) and Django reconnects when next asked.
+            backend.cache.close()
+        return True
+
+    def start(self) -> None:
+        """Start the thread that writes the record (and the roster) every
+        beat, unless it runs."""
         with self._guard:
             thread = self._thread
             # (Again if it stopped: its alias was gone for a while, in tests.)
@@ -139,13 +157,6 @@ class Record:
                     daemon=True,
                 )
                 self._thread.start()
-        if time.monotonic() < self.due:
-            return True
-        try:
-            self.write(backend)
-        except backend.errors:
-            return False
-        return True
 
     def _run(self) -> None:
         try:
@@ -305,23 +316,18 @@ def kept_record(
     return record, new_live_token
 
 
-def note_queued(
-    alias: str, backend: LockBackend, key: str, entry: Entry, life: float
-) -> None:
+def note_queued(alias: str, key: str, entry: Entry, life: float) -> None:
     """List a queued mark this process just wrote (under ``key``, for ``life``
-    seconds at most) in its roster, for the lock console; nothing when
-    ``TASKLOCK['LIVENESS']`` is None. Never raises: a store that would not
-    take the record leaves the mark unlisted, as it is still locked."""
+    seconds at most) in its roster, for the lock console, within a beat;
+    nothing when ``TASKLOCK['LIVENESS']`` is None."""
     bound = settings.LIVENESS
     if bound is None:
         return
     record = record_for(alias, bound)
-    try:
-        if not record.ensure(backend):
-            return
-    except Exception:
-        logger.debug("Could not list queued mark %r", key, exc_info=True)
-        return
+    # The record's thread writes the record and the roster at its next beat:
+    # nothing is written from the publishing thread (which may be gone by
+    # then, its connections with it).
+    record.start()
     record.roster.note_mark(key, entry, life)
 
 

@@ -211,7 +211,7 @@ class _Publish:
             since=time.time(),
             renews=False,
         )
-        note_queued(self.alias, self.backend, self.key, entry, self.life)
+        note_queued(self.alias, self.key, entry, self.life)
         return sent
 
     def _roll_back(self, restore: Peek | None) -> None:
