@@ -25,7 +25,7 @@ from typing import Final
 from .backends import backend_for, close_thread_connections
 from .exceptions import LockConfigurationError
 
-__all__ = ["GRACE", "pending_count", "removed_count", "watch"]
+__all__ = ["GRACE", "forget", "pending_count", "removed_count", "watch"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,13 @@ def watch(lock_id: str, alias: str, protocol: str, key: str, token: str) -> None
             )
             _thread[:] = [thread]
             thread.start()
+
+
+def forget() -> None:
+    """Stop watching every token (they are left to expire): for tests, whose
+    stores and settings go with them."""
+    with _mutex:
+        _watched.clear()
 
 
 def pending_count() -> int:
@@ -137,7 +144,8 @@ def _run() -> None:
             answered = any(item.answered_at is not None for item in items)
             with _mutex:
                 for item in done:
-                    _watched.remove(item)
+                    if item in _watched:  # (forget() may have emptied it)
+                        _watched.remove(item)
             step = STEP if answered or done else min(step * 2, MAX_STEP)
             time.sleep(step)
     finally:

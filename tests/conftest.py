@@ -99,8 +99,7 @@ def _forget_liveness_records() -> Iterator[None]:
     # Tokens of unknown fate a test left watched (its stores are gone, or
     # stopped for good) would keep a later test's wait for an empty watch
     # waiting: the stores and settings they were taken in go with the test.
-    with pending._mutex:
-        pending._watched.clear()
+    pending.forget()
 
 
 @pytest.fixture(autouse=True)
