@@ -151,17 +151,26 @@ class Memcached(Server):
             if line.startswith("key=")
         }
 
-    def stat(self, name: str) -> int:
+    def stats(self, kind: str = "") -> dict[str, str]:
+        """``stats`` (or ``stats items``, ``stats slabs``...), by name."""
+        command = f"stats {kind}".strip().encode() + b"\r\n"
         with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
-            sock.sendall(b"stats\r\n")
+            sock.sendall(command)
             data = b""
             while not data.endswith(b"END\r\n"):
-                data += sock.recv(65536)
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        found = {}
         for line in data.decode().splitlines():
             parts = line.split()
-            if len(parts) == 3 and parts[1] == name:
-                return int(parts[2])
-        raise KeyError(name)
+            if len(parts) == 3 and parts[0] == "STAT":
+                found[parts[1]] = parts[2]
+        return found
+
+    def stat(self, name: str) -> int:
+        return int(self.stats()[name])
 
 
 @dataclass

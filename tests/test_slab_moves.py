@@ -20,43 +20,15 @@ from tests.services import Memcached
 
 def item_classes(memcached) -> dict[int, int]:
     """Slab class: items in it."""
-    counts = {}
-    reply = memcached_lines(memcached, b"stats items")
-    for line in reply:
-        name, _, value = line.partition(b" ")[2].partition(b" ")
-        if name.endswith(b":number"):
-            counts[int(name.split(b":")[1])] = int(value)
-    return counts
-
-
-def memcached_lines(memcached, command: bytes) -> list[bytes]:
-    import socket
-
-    with socket.create_connection(("127.0.0.1", memcached.port), timeout=5) as sock:
-        sock.sendall(command + b"\r\n")
-        data = b""
-        while not data.endswith(b"END\r\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return [line for line in data.split(b"\r\n") if line.startswith(b"STAT")]
+    return {
+        int(name.split(":")[1]): int(value)
+        for name, value in memcached.stats("items").items()
+        if name.endswith(":number")
+    }
 
 
 def free_chunks(memcached, cls: int) -> int:
-    for line in memcached_lines(memcached, b"stats slabs"):
-        parts = line.split(b" ")
-        if parts[1] == f"{cls}:free_chunks".encode():
-            return int(parts[2])
-    return 0
-
-
-def stat(memcached, name: bytes) -> int:
-    for line in memcached_lines(memcached, b"stats"):
-        parts = line.split(b" ")
-        if parts[1] == name:
-            return int(parts[2])
-    raise KeyError(name)
+    return int(memcached.stats("slabs").get(f"{cls}:free_chunks", 0))
 
 
 def move_pages(memcached, locks, cls, moved) -> None:
@@ -76,7 +48,7 @@ def move_pages(memcached, locks, cls, moved) -> None:
         reply = memcached.raw(f"slabs reassign {cls} 0".encode())
         assert reply.startswith((b"OK", b"NOSPARE", b"BUSY")), reply
         deadline = time.monotonic() + 10
-        while stat(memcached, b"slab_reassign_running"):
+        while memcached.stat("slab_reassign_running"):
             assert time.monotonic() < deadline
         if moved():
             return
