@@ -249,7 +249,7 @@ def test_rate_limits_are_shown_with_their_state(settings, admin_client):
     limiter = RateLimiter("partner-api")
     assert limiter.admit() and limiter.admit()
 
-    @rate_limited("3/s", name="console-declared", on_limit="raise")
+    @rate_limited("3/h", name="console-declared", on_limit="raise")
     def call_partner():
         return True
 
