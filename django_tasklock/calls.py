@@ -40,18 +40,15 @@ logger = logging.getLogger(__name__)
 #: Appended to the lock id of a ``coalesce`` task for its pending call's lock.
 QUEUE_SUFFIX: Final = "-queued"
 
-_QUEUED: Final = QUEUED
-_STARTED: Final = STARTED
-
 
 def queued(task_id: str) -> str:
     """The value stored for a call that is published and not yet started."""
-    return _QUEUED + task_id
+    return QUEUED + task_id
 
 
 def started(task_id: str) -> str:
     """The value an ``until_started`` call leaves when a worker starts it."""
-    return _STARTED + task_id
+    return STARTED + task_id
 
 
 def call_of(value: object) -> tuple[str, str] | None:
@@ -60,10 +57,10 @@ def call_of(value: object) -> tuple[str, str] | None:
     outside a worker, or by other code)."""
     if not isinstance(value, str):
         return None
-    if value.startswith(_QUEUED):
-        return "queued", value[len(_QUEUED) :]
-    if value.startswith(_STARTED):
-        return "started", value[len(_STARTED) :]
+    if value.startswith(QUEUED):
+        return "queued", value[len(QUEUED) :]
+    if value.startswith(STARTED):
+        return "started", value[len(STARTED) :]
     owner = token_owner(value)
     if owner is None:
         return None

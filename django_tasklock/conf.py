@@ -186,8 +186,6 @@ def validate_rate_limits(value: object) -> dict[str, dict[str, Any]]:
     return limits
 
 
-#: The shortest liveness bound: a holder must be able to renew its record at
-#: least once before memcached's whole-second clock may drop it.
 def validate_metrics(value: object) -> str | None:
     """Return ``value`` if it is a valid ``TASKLOCK['METRICS']``: None, or
     ``"prometheus"`` with prometheus_client installed."""
@@ -207,6 +205,8 @@ def validate_metrics(value: object) -> str | None:
     return "prometheus"
 
 
+#: The shortest liveness bound: a holder must be able to renew its record at
+#: least once before memcached's whole-second clock may drop it.
 MIN_LIVENESS: Final = 3
 
 

@@ -81,10 +81,8 @@ def _policy(lock: Any, task: str) -> str:
     if options is None:
         if task not in _declared:
             _declared[task] = _declared_policy(task)
-        declared = _declared[task]
-        if declared is _NO_DECORATOR:
-            return "none"
-        return str(declared or settings.ON_CONTENTION)
+        # (_NO_DECORATOR is a label itself; None: the setting's policy)
+        return str(_declared[task] or settings.ON_CONTENTION)
     return str(options.on_contention or settings.ON_CONTENTION)
 
 

@@ -105,30 +105,32 @@ class Memcached(Server):
             *user, *self.args,
         ]  # fmt: skip
 
+    def _ask(
+        self, line: bytes, ends: tuple[bytes, ...], timeout: float = 5
+    ) -> tuple[bytes, bool]:
+        """Send one text-protocol line; the reply up to one of ``ends``, and
+        whether it got there (False: the server closed the connection first)."""
+        with socket.create_connection(
+            ("127.0.0.1", self.port), timeout=timeout
+        ) as sock:
+            sock.sendall(line + b"\r\n")
+            data = b""
+            while not data.endswith(ends):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return data, False
+                data += chunk
+        return data, True
+
     def raw(self, line: bytes) -> bytes:
         """Send one text-protocol line, return the first reply line."""
-        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
-            sock.sendall(line + b"\r\n")
-            reply = b""
-            while not reply.endswith(b"\r\n"):
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                reply += chunk
-            return reply.strip()
+        return self._ask(line, (b"\r\n",))[0].strip()
 
     def idle(self) -> bool:
         """True when no connection but the one asking is open (and the server
         had room to answer it)."""
-        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
-            sock.sendall(b"stats\r\n")
-            data = b""
-            while not data.endswith((b"END\r\n", b"connections\r\n")):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    return False
-                data += chunk
-        return b"STAT curr_connections 1\r\n" in data
+        data, complete = self._ask(b"stats", (b"END\r\n", b"connections\r\n"))
+        return complete and b"STAT curr_connections 1\r\n" in data
 
     def flush_all(self) -> None:
         assert self.raw(b"flush_all") == b"OK"
@@ -137,14 +139,7 @@ class Memcached(Server):
         """Every key the server holds (``lru_crawler metadump all``)."""
         from urllib.parse import unquote
 
-        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
-            sock.sendall(b"lru_crawler metadump all\r\n")
-            data = b""
-            while not data.endswith(b"END\r\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+        data = self._ask(b"lru_crawler metadump all", (b"END\r\n",), timeout=30)[0]
         return {
             unquote(line.split(" ", 1)[0].removeprefix("key="))
             for line in data.decode().splitlines()
@@ -153,15 +148,7 @@ class Memcached(Server):
 
     def stats(self, kind: str = "") -> dict[str, str]:
         """``stats`` (or ``stats items``, ``stats slabs``...), by name."""
-        command = f"stats {kind}".strip().encode() + b"\r\n"
-        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
-            sock.sendall(command)
-            data = b""
-            while not data.endswith(b"END\r\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+        data = self._ask(f"stats {kind}".strip().encode(), (b"END\r\n",))[0]
         found = {}
         for line in data.decode().splitlines():
             parts = line.split()

@@ -102,17 +102,19 @@ def describe_call(args: Any, kwargs: Any) -> str:
     return shown
 
 
+def run_about(run: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """``(task name, args, kwargs)`` of a run (``runs.Run``), without the
+    bound task or context its first argument is."""
+    args = run.args[1:] if run.bound and run.args else run.args
+    return run.name, args, run.kwargs
+
+
 def _describe(about: Any) -> tuple[str, str]:
     """(task name, arguments) of a run (``runs.Run``) or a ``(name, args,
     kwargs)`` triple."""
     if about is None:
         return "", ""
-    if isinstance(about, tuple):
-        name, args, kwargs = about
-    else:
-        name, args, kwargs = about.name, about.args, about.kwargs
-        if about.bound and args:
-            args = args[1:]
+    name, args, kwargs = about if isinstance(about, tuple) else run_about(about)
     return name, describe_call(args, kwargs)
 
 
@@ -125,8 +127,7 @@ def note_run(lock: Any, run: Any) -> None:
     its own): one tuple, one dict store."""
     record = getattr(lock, "_record", None)
     if record is not None:
-        args = run.args[1:] if run.bound and run.args else run.args
-        record.roster.runs[id(lock)] = (lock.token, (run.name, args, run.kwargs))
+        record.roster.runs[id(lock)] = (lock.token, run_about(run))
 
 
 def entry_of(lock: Any, wall_offset: float, runs: dict[int, Any]) -> Entry:
@@ -236,13 +237,11 @@ class Roster:
             "alias": self.alias,
             "host": socket.gethostname(),
             "chunks": len(chunks),
-            "entries": [list(entry) for entry in chunks[0]],
+            "entries": chunks[0],  # (JSON writes an Entry as a list)
         }
         items = {slot_key(self.slot): json.dumps(head, separators=(",", ":"))}
         for i, chunk in enumerate(chunks[1:], start=1):
-            items[slot_key(self.slot, i)] = json.dumps(
-                [list(entry) for entry in chunk], separators=(",", ":")
-            )
+            items[slot_key(self.slot, i)] = json.dumps(chunk, separators=(",", ":"))
         backend.cache.set_many(items, timeout=timeout)
         if self.chunks > len(chunks):
             backend.cache.delete_many(
@@ -286,8 +285,7 @@ class Listing(NamedTuple):
     #: each row is an ``Entry``'s fields, in order (made into one by whoever
     #: shows it: a page shows fifty of 100,000).
     entries: list[tuple[str, str, str, list[list[Any]]]]
-    #: Slots in use, and whether every slot was.
-    processes: int
+    #: Whether every slot was in use.
     full: bool
 
 
@@ -314,7 +312,7 @@ def read_roster(backend: LockBackend) -> Listing:
         rows = [row for row in rows if isinstance(row, list) and len(row) == 7]
         record, host, alias = head["record"], head["host"], head.get("alias", "")
         entries.append((record, host, alias, rows))
-    return Listing(entries, len(parsed), len(heads) >= SLOTS)
+    return Listing(entries, len(heads) >= SLOTS)
 
 
 def _load(text: object) -> Any:

@@ -3,12 +3,15 @@ key, for how long, and the server a key goes to (the base of the backend)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pymemcache.exceptions import MemcacheError
 
 from ..base import Hold, LockBackend, Peek
 from .wire import MemcachedHold, Wire, _ttl_of, _wire_key
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 __all__ = ["MemcachedReads"]
 
@@ -41,27 +44,25 @@ class MemcachedReads(LockBackend):
         client = self._client(key)
         return self.wire.once_more(client, lambda: client.get(key)) is not None
 
-    def held_many(self, keys: list[str]) -> list[bool]:
-        # One round trip per server, straight to it: HashClient's own get_many
-        # would mark a failing server dead and send its keys elsewhere.
+    def _get_many(self, keys: Iterable[str]) -> dict[str, Any]:
+        """The stored values of the made keys ``keys``: one round trip per
+        server, straight to it (HashClient's own get_many would mark a failing
+        server dead and send its keys elsewhere), whose failure raises."""
         by_client: dict[Any, list[str]] = {}
         for key in keys:
-            by_client.setdefault(self._client(key), []).append(key)
-        found: dict[str, object] = {}
-        for client, its_keys in by_client.items():
-            found.update(client.get_many(its_keys))
-        return [key in found for key in keys]
-
-    def read_many(self, keys: list[str]) -> dict[str, Any]:
-        # As held_many: straight to each server, whose failure raises.
-        made = {self.cache.make_and_validate_key(key): key for key in keys}
-        by_client: dict[Any, list[str]] = {}
-        for key in made:
             by_client.setdefault(self._client(key), []).append(key)
         found: dict[str, Any] = {}
         for client, its_keys in by_client.items():
             found.update(client.get_many(its_keys))
-        return {made[key]: value for key, value in found.items()}
+        return found
+
+    def held_many(self, keys: list[str]) -> list[bool]:
+        found = self._get_many(keys)
+        return [key in found for key in keys]
+
+    def read_many(self, keys: list[str]) -> dict[str, Any]:
+        made = {self.cache.make_and_validate_key(key): key for key in keys}
+        return {made[key]: value for key, value in self._get_many(made).items()}
 
     def ttl(self, key: str) -> float | None:
         # Only the meta protocol can read an item's remaining time, so this is

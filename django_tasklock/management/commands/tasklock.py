@@ -219,7 +219,6 @@ class Command(BaseCommand):
         if as_json:
             self.stdout.write(json.dumps(_as_json(status), default=str))
             return
-        owner = status.owner
         lines = [
             ("Lock", status.lock_id),
             ("Store", f"{status.store}, key {status.key!r}"),
@@ -230,10 +229,7 @@ class Command(BaseCommand):
             call = status.call
             if call is not None:
                 lines.append(("Call", f"{call[0]}, task id {call[1]}"))
-            if owner is not None:
-                lines.append(("Holder", owner.describe()))
-            else:
-                lines.append(("Holder", holder_text(status)))
+            lines.append(("Holder", holder_text(status)))
             lines.append(("Expires", expiry_text(status.ttl)))
         fence = (
             "none (no fencing counter: no fence was drawn, or it expired)"
