@@ -158,7 +158,7 @@ def lock_status(lock_id: str, *, cache: str | None = None) -> LockStatus:
         except backend.errors:
             ttl = None  # memcached before 1.6 cannot tell
         fence = backend.last_fence(key, backend.keys_for(lock_id)[1])
-        verdict = None if peek is None else judge(peek.value, backend)
+        verdict = None if peek is None else judge(peek.value, backend, key)
     except backend.errors as exc:
         raise LockBackendError(
             f"Could not read the lock: {type(exc).__name__}: {exc}",

@@ -26,6 +26,7 @@ from .values import token_process
 __all__ = [
     "FENCE_COUNTER_TTL",
     "KEEPS_RECORD",
+    "KEPT_ELSEWHERE",
     "fence_counter",
     "holder_alive",
     "local_verdict",
@@ -101,15 +102,20 @@ class _Tokens:
         return f"{owner}:{self.prefix}:{threading.get_ident()}:{next(self.counter)}"
 
     def new_live(self, owner: str) -> str:
-        """As ``new``, for a process that keeps a liveness record in the lock's
-        store (``locks.liveness``): process is ``pid-start-space-r``."""
+        """As ``new``, for a process that keeps a liveness record beside the
+        lock (``locks.liveness``): process is ``pid-start-space-s``."""
         return (
             f"{owner}:{self.live_prefix}:{threading.get_ident()}:{next(self.counter)}"
         )
 
 
-#: Written after the process identity of a holder that keeps a liveness record.
-KEEPS_RECORD: Final = "-r"
+#: Written after the process identity of a holder that keeps a liveness record
+#: beside each of its locks (``locks.liveness``).
+KEEPS_RECORD: Final = "-s"
+#: What earlier builds wrote instead, for a record wherever Django's cache put
+#: it: such a record cannot tell a live holder from a dead one safely, so their
+#: locks are left to expire.
+KEPT_ELSEWHERE: Final = "-r"
 
 _tokens = _Tokens()
 #: A new token for ``owner`` (see ``_Tokens.new``); bound methods, called once
@@ -152,12 +158,13 @@ def process_alive(pid: int) -> bool:
 
 def local_verdict(host: str, process: str) -> tuple[bool | None, str]:
     """Whether the process a token names still runs, judged on this host alone:
-    True or False with the reason, or None where this host cannot look (another
-    hostname, another boot or pid namespace of this one, a bare pid from
-    elsewhere)."""
+    True or False with the reason, or None where this host cannot tell
+    (another hostname, another boot or pid namespace of this one, a process
+    that exists but that /proc hides from this user, as ``hidepid`` does)."""
     if host != socket.gethostname():
         return None, f"on another host ({host})"
-    pid_text, _, rest = process.removesuffix(KEEPS_RECORD).partition("-")
+    bare = process.removesuffix(KEEPS_RECORD).removesuffix(KEPT_ELSEWHERE)
+    pid_text, _, rest = bare.partition("-")
     start, _, space = rest.partition("-")
     pid = int(pid_text)
     if not rest:  # a bare pid: this host without /proc
@@ -168,7 +175,16 @@ def local_verdict(host: str, process: str) -> tuple[bool | None, str]:
         return None, f"process {pid} of another boot or pid namespace of {host}"
     fields = _proc_stat(pid)
     if fields is None:
-        return False, f"process {pid} is gone"
+        # Gone, or hidden: /proc mounted with hidepid, or not readable here.
+        # Only the kernel's word that no such pid exists is "gone"; a pid that
+        # exists may be the holder's or a newer process's: nobody can tell.
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False, f"process {pid} is gone"
+        except OSError:
+            pass
+        return None, f"process {pid} exists, but /proc does not show it to this user"
     if fields[0] == b"Z":
         return False, f"process {pid} has exited (not yet reaped by its parent)"
     if len(fields) < 20 or fields[19].decode() != start:

@@ -100,6 +100,15 @@ def _forget_liveness_records() -> Iterator[None]:
     # stopped for good) would keep a later test's wait for an empty watch
     # waiting: the stores and settings they were taken in go with the test.
     pending.forget()
+    # What this process learnt of memcached servers' runs: a later test's
+    # server may get a port an earlier test's used, and would be taken for
+    # that server restarted (new locks refused for the grace).
+    from django_tasklock.backends.memcached import restarts
+
+    with restarts._runs_mutex:
+        restarts._runs.clear()
+        restarts._refused.clear()
+        restarts._unlearnable.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -132,8 +132,17 @@ class Memcached(Server):
         data, complete = self._ask(b"stats", (b"END\r\n", b"connections\r\n"))
         return complete and b"STAT curr_connections 1\r\n" in data
 
-    def flush_all(self) -> None:
+    def flush_all(self, *, keep_run: bool = True) -> None:
+        """Drop every item; with ``keep_run``, put the server's run mark back
+        (``django_tasklock.backends.memcached.restarts``), so processes that
+        saw this run do not take the flush for a restart."""
+        mark = self._ask(b"get tasklock-run-mark", (b"END\r\n",))[0]
         assert self.raw(b"flush_all") == b"OK"
+        if keep_run and mark.startswith(b"VALUE "):
+            header, value = mark.split(b"\r\n")[:2]
+            flags = header.split()[2]
+            line = b"set tasklock-run-mark %s 0 %d\r\n%s" % (flags, len(value), value)
+            assert self.raw(line) == b"STORED"
 
     def keys(self) -> set[str]:
         """Every key the server holds (``lru_crawler metadump all``)."""

@@ -194,8 +194,8 @@ def test_a_liveness_record_is_written_before_the_first_lock(store, settings):
     lock = Lock("recorded", expire=30)
     assert lock.acquire()
     parsed = token_process(lock.token)
-    assert parsed is not None and parsed[1].endswith("-r")
-    key = record_id(socket.gethostname(), parsed[1].removesuffix("-r"))
+    assert parsed is not None and parsed[1].endswith("-s")
+    key = record_id(socket.gethostname(), parsed[1].removesuffix("-s"))
     assert caches[store.alias].get(key) is not None
     assert any(t.name.startswith("tasklock-liveness") for t in threading.enumerate())
     assert lock.release()
@@ -206,7 +206,7 @@ def test_no_record_and_no_flag_with_liveness_off(store, settings):
     lock = Lock("unrecorded", expire=30)
     assert lock.acquire()
     parsed = token_process(lock.token)
-    assert parsed is not None and not parsed[1].endswith("-r")
+    assert parsed is not None and not parsed[1].endswith("-s")
     assert lock.release()
 
 
@@ -257,7 +257,7 @@ def test_a_process_on_its_way_out_releases_what_it_holds(store, holders, setting
     holder = holders(store.alias, "leaving", host="tasklock-leaving")
     parsed = token_process(holder.token)
     assert parsed is not None
-    record = record_id("tasklock-leaving", parsed[1].removesuffix("-r"))
+    record = record_id("tasklock-leaving", parsed[1].removesuffix("-s"))
     assert caches[store.alias].get(record) is not None
     assert Lock("leaving").acquire() is False
     holder.process.stdin.write("exit\n")  # type: ignore[union-attr]

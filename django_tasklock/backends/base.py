@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
 
 from ..keys import fence_id
 
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
 
-__all__ = ["FenceCounter", "Hold", "LockBackend", "Peek"]
+__all__ = ["ONE_PLACE", "FenceCounter", "Hold", "LockBackend", "Peek"]
 
 #: How many lock ids' keys a backend remembers before it starts over.
 _KEYS_REMEMBERED = 4096
+
+#: The place of a store whose every lock is on one server (or one primary).
+ONE_PLACE: Final = "store"
 
 #: What a backend needs to prove ownership later: a CAS id on memcached, the
 #: stored token on Redis and LocMem. Opaque to everything but its backend.
@@ -179,6 +182,40 @@ class LockBackend(abc.ABC):
     @abc.abstractmethod
     def held_many(self, keys: list[str]) -> list[bool]:
         """For each key, whether anybody holds that lock; one round trip."""
+
+    # -- liveness records (locks.liveness) -----------------------------------------
+    # A holder's record is safety state: a contender judges the holder dead
+    # when it is missing. So it lives beside the lock it vouches for (on the
+    # server holding the lock's key, on the primary), and is read and written
+    # only through this backend's own connections, which raise on failure.
+    # Django's cache client may do neither (pymemcache's HashClient answers
+    # None for a server it marked failing, RedisCache reads from replicas).
+
+    def record_places(self) -> list[object]:
+        """Where a process keeps liveness records: one place per server a lock
+        can be on. Empty when records cannot be kept beside locks (tokens then
+        promise none, and locks last until they expire)."""
+        return [ONE_PLACE]
+
+    def record_place(self, key: str) -> object:
+        """The place of ``record_places()`` that holds the lock at ``key``."""
+        return ONE_PLACE
+
+    def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
+        """Store the liveness record ``record_id`` at ``place`` for ``ttl``
+        seconds; raises ``errors`` unless it was stored."""
+        self.cache.set(record_id, value, timeout=ttl)
+
+    def read_record(self, key: str, record_id: str) -> object | None:
+        """The liveness record ``record_id`` kept beside the lock at ``key``;
+        None only when its server answered that it has none, and ``errors``
+        raised when it did not answer."""
+        found: object | None = self.cache.get(record_id)
+        return found
+
+    def delete_record(self, place: object, record_id: str) -> None:
+        """Remove the liveness record ``record_id`` at ``place``."""
+        self.cache.delete(record_id)
 
     def read_many(self, keys: list[str]) -> dict[str, Any]:
         """The values of the cache keys ``keys`` (before Django makes them) that

@@ -23,7 +23,7 @@ from pymemcache.exceptions import MemcacheError
 
 from ..keys import memcached_key
 from ..values import unique_value
-from .base import FenceCounter, Hold, LockBackend, Peek
+from .base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
 from .memcached import _PAST, _bad_counter, _talk, _ttl_of
 
 if TYPE_CHECKING:
@@ -167,6 +167,22 @@ class PyLibMCBackend(LockBackend):
         if not reply.startswith((b"EN", b"HD")):
             raise MemcacheError(f"memcached answered {reply!r} to mg (needs 1.6+)")
         return _ttl_of(reply.strip())
+
+    def record_places(self) -> list[object]:
+        # libmemcached picks each key's server itself, so a liveness record
+        # can be kept beside every lock only where all keys share one server.
+        return [ONE_PLACE] if len(self.cache.client_servers) == 1 else []
+
+    def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
+        if not self._mc.set(self.key_for(record_id).encode(), value, ttl):
+            raise MemcacheError(f"memcached did not store the record {record_id!r}")
+
+    def read_record(self, key: str, record_id: str) -> object | None:
+        found: object | None = self._mc.get(self.key_for(record_id).encode())
+        return found
+
+    def delete_record(self, place: object, record_id: str) -> None:
+        self._mc.delete(self.key_for(record_id).encode())
 
     def peek(self, key: str) -> Peek | None:
         value, cas = self._mc.gets(key.encode())

@@ -172,6 +172,33 @@ class RedisBackend(LockBackend):
         value: bytes | None = self._redis(key).get(key)
         return value
 
+    # Liveness records and listings: on the primary too, never a replica
+    # (RedisCache reads from a random one of several LOCATIONs).
+
+    def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
+        key = self.key_for(record_id)
+        self._redis(key).set(key, self._encode(value), ex=ttl)
+
+    def read_record(self, key: str, record_id: str) -> object | None:
+        record_key = self.key_for(record_id)
+        raw = self._redis(record_key).get(record_key)
+        return None if raw is None else self._decode(raw)
+
+    def delete_record(self, place: object, record_id: str) -> None:
+        key = self.key_for(record_id)
+        self._redis(key).delete(key)
+
+    def read_many(self, keys: list[str]) -> dict[str, Any]:
+        if not keys:
+            return {}
+        made = [self.key_for(key) for key in keys]
+        values = self._redis(made[0]).mget(made)
+        return {
+            key: self._decode(raw)
+            for key, raw in zip(keys, values, strict=True)
+            if raw is not None
+        }
+
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         import redis
 

@@ -150,7 +150,7 @@ def _enqueue_django(
         holder = None if peek is None else call_of(peek.value)
         if peek is None:
             continue
-        if replaceable(holder, peek.value, backend):
+        if replaceable(holder, peek.value, backend, key):
             if backend.replace(key, peek.hold, peek.value, placeholder, life):
                 return _enqueue_claimed(
                     original, task, backend, key, placeholder, life, args, kwargs

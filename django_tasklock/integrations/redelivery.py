@@ -52,7 +52,8 @@ def verdict(run: Run, lock: Lock | Semaphore) -> object:
         return None  # its own queued mark: taken over by the acquire
     backend, _alias = store(run.options.cache)
     try:
-        alive, _why = judge(peek.value, backend)
+        key = backend.keys_for(lock.lock_id)[0]
+        alive, _why = judge(peek.value, backend, key)
     except backend.errors:
         alive = None
     if alive is None:

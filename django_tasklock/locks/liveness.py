@@ -1,22 +1,27 @@
 """Liveness records: how a contender on another host tells a dead holder from
 a paused or busy one.
 
-Every process that takes a lock while ``TASKLOCK['LIVENESS']`` is set keeps one
-record in that lock's store, ``tasklock-alive:<host>:<process>``, stored for
+Every process that takes a lock while ``TASKLOCK['LIVENESS']`` is set keeps a
+record, ``tasklock-alive:<host>:<process>``, beside its locks: on each server
+of the store it took a lock on (the primary, on Redis), stored for
 ``LIVENESS`` seconds and written again every tenth of that (at most every
-second) by a daemon thread. Its tokens say so (``-r`` after the process
-identity), so a contender never judges a holder by a record it never promised
-to keep (an older version, or ``LIVENESS = None``). A contender on another host
-that meets a held lock reads the record its token names: gone means the holder
-showed no sign of life for ``LIVENESS`` seconds, and its locks are free (see
-``recovery``).
+second) by a daemon thread per server, so a server that stalls delays only the
+records on it. Its tokens say so (``-s`` after the process identity), so a
+contender never judges a holder by a record it never promised to keep (an
+older version, ``LIVENESS = None``, or a store that cannot keep records beside
+its locks). A contender on another host that meets a held lock reads the record
+its token names on the lock's own server, through the lock backend, whose
+reads raise on failure: gone means the holder showed no sign of life for
+``LIVENESS`` seconds, and its locks are free; a read that fails tells nothing
+(see ``recovery``).
 
-What it costs: per process and store it was used with, one thread and one
-write every ``min(1, LIVENESS / 10)`` seconds, for the life of the process; an
-acquire pays a round trip only when the record is overdue (the first lock of a
-process, or a thread that has not run for three periods). The holder learns of
-a record that may have lapsed through ``Lock.check()`` (``lost``), as for a lock
-whose expiry ran out.
+What it costs: per process and server it took a lock on, one thread and one
+write every ``min(1, LIVENESS / 10)`` seconds, for the life of the process (S
+round trips a beat for a pool of S servers); an acquire pays a round trip only
+when the record beside its lock is overdue (the first lock of a process on
+that server, or a thread that has not run for three periods). The holder
+learns of a record that may have lapsed through ``Lock.check()`` (``lost``),
+as for a lock whose expiry ran out.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RECORD_PREFIX",
     "Record",
+    "Records",
     "forget_records",
     "kept_record",
     "leave",
@@ -81,14 +87,83 @@ def record_id(host: str, process: str) -> str:
     return f"{RECORD_PREFIX}{host}:{process}"
 
 
-class Record:
-    """This process's liveness record in the store of one cache alias."""
+class Records:
+    """This process's liveness records in the store of one cache alias: one
+    ``Record`` per server a lock of it went to, and its roster."""
 
-    def __init__(self, alias: str, bound: float) -> None:
+    def __init__(self, alias: str, bound: float, places: list[object]) -> None:
         self.alias, self.bound = alias, bound
-        self.every = min(1.0, bound / 10)
-        self.timeout = math.ceil(bound)
         self.id = record_id(socket.gethostname(), this_process())
+        #: What this process holds, listed for the lock console (``roster``).
+        self.roster = Roster(self.id, alias)
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self.at: dict[object, Record] = {}
+        #: The record of a store whose locks are all on one server (or one
+        #: primary), found without asking the lock's key where it goes.
+        self.single: Record | None = None
+        #: The record whose thread keeps the roster too.
+        self.keeper: Record | None = None
+        if places:
+            self.keeper = self.beside(places[0])
+            if len(places) == 1:
+                self.single = self.keeper
+
+    def beside(self, place: object) -> Record:
+        """The record at ``place`` (a server of the store), made if new."""
+        record = self.at.get(place)
+        if record is None:
+            with self._guard:
+                record = self.at.get(place)
+                if record is None:
+                    record = self.at[place] = Record(self, place)
+        return record
+
+    @property
+    def held(self) -> dict[int, Held]:
+        """Every lock taken with one of these records, by object id."""
+        merged: dict[int, Held] = {}
+        for record in list(self.at.values()):
+            merged.update(record.held)
+        return merged
+
+    def start(self) -> None:
+        """Start the roster's thread (its keeper's), unless it runs."""
+        if self.keeper is not None:
+            self.keeper.start()
+
+    def stop(self, *, delete: bool) -> None:
+        """Stop renewing; with ``delete``, remove the records and the roster
+        slot, so that other hosts judge this process gone at once (it is on
+        its way out)."""
+        self._stop.set()
+        records = list(self.at.values())
+        for record in records:
+            record.stop()
+        if not delete:
+            return
+        backend = backend_for(self.alias)
+        for record in records:
+            try:
+                backend.delete_record(record.place, self.id)
+            except backend.errors:
+                logger.warning("Could not delete liveness record %r", self.id)
+        try:
+            self.roster.leave(backend)
+        except backend.errors:
+            logger.warning("Could not delete the roster slot of %r", self.id)
+
+
+class Record:
+    """This process's liveness record on one server (``place``) of a store:
+    written beside the locks it vouches for, so a contender reads it where it
+    reads the lock."""
+
+    def __init__(self, records: Records, place: object) -> None:
+        self.records, self.place = records, place
+        self.alias, self.bound, self.id = records.alias, records.bound, records.id
+        self.every = min(1.0, self.bound / 10)
+        self.timeout = math.ceil(self.bound)
         #: monotonic: after this, the next acquire writes the record itself.
         self.due = 0.0
         #: monotonic: until then the store is sure to keep the record.
@@ -98,36 +173,38 @@ class Record:
         #: monotonic: when a write last found the record possibly lapsed.
         self.lapsed_at = 0.0
         self._guard = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = records._stop
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._trouble: set[str] = set()
         # The thread's backend (its own connection), as last used.
         self._backend: LockBackend | None = None
         #: The locks taken with this record, by id: put back after a restart
         #: (``reassert``); those no longer held are dropped at the next beat.
         self.held: dict[int, Held] = {}
-        #: What this process holds, listed for the lock console (``roster``).
-        self.roster = Roster(self.id, alias)
+        self.roster = records.roster
 
     def write(self, backend: LockBackend) -> None:
-        """Write the record now (one round trip); raises ``backend.errors``."""
+        """Write the record now (one round trip, on its server); raises
+        ``backend.errors``."""
         sent = time.monotonic()
         if 0.0 < self.valid_until <= sent:
             # The record may have lapsed meanwhile (the process was paused, or
-            # the store away): locks taken before now may have been taken from
-            # this process, and stay reported lost even once it is renewed.
+            # the server away): locks taken before now may have been taken
+            # from this process, and stay reported lost even once it is
+            # renewed.
             self.lapsed_at = sent
-        backend.cache.set(self.id, f"{time.time():.3f}", timeout=self.timeout)
+        backend.write_record(self.place, self.id, f"{time.time():.3f}", self.timeout)
         self.valid_until = sent + backend.shortest_life(self.timeout)
         self.due = sent + 3 * self.every
         self.beats += 1
 
     def ensure(self, backend: LockBackend) -> bool:
         """Before a lock is taken: the record written and its thread running.
-        False if the store would not take the record: the lock is then taken
+        False if the server would not take the record: the lock is then taken
         with a token that promises none (and so lasts until it expires, as
         without records), and the lock's own command reports the store's
-        trouble. Never waits on the thread, whose write may hang on a store
+        trouble. Never waits on the thread, whose write may hang on a server
         that stopped answering."""
         self.start()
         if time.monotonic() < self.due:
@@ -136,17 +213,11 @@ class Record:
             self.write(backend)
         except backend.errors:
             return False
-        finally:
-            # Written through Django's cache of the calling thread, which may
-            # end without closing it (a thread pool's, a test's): closed now,
-            # as this write is rare (a process's first lock, or a stalled
-            # thread's) and Django reconnects when next asked.
-            backend.cache.close()
         return True
 
     def start(self) -> None:
-        """Start the thread that writes the record (and the roster) every
-        beat, unless it runs."""
+        """Start the thread that writes the record every beat, unless it
+        runs."""
         with self._guard:
             thread = self._thread
             # (Again if it stopped: its alias was gone for a while, in tests.)
@@ -161,54 +232,70 @@ class Record:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.every):
-                self._renew()
-        except Exception:  # the alias or its settings are gone: nothing to renew
-            logger.exception(
-                "Stopped renewing liveness record %r in cache %r", self.id, self.alias
-            )
-            # The next acquire here writes the record itself, and starts a
-            # thread again.
-            self.due = 0.0
+                try:
+                    backend = backend_for(self.alias)
+                except Exception:  # the alias or its settings are gone
+                    logger.exception(
+                        "Stopped renewing liveness record %r in cache %r",
+                        self.id,
+                        self.alias,
+                    )
+                    # The next acquire here writes the record itself, and
+                    # starts a thread again.
+                    self.due = 0.0
+                    return
+                self._renew(backend)
         finally:
             close_thread_connections()
             close_caches()
             if self._backend is not None:
                 self._backend.cache.close()
 
-    def _renew(self) -> None:
-        backend, previous = backend_for(self.alias), self._backend
+    def _renew(self, backend: LockBackend) -> None:
+        previous = self._backend
         if backend is not previous:
             # The settings changed (tests): the old cache object goes, closed.
             self._backend = backend
             if previous is not None:
                 previous.cache.close()
+        if self._stop.is_set():
+            return
         try:
-            if self._stop.is_set():
-                return
             self.write(backend)
             if self.held:
                 reassert(self, backend)
-            self.roster.beat(self, backend)
         except backend.errors as exc:
             if not self._failing:
                 logger.warning(
-                    "Could not renew liveness record %r in cache %r (%s: %s); "
-                    "contenders on other hosts may take this process's locks "
-                    "%.0fs after its last renewal, and they are reported lost "
-                    "here then.",
-                    self.id,
-                    self.alias,
-                    type(exc).__name__,
-                    exc,
+                    "Could not renew liveness record %r in cache %r on %s "
+                    "(%s: %s); contenders on other hosts may take this "
+                    "process's locks there %.0fs after its last renewal, and "
+                    "they are reported lost here then.",
+                    self.id, self.alias, self.place, type(exc).__name__, exc,
                     self.bound,
-                )
+                )  # fmt: skip
             self._failing = True
+        except Exception:  # a bug of ours must not stop the beat
+            self._once("renewal", f"renewing liveness record {self.id!r}")
         else:
             self._failing = False
+        if self is self.records.keeper:
+            # Listing is no safety matter: nothing it does stops the beat.
+            try:
+                self.roster.beat(self.records, backend)
+            except Exception:
+                self._once("roster", f"listing the locks of {self.id!r}")
 
-    def stop(self, *, delete: bool) -> None:
-        """Stop renewing; with ``delete``, remove the record, so that other hosts
-        judge this process gone at once (it is on its way out)."""
+    def _once(self, kind: str, doing: str) -> None:
+        if kind not in self._trouble:
+            self._trouble.add(kind)
+            logger.exception(
+                "Failed %s (logged once; the liveness record is still renewed)",
+                doing,
+            )
+
+    def stop(self) -> None:
+        """Stop renewing (``Records.stop``)."""
         self._stop.set()
         self.valid_until = self.due = 0.0
         with self._guard:  # not between an ensure's making and starting it
@@ -219,31 +306,25 @@ class Record:
             and thread is not threading.current_thread()
         ):
             thread.join(timeout=5)
-        if delete:
-            backend = backend_for(self.alias)
-            try:
-                backend.cache.delete(self.id)
-                self.roster.leave(backend)
-            except backend.errors:
-                logger.warning("Could not delete liveness record %r", self.id)
 
 
-_records: dict[str, Record] = {}
+_records: dict[str, Records] = {}
 _records_guard = threading.Lock()
 
 
-def record_for(alias: str, bound: float) -> Record:
-    """This process's record in ``alias``'s store, for a bound of ``bound`` s."""
-    record = _records.get(alias)
-    if record is not None and record.bound == bound:
-        return record
+def record_for(alias: str, bound: float) -> Records:
+    """This process's records in ``alias``'s store, for a bound of ``bound`` s."""
+    records = _records.get(alias)
+    if records is not None and records.bound == bound:
+        return records
     with _records_guard:
-        record = _records.get(alias)
-        if record is None or record.bound != bound:
-            if record is not None:
-                record.stop(delete=False)
-            record = _records[alias] = Record(alias, bound)
-    return record
+        records = _records.get(alias)
+        if records is None or records.bound != bound:
+            if records is not None:
+                records.stop(delete=False)
+            places = backend_for(alias).record_places()
+            records = _records[alias] = Records(alias, bound, places)
+    return records
 
 
 def reassert(record: Record, backend: LockBackend) -> None:
@@ -298,19 +379,25 @@ _RUN_SLACK: Final = 4.0
 
 
 def kept_record(
-    alias: str, bound: float | None, backend: LockBackend, now: float
+    alias: str, bound: float | None, backend: LockBackend, now: float, key: str
 ) -> tuple[Record | None, Callable[[str], str]]:
-    """For an acquire in ``alias``'s store at ``now``: this process's record
-    there (None if ``bound``, ``TASKLOCK['LIVENESS']``, is None) and how to
-    make its tokens. Contenders on other hosts judge a holder by its record, so
-    it is written before the lock is taken when it is overdue; a record the
-    store would not take leaves the lock to its expiry (no record, and a token
-    that promises none)."""
+    """For an acquire of the lock at ``key`` in ``alias``'s store at ``now``:
+    this process's record beside it (None if ``bound``,
+    ``TASKLOCK['LIVENESS']``, is None, or the store cannot keep one there) and
+    how to make its tokens. Contenders on other hosts judge a holder by its
+    record, so it is written before the lock is taken when it is overdue; a
+    record the server would not take leaves the lock to its expiry (no record,
+    and a token that promises none)."""
     if bound is None:
         return None, new_token
-    record = _records.get(alias)
-    if record is None or record.bound != bound:
-        record = record_for(alias, bound)
+    records = _records.get(alias)
+    if records is None or records.bound != bound:
+        records = record_for(alias, bound)
+    record = records.single
+    if record is None:
+        if records.keeper is None:  # records cannot be kept beside locks here
+            return None, new_token
+        record = records.beside(backend.record_place(key))
     if now >= record.due and not record.ensure(backend):
         return None, new_token
     return record, new_live_token
@@ -323,12 +410,12 @@ def note_queued(alias: str, key: str, entry: Entry, life: float) -> None:
     bound = settings.LIVENESS
     if bound is None:
         return
-    record = record_for(alias, bound)
-    # The record's thread writes the record and the roster at its next beat:
-    # nothing is written from the publishing thread (which may be gone by
-    # then, its connections with it).
-    record.start()
-    record.roster.note_mark(key, entry, life)
+    records = record_for(alias, bound)
+    # The roster's thread writes the roster at its next beat: nothing is
+    # written from the publishing thread (which may be gone by then, its
+    # connections with it).
+    records.start()
+    records.roster.note_mark(key, entry, life)
 
 
 def forget_records(*, delete: bool = False) -> None:
@@ -336,8 +423,8 @@ def forget_records(*, delete: bool = False) -> None:
     with _records_guard:
         records = list(_records.values())
         _records.clear()
-    for record in records:
-        record.stop(delete=delete)
+    for group in records:
+        group.stop(delete=delete)
 
 
 def leave() -> int:
@@ -345,8 +432,8 @@ def leave() -> int:
     release every lock it still holds, owner-checked, and delete its liveness
     records, so that nobody waits for them. Returns how many were released."""
     released = 0
-    for record in list(_records.values()):
-        for lock in list(record.held.values()):
+    for records in list(_records.values()):
+        for lock in list(records.held.values()):
             if lock._hold is not None and not lock._lost:
                 lock.release_quietly()
                 released += lock._hold is None

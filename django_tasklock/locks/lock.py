@@ -270,7 +270,7 @@ class Lock(StoreReads, Holding):
         key = backend.keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
         started = time.monotonic()
-        record, make_token = kept_record(alias, liveness, backend, started)
+        record, make_token = kept_record(alias, liveness, backend, started, key)
         deadline = None if timeout is None else started + timeout
         pause = POLL_MIN
         tried_at = started

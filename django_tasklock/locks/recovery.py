@@ -8,8 +8,10 @@ lock id and thread, and only then (an uncontended acquire pays nothing):
 - a holder on this host is looked up in /proc: gone, exited (a zombie its
   parent has not reaped yet) or its pid now another process's (the start time
   differs) is dead;
-- a holder on another host (or in another pid namespace) that keeps a
-  liveness record (``liveness``) is dead once that record is gone;
+- a holder on another host (or in another pid namespace, or hidden by
+  ``hidepid``) that keeps a liveness record (``liveness``) is dead once that
+  record is gone from the lock's own server; a read of it that fails tells
+  nothing;
 - anything else (a call's queued mark, a value other code stored, a holder
   that keeps no record) is left to expire.
 
@@ -23,9 +25,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, cast
 
-from ..tokens import KEEPS_RECORD, local_verdict, token_host, token_process
+from ..tokens import (
+    KEEPS_RECORD,
+    KEPT_ELSEWHERE,
+    local_verdict,
+    token_host,
+    token_process,
+)
 from .liveness import record_id
 
 if TYPE_CHECKING:
@@ -40,11 +48,12 @@ logger = logging.getLogger("django_tasklock.locks")
 LOOK_EVERY: Final = 0.5
 
 
-def judge(value: object, backend: LockBackend) -> tuple[bool | None, str]:
-    """Whether the holder whose token is ``value`` still runs, and why: True,
-    False, or None when nobody can tell (then the lock lasts until it expires).
-    Reads the holder's liveness record from ``backend``'s store when the holder
-    is on another host; raises ``backend.errors`` if that read fails."""
+def judge(value: object, backend: LockBackend, key: str) -> tuple[bool | None, str]:
+    """Whether the holder whose token is ``value``, stored at ``key``, still
+    runs, and why: True, False, or None when nobody can tell (then the lock
+    lasts until it expires). Reads the holder's liveness record beside the
+    lock when the holder is on another host; a read that fails (or times out)
+    tells nothing, and is None, never False."""
     parsed = token_process(value)
     if parsed is None:
         return None, "its value is not a lock token (a call's mark, or other code's)"
@@ -53,24 +62,37 @@ def judge(value: object, backend: LockBackend) -> tuple[bool | None, str]:
     alive, why = local_verdict(host, process)
     if alive is not None:
         return alive, why
+    if process.endswith(KEPT_ELSEWHERE):
+        return (
+            None,
+            f"{why}, which keeps its liveness record where this build does not look",
+        )
     if not process.endswith(KEEPS_RECORD):
         return None, f"{why}, which keeps no liveness record"
     pid = process.partition("-")[0]
-    seen = backend.cache.get(record_id(host, process.removesuffix(KEEPS_RECORD)))
+    try:
+        seen = backend.read_record(
+            key, record_id(host, process.removesuffix(KEEPS_RECORD))
+        )
+    except backend.errors as exc:
+        return None, (
+            f"{why}, whose liveness record could not be read "
+            f"({type(exc).__name__}: {exc})"
+        )
     if seen is None:
         return False, (
             f"process {pid} on {host} has shown no sign of life within its "
             "TASKLOCK['LIVENESS'] (its liveness record is gone)"
         )
     try:
-        ago = f"{max(time.time() - float(seen), 0.0):.1f}s ago"
+        ago = f"{max(time.time() - float(cast(str, seen)), 0.0):.1f}s ago"
     except (TypeError, ValueError):
         ago = "recently"
     return True, f"process {pid} on {host} renewed its liveness record {ago}"
 
 
 def replaceable(
-    holder: tuple[str, str] | None, value: object, backend: LockBackend
+    holder: tuple[str, str] | None, value: object, backend: LockBackend, key: str
 ) -> bool:
     """Whether a call being published may replace the mark or run ``value``
     holding its lock (``holder``: ``calls.call_of(value)``): a call that has
@@ -82,7 +104,7 @@ def replaceable(
         return True
     if holder[0] != "running":
         return False
-    alive, why = judge(value, backend)
+    alive, why = judge(value, backend, key)
     if alive is False:
         logger.warning(
             "A new call replaces call %s, whose run is dead: %s.", holder[1], why
@@ -108,7 +130,7 @@ def take_from_dead(
     peek = backend.peek(key)
     if peek is None:  # freed in between
         return backend.acquire(key, token, expire)
-    alive, why = judge(peek.value, backend)
+    alive, why = judge(peek.value, backend, key)
     if alive is not False:
         return None
     hold = backend.replace(key, peek.hold, peek.value, token, expire)

@@ -39,8 +39,11 @@ class _Record(Protocol):
     """What the roster reads of its process's liveness record
     (``liveness.Record``)."""
 
-    bound: float
-    held: dict[int, Any]
+    @property
+    def bound(self) -> float: ...
+
+    @property
+    def held(self) -> dict[int, Any]: ...
 
 
 __all__ = [

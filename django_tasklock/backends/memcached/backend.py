@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, cast
 from pymemcache.exceptions import MemcacheError
 
 from ...keys import memcached_key
+from ...values import unique_value
 from .fencing import draw
 from .reads import MemcachedReads
 from .restarts import NodeRestarted, Restarts, _refused
@@ -174,9 +175,11 @@ class MemcachedBackend(MemcachedReads):
             if _refused:
                 self.restarts.refuse_if_restarted(client)
             hold = self._acquire(client, key, token, ttl)
-            if hold is None and tries > 1:
+            if hold is None and tries > 1 and unique_value(token):
                 # The dropped first try may have stored our token before the
-                # connection went: then the lock is ours.
+                # connection went: then the lock is ours. Only a value nobody
+                # else stores proves it: a rate limit's state may equal
+                # another process's, written in the same millisecond.
                 value, cas = client.gets(key)
                 if value == token:
                     return self.wire.hold(client, cas, meta=False)
@@ -320,7 +323,7 @@ class MemcachedBackend(MemcachedReads):
             nonlocal tries
             tries += 1
             done = self._rewrite(client, key, hold, old, new, ttl)
-            if done is None and tries > 1:
+            if done is None and tries > 1 and unique_value(new):
                 # The first try may have been carried out before its reply was
                 # lost: the store then holds ``new`` (a token, or a call's
                 # mark: unique to this holder) under a CAS id of its own.

@@ -64,6 +64,44 @@ class MemcachedReads(LockBackend):
         made = {self.cache.make_and_validate_key(key): key for key in keys}
         return {made[key]: value for key, value in self._get_many(made).items()}
 
+    # -- liveness records: on each server, straight to it --------------------------
+
+    def _servers(self) -> list[Any]:
+        if self._only_client is not None:
+            return [self._only_client]
+        return list(self._hash_client.clients.values())
+
+    def _at(self, place: object) -> Any:
+        for client in self._servers():
+            if client.server == place:
+                return client
+        raise MemcacheError(f"no memcached server {place!r} in cache {self.alias!r}")
+
+    def record_places(self) -> list[object]:
+        return [client.server for client in self._servers()]
+
+    def record_place(self, key: str) -> object:
+        return self._client(key).server
+
+    def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
+        client, key = self._at(place), self.key_for(record_id)
+        stored = self.wire.once_more(
+            client, lambda: client.set(key, value, expire=ttl, noreply=False)
+        )
+        if not stored:
+            raise MemcacheError(f"memcached at {place!r} did not store {key!r}")
+
+    def read_record(self, key: str, record_id: str) -> object | None:
+        client, record_key = self._client(key), self.key_for(record_id)
+        found: object | None = self.wire.once_more(
+            client, lambda: client.get(record_key)
+        )
+        return found
+
+    def delete_record(self, place: object, record_id: str) -> None:
+        client, key = self._at(place), self.key_for(record_id)
+        self.wire.once_more(client, lambda: client.delete(key, noreply=False))
+
     def ttl(self, key: str) -> float | None:
         # Only the meta protocol can read an item's remaining time, so this is
         # tried whatever MEMCACHED_PROTOCOL says.

@@ -3,16 +3,25 @@
 A restarted memcached has lost every lock it held while their holders may still
 run; handing the same ids out again at once would run their work twice. Each
 new connection reads which run of the server it reaches (its pid and start
-time, from ``stats``), and a server seen in another run before refuses new
-locks for ``TASKLOCK['RESTART_GRACE']`` seconds. The runs are remembered per
-process and recorded on the pool's other servers, so a process started after
-the restart knows too.
+time, from ``stats``, and a mark of ours it keeps), and a server seen in
+another run before refuses new locks for ``TASKLOCK['RESTART_GRACE']``
+seconds. The runs are remembered per process and recorded on the pool's other
+servers and in the mark, so a process started after the restart knows too.
+
+The pid and start time alone miss a quick restart in a container, where
+memcached always runs as pid 1 and a restart within a couple of seconds keeps
+the start time: the run mark, ``tasklock-run-mark`` on each server, added with
+``add`` (so every process agrees on one per run) and never expiring, is gone
+after any restart whatever the pid. An evicted or flushed mark looks like a
+restart too, which only matters when the server started recently (the grace
+runs from its start).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 import time
 from typing import Any
@@ -38,10 +47,10 @@ class NodeRestarted(MemcacheError):  # type: ignore[misc]
 
 
 # Restart detection (see Restarts.learn). Per server: the run of it last
-# seen, as (pid, start time on the server's clock); servers whose stats cannot be
+# seen, as (pid, start time on the server's clock, run mark); servers whose stats cannot be
 # read (a proxy); and, for servers seen to restart, when that run started (on
 # time.monotonic()), new locks on them refused until RESTART_GRACE has passed.
-_runs: dict[Any, tuple[int, int]] = {}
+_runs: dict[Any, tuple[int, int, str]] = {}
 _unlearnable: set[Any] = set()
 _refused: dict[Any, float] = {}
 _runs_mutex = threading.Lock()
@@ -55,8 +64,14 @@ def _record_key(server: Any) -> str:
     return "tasklock-run-" + _server_name(server).replace(":", "-")
 
 
-def _same_run(seen: tuple[int, int], now: tuple[int, int]) -> bool:
-    return seen[0] == now[0] and abs(seen[1] - now[1]) <= _START_SLACK
+#: The key of a server's run mark (see ``Restarts._mark``).
+MARK_KEY = "tasklock-run-mark"
+
+
+def _same_run(seen: tuple[int, int, str], now: tuple[int, int, str]) -> bool:
+    # A record from before run marks has an empty one: pid and start decide.
+    same_mark = not seen[2] or seen[2] == now[2]
+    return same_mark and seen[0] == now[0] and abs(seen[1] - now[1]) <= _START_SLACK
 
 
 class Restarts:
@@ -86,8 +101,9 @@ class Restarts:
             return
         try:
             stats = _read_stats(client)
-            run = (int(stats[b"pid"]), int(stats[b"time"]) - int(stats[b"uptime"]))
-            server_now = int(stats[b"time"])
+            pid, server_now = int(stats[b"pid"]), int(stats[b"time"])
+            mark, marked_restart = self._mark(client)
+            run = (pid, server_now - int(stats[b"uptime"]), mark)
         except MemcacheUnexpectedCloseError:
             client.close()
             _unlearnable.add(server)  # twemproxy closes the connection on stats
@@ -106,8 +122,8 @@ class Restarts:
         # A record of this very run marked as a restart: another process saw it
         # replace an earlier one (and recorded it first), so this is a restart
         # too, with the same grace from the same start.
-        told = False
-        if seen is None:
+        told = marked_restart and seen is None
+        if seen is None and not told:
             recorded = self._recorded_run(server)
             if recorded is not None:
                 seen, told = recorded[0], recorded[1] and _same_run(recorded[0], run)
@@ -136,6 +152,24 @@ class Restarts:
                 )  # fmt: skip
         if seen is None or not _same_run(seen, run):
             self._record_run(server, run, restarted)
+        if restarted and not marked_restart:
+            # Said in the mark too, for processes that never saw the old run.
+            client.set(MARK_KEY, f"{mark}:r", 0, noreply=False)
+
+    @staticmethod
+    def _mark(client: Any) -> tuple[str, bool]:
+        """The server's run mark, added now if it has none, and whether a
+        process marked this run as following a restart."""
+        for _ in range(3):
+            value = client.get(MARK_KEY)
+            if value is None and client.add(
+                MARK_KEY, secrets.token_hex(8), 0, noreply=False
+            ):
+                continue  # read back: ours, or another process's that won
+            if value is not None:
+                mark, _, flag = str(value).partition(":")
+                return mark, flag == "r"
+        raise MemcacheClientError("memcached keeps no run mark")
 
     def _others(self, server: Any) -> list[Any]:
         hash_client = self.hash_client
@@ -143,23 +177,26 @@ class Restarts:
             return []
         return [c for c in hash_client.clients.values() if c.server != server]
 
-    def _recorded_run(self, server: Any) -> tuple[tuple[int, int], bool] | None:
+    def _recorded_run(self, server: Any) -> tuple[tuple[int, int, str], bool] | None:
         """The run of ``server`` recorded on another server of the pool, and
         whether the process that recorded it saw it replace an earlier run
-        (``pid:start:r``); None if no other server has a record."""
+        (``pid:start:mark:r``); None if no other server has a record."""
         for other in self._others(server):
             try:
                 value = other.get(_record_key(server))
             except self.errors:
                 continue
             if value is not None:
-                pid, _, rest = str(value).partition(":")
-                start, _, flag = rest.partition(":")
-                return (int(pid), int(start)), flag == "r"
+                pid, start, *rest = str(value).split(":")
+                # (pid:start[:r] before run marks)
+                mark = rest[0] if rest and rest[0] != "r" else ""
+                return (int(pid), int(start), mark), rest[-1:] == ["r"]
         return None
 
-    def _record_run(self, server: Any, run: tuple[int, int], restarted: bool) -> None:
-        value = f"{run[0]}:{run[1]}" + (":r" if restarted else "")
+    def _record_run(
+        self, server: Any, run: tuple[int, int, str], restarted: bool
+    ) -> None:
+        value = f"{run[0]}:{run[1]}:{run[2]}" + (":r" if restarted else "")
         for other in self._others(server):
             try:
                 other.set(_record_key(server), value, MAX_EXPIRE)

@@ -142,7 +142,7 @@ class _Publish:
             if handed is None:
                 return None
             return self._publish
-        if replaceable(holder, peek.value, backend):
+        if replaceable(holder, peek.value, backend, key):
             # until_started: a call that has started does not count; nor does
             # a run whose process is dead (locks.recovery).
             if backend.replace(key, peek.hold, peek.value, value, self.life) is None:

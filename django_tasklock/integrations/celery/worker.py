@@ -135,7 +135,7 @@ def on_failure(
             peek = backend.peek(key)
             if peek is None:
                 continue
-            alive, why = judge(peek.value, backend)
+            alive, why = judge(peek.value, backend, key)
             if alive is False and backend.release(key, peek.hold, peek.value):
                 logger.warning(
                     "Freed lock %r of call %s, whose pool process died: %s.",
