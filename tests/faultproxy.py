@@ -13,7 +13,9 @@ requests it kept from the server, so a test can tell the fault happened;
 client that sends each request, pipelined or not, in one write and waits for the
 answer. ``split_replies(at)`` passes each reply on in two writes, its first
 ``at`` bytes and, a moment later, the rest, as a slow network may deliver it;
-``split`` counts the replies it cut.
+``split`` counts the replies it cut. ``hold(pattern)`` keeps requests whose
+bytes contain ``pattern`` from the server until ``let_go()``; ``held`` counts
+them, so a test can act while a call waits on that request.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class FaultProxy:
         self._pattern = b""
         self._times = 0
         self._refusing = b""
+        self.held = 0
+        self._holding = b""
+        self._let_go = threading.Event()
         self._mutex = threading.Lock()
         self._connections: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -59,6 +64,16 @@ class FaultProxy:
     def split_replies(self, at: int) -> None:
         with self._mutex:
             self._split_at = at
+
+    def hold(self, pattern: bytes) -> None:
+        with self._mutex:
+            self._holding = pattern
+            self._let_go.clear()
+
+    def let_go(self) -> None:
+        with self._mutex:
+            self._holding = b""
+        self._let_go.set()
 
     def heal(self) -> None:
         """Every request and reply passes again, whole."""
@@ -98,6 +113,11 @@ class FaultProxy:
                     if self._times and self._pattern in data:
                         self._times -= 1
                         doomed.set()
+                    holding = bool(self._holding) and self._holding in data
+                    if holding:
+                        self.held += 1
+                if holding:
+                    self._let_go.wait(timeout=60)
                 upstream.sendall(data)
         except OSError:
             pass
@@ -133,6 +153,7 @@ class FaultProxy:
         # shutdown() wakes the blocked accept(); close() alone would leave it
         # accepting one more connection.
         _close(self.listener)
+        self._let_go.set()
         with self._mutex:
             connections, self._connections = self._connections, []
         _close(*connections)

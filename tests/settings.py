@@ -92,6 +92,13 @@ CACHES = {
     "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
 }
 
+# Stores a test builds for one deployment (tests/test_liveness_deployments.py),
+# as JSON, so the holder processes it starts see them too.
+if os.environ.get("TASKLOCK_TEST_EXTRA_CACHES"):
+    import json
+
+    CACHES.update(json.loads(os.environ["TASKLOCK_TEST_EXTRA_CACHES"]))
+
 TASKLOCK: dict[str, object] = {"LOCK_EXPIRE": 60}
 # Worker processes of the metrics tests (tests/test_metrics.py) export them.
 if os.environ.get("TASKLOCK_TEST_METRICS"):

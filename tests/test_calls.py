@@ -412,3 +412,21 @@ def test_a_call_with_links_and_no_task_id_is_never_merged(broker, option):
         "queued",
         pending_call.id,
     )
+
+
+class _Unprintable(str):
+    """An argument whose repr() raises; JSON sends it as the str it is."""
+
+    def __repr__(self) -> str:
+        raise LookupError("the row is gone")
+
+
+def test_a_sent_call_is_reported_sent_whatever_its_arguments_repr_does(
+    broker, settings
+):
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60, "LIVENESS": 3.0}
+    result = tasks.finish_once.delay(_Unprintable("row-7"))
+    assert published(broker) == [result.id]
+    assert holder(lock_id_for(tasks.finish_once, "row-7")) == ("queued", result.id)
+    # Its retry is a duplicate of the call it was told went out.
+    assert tasks.finish_once.delay("row-7").id == result.id

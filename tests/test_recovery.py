@@ -25,7 +25,7 @@ from django_tasklock.tokens import (
     token_process,
 )
 from reliability.recovery import SLACK
-from tests.conftest import background
+from tests.conftest import background, wait_until
 from tests.services import stop_and_wait
 from tests.workers import Holder
 
@@ -70,8 +70,7 @@ def test_a_killed_holders_lock_is_free_at_once_even_unreaped(
     thread.join()
     assert outcome == {"result": False}
     holder.kill(reap=False)  # a zombie until its parent (this test) reaps it
-    while holder_alive(holder.token) is not False:  # SIGKILL is asynchronous
-        time.sleep(0.01)
+    wait_until(lambda: holder_alive(holder.token) is False)  # SIGKILL is asynchronous
     assert token_process(holder.token) is not None
     with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
         lock = Lock("killed-here", expire=30)

@@ -94,11 +94,20 @@ class Entry(NamedTuple):
     renews: bool
 
 
+def _shown(value: object) -> str:
+    # An argument's repr() is user code (a model's __str__ may read a deleted
+    # row): it may raise, and listing must never fail for it.
+    try:
+        return repr(value)
+    except Exception as exc:
+        return f"<{type(value).__name__}: repr() raised {type(exc).__name__}>"
+
+
 def describe_call(args: Any, kwargs: Any) -> str:
     """A call's arguments as the console shows them, at most ``ARGS_SHOWN``
-    characters."""
-    parts = [repr(arg) for arg in args]
-    parts += [f"{key}={value!r}" for key, value in dict(kwargs).items()]
+    characters; never raises for an argument whose ``repr()`` does."""
+    parts = [_shown(arg) for arg in args]
+    parts += [f"{key}={_shown(value)}" for key, value in dict(kwargs).items()]
     shown = ", ".join(parts)
     if len(shown) > ARGS_SHOWN:
         shown = shown[: ARGS_SHOWN - 1] + "…"

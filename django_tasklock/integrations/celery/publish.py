@@ -197,11 +197,8 @@ class _Publish:
         return self._call_original()
 
     def _publish(self, restore: Peek | None = None) -> Any:
-        try:
-            sent = self._call_original()
-        except BaseException:
-            self._roll_back(restore)
-            raise
+        # Made before the send: nothing that may raise (an argument's repr()
+        # is user code) runs once the message is out and cannot be undone.
         entry = Entry(
             lock_id=self.queue_id,
             kind="queued",
@@ -211,7 +208,15 @@ class _Publish:
             since=time.time(),
             renews=False,
         )
-        note_queued(self.alias, self.key, entry, self.life)
+        try:
+            sent = self._call_original()
+        except BaseException:
+            self._roll_back(restore)
+            raise
+        try:
+            note_queued(self.alias, self.key, entry, self.life)
+        except Exception:  # listing only: the call was sent, and stays sent
+            logger.exception("Could not list queued call %s", self.task_id)
         return sent
 
     def _roll_back(self, restore: Peek | None) -> None:
