@@ -518,7 +518,7 @@ def test_a_dead_holders_lock_changed_after_the_judgement_is_not_taken(
         holder.kill()
         assert records_on(server)
         wait_until(lambda: not records_on(server), LIVENESS + 5)
-        proxy.hold(b"tasklock-alive")
+        proxy.hold(b"tasklock-alive:tasklock-judged-host")  # its record only
         a = Lock("judged", cache="slow-judge", expire=30)
         thread, outcome = background(a.acquire)
         wait_until(lambda: proxy.held == 1, 10)
