@@ -108,6 +108,7 @@ def run(quick: bool) -> list[Row]:
     from reliability import (
         basics,
         calls,
+        deployments,
         lifecycle,
         limits,
         pools,
@@ -132,6 +133,7 @@ def run(quick: bool) -> list[Row]:
         rows += calls.run(redis_server, quick)
         rows += limits.run(quick)
         rows += recovery.run(quick)
+        rows += deployments.run(quick)
     finally:
         from django.core.cache import close_caches
 

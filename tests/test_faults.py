@@ -35,7 +35,7 @@ def table_rows(out: str) -> list[tuple[str, str, str, str, str, str]]:
 #: The cases that make a holder outlive its lock on purpose.
 BY_DESIGN = {"2.", "3.", "9.", "31."}
 #: The cases with no second holder to overlap with (shown as "-").
-NO_OVERLAP = {"19.", "20.", "21.", "24.", "27."}
+NO_OVERLAP = {"19.", "20.", "21.", "24.", "27.", "36.", "43."}
 
 
 def test_table_rows_are_read_by_column():
@@ -71,7 +71,7 @@ def test_bad_rows_are_the_ones_that_break_a_promise():
 def test_fault_suite_quick():
     out = run_module("reliability.faults", "--quick", timeout=900)
     rows = {row[0].split(" ", 1)[0]: row for row in table_rows(out)}
-    assert set(rows) == {f"{n}." for n in range(1, 34)}, out
+    assert set(rows) == {f"{n}." for n in range(1, 44)}, out
     for number, (case, attempts, overlapping, marked, wrong, figures) in rows.items():
         assert int(attempts) > 0, case
         assert int(wrong) == 0, f"{case}: {figures}"
@@ -145,6 +145,16 @@ def test_fault_suite_quick():
     restart = re.search(r"refused (\d+\.\d)-(\d+\.\d)s after the restart", out)
     assert restart and float(restart.group(1)) >= LIVENESS - 2
     assert float(restart.group(2)) <= LIVENESS + SLACK
-    stressed = re.search(r"(\d+) holders killed holding it; .+ max (\d+\.\d+)s", out)
+    assert "the other slot's live holder kept it 1/1" in out
+    stressed = re.search(r"(\d+) holders killed holding it .+ max (\d+\.\d+)s", out)
     assert stressed and int(stressed.group(1)) > 0
     assert float(stressed.group(2)) <= TARGET + SLACK
+    # A live holder never robbed (rows 34-43).
+    for number in range(34, 43):
+        if number != 36:
+            assert re.search(
+                r"\d+ tries, 0 took the live holder's lock", rows[f"{number}."][5]
+            )
+    assert "holder told 1/1" in rows["36."][5]
+    beats = re.search(r"beats while it held: (\d+) in", rows["43."][5])
+    assert beats and int(beats.group(1)) >= 10
