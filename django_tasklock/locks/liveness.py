@@ -83,7 +83,7 @@ class Held(Protocol):
 
 def record_id(host: str, process: str) -> str:
     """The cache key (before Django's prefix) of a process's liveness record;
-    ``process`` as tokens write it, without the ``-r`` flag."""
+    ``process`` as tokens write it, without the ``-s`` flag."""
     return f"{RECORD_PREFIX}{host}:{process}"
 
 
@@ -283,6 +283,8 @@ class Record:
             # Listing is no safety matter: nothing it does stops the beat.
             try:
                 self.roster.beat(self.records, backend)
+            except backend.errors:
+                pass  # the store's trouble: the record's write tells of it
             except Exception:
                 self._once("roster", f"listing the locks of {self.id!r}")
 

@@ -169,7 +169,7 @@ class Lock(StoreReads, Holding):
     _valid_until: float | None = None
     _life = 0.0
     _heartbeat: Heartbeat | None = None
-    # This process's liveness record in the lock's store (None: records off).
+    # This process's liveness record beside the lock (None: records off).
     _record: Record | None = None
     _deadline: float | None = None
     _held_expire: float = 0.0

@@ -19,6 +19,7 @@ runs from its start).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -72,6 +73,25 @@ def _same_run(seen: tuple[int, int, str], now: tuple[int, int, str]) -> bool:
     # A record from before run marks has an empty one: pid and start decide.
     same_mark = not seen[2] or seen[2] == now[2]
     return same_mark and seen[0] == now[0] and abs(seen[1] - now[1]) <= _START_SLACK
+
+
+def _refuse(server: Any, run: tuple[int, int, str], uptime: int, was: str) -> None:
+    """Refuse new locks on ``server``, seen ``uptime`` seconds into a run that
+    follows a restart, until RESTART_GRACE has passed since it started."""
+    grace = tasklock_settings.RESTART_GRACE
+    # When it started, on this process's monotonic clock, late rather than
+    # early: memcached's uptime runs up to 2 s ahead, in whole seconds.
+    started = time.monotonic() - max(uptime - _UPTIME_AHEAD, 0)
+    _refused[server] = started
+    left = started + grace - time.monotonic()
+    if left > 0:
+        logger.warning(
+            "memcached at %s restarted about %ds ago (pid %d, %s) and came back "
+            "empty: locks it held are gone while their holders may still run. "
+            "New locks on it are refused for %.0fs more "
+            "(TASKLOCK['RESTART_GRACE'] = %ss).",
+            _server_name(server), uptime, run[0], was, left, grace,
+        )  # fmt: skip
 
 
 class Restarts:
@@ -129,32 +149,19 @@ class Restarts:
                 seen, told = recorded[0], recorded[1] and _same_run(recorded[0], run)
         restarted = told or (seen is not None and not _same_run(seen, run))
         if restarted:
-            was = (
-                "a restart another process recorded"
-                if told or seen is None
-                else f"was {seen[0]}"
-            )
-            grace = tasklock_settings.RESTART_GRACE
-            # When it started, on this process's monotonic clock, late rather
-            # than early: memcached's uptime runs up to 2 s ahead, in whole
-            # seconds.
-            uptime = server_now - run[1]
-            started = time.monotonic() - max(uptime - _UPTIME_AHEAD, 0)
-            _refused[server] = started
-            left = started + grace - time.monotonic()
-            if left > 0:
-                logger.warning(
-                    "memcached at %s restarted about %ds ago (pid %d, %s) and "
-                    "came back empty: locks it held are gone while their holders "
-                    "may still run. New locks on it are refused for %.0fs more "
-                    "(TASKLOCK['RESTART_GRACE'] = %ss).",
-                    _server_name(server), uptime, run[0], was, left, grace,
-                )  # fmt: skip
+            if told or seen is None:
+                was = "a restart another process recorded"
+            elif seen[0] != pid:
+                was = f"was {seen[0]}"
+            else:
+                was = "its run mark is new"
+            _refuse(server, run, server_now - run[1], was)
         if seen is None or not _same_run(seen, run):
             self._record_run(server, run, restarted)
         if restarted and not marked_restart:
             # Said in the mark too, for processes that never saw the old run.
-            client.set(MARK_KEY, f"{mark}:r", 0, noreply=False)
+            with contextlib.suppress(*self.errors):
+                client.set(MARK_KEY, f"{mark}:r", 0, noreply=False)
 
     @staticmethod
     def _mark(client: Any) -> tuple[str, bool]:
