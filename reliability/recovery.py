@@ -44,14 +44,14 @@ def _spread(values: list[float]) -> str:
     return f"{min(values):.1f}-{max(values):.1f}"
 
 
-def _killed_with_a_duplicate(task: Any, key: str, *args: Any) -> tuple[float, int]:
+def _killed_with_a_duplicate(task: Any, key: str, *args: Any) -> tuple[float, int, Any]:
     """A call of ``task`` started, the same call sent once more while it holds
-    its lock (joined at publish, or dropped by a worker), then the first run's
+    its lock (joined at publish, or skipped by a worker), then the first run's
     pool process SIGKILLed and the call sent again once it is dead. The
-    seconds from the kill to the next run's start, and how many runs started
-    while the first one lived (besides it)."""
+    seconds from the kill to the next run's start, how many runs started
+    while the first one lived (besides it), and the call sent again (running
+    until ``tasks.let_go(key)``)."""
     from django_tasklock.tokens import process_alive
-    from tests import tasks
 
     before = len(started_runs(key))
     first = task.delay(key, *args)
@@ -59,10 +59,12 @@ def _killed_with_a_duplicate(task: Any, key: str, *args: Any) -> tuple[float, in
     pid = started_runs(key)[before]["pid"]
     assert isinstance(pid, int)
     duplicate = task.delay(key, *args)
+    # Joined at publish (the pending call's id), or skipped by a worker (its
+    # result ready at once), or, if the lock failed, started.
     wait_until(
         lambda: (
             duplicate.id == first.id
-            or duplicate.id in tasks.ignored()
+            or duplicate.ready()
             or len(started_runs(key)) > before + 1
         ),
         30,
@@ -76,9 +78,7 @@ def _killed_with_a_duplicate(task: Any, key: str, *args: Any) -> tuple[float, in
     wait_until(lambda: len(started_runs(key)) == runs + 1, 30)
     restarted = started_runs(key)[runs]["start"]
     assert isinstance(restarted, float)
-    tasks.let_go(key)
-    second.get(timeout=30)
-    return restarted - killed, overlapped
+    return restarted - killed, overlapped, second
 
 
 def _slot_tokens(key: str) -> dict[int, object]:
@@ -121,7 +121,7 @@ def child_killed(tries: int) -> Row:
                 tasks.slot_long_when_told.delay(key, 0)
                 wait_until(lambda key=key: len(started_runs(key)) == 1, 30)
                 live = {s: t for s, t in _slot_tokens(key).items() if t is not None}
-            took, overlapped = _killed_with_a_duplicate(task, key, *args)
+            took, overlapped, second = _killed_with_a_duplicate(task, key, *args)
             attempts += 1
             again.append(took)
             overlapping += overlapped
@@ -132,6 +132,8 @@ def child_killed(tries: int) -> Row:
                 slots_kept += len(live) == 1 and all(
                     kept[s] == t for s, t in live.items()
                 )
+            tasks.let_go(key)  # every run of the key ends
+            second.get(timeout=30)
         key = f"recovered-parent-{attempt}"
         lock_id = lock_id_for(tasks.hold_long_when_told, key)
         tasks.hold_long_when_told.delay(key)

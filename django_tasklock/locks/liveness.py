@@ -36,6 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from django.core.cache import close_caches
+from django.core.signals import setting_changed
 
 from ..backends import backend_for, close_thread_connections
 from ..conf import settings
@@ -453,5 +454,13 @@ def _after_fork() -> None:
     _records_guard = threading.Lock()
 
 
+def _caches_changed(*, setting: str, **_: object) -> None:
+    # CACHES changed under the records (override_settings, in tests): the
+    # servers they were written to may be gone, or another store's now.
+    if setting == "CACHES":
+        forget_records()
+
+
+setting_changed.connect(_caches_changed)
 os.register_at_fork(after_in_child=_after_fork)
 atexit.register(leave)
