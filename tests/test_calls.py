@@ -373,15 +373,18 @@ def test_a_copy_of_a_call_running_on_another_host_is_judged_by_its_record(
     runs."""
     from django.core.cache import caches
 
+    from django_tasklock.backends import backend_for
     from django_tasklock.locks.liveness import record_id
 
     call_id = f"call-on-another-host-{alive}"
     lock_id = lock_id_for(tasks.skip_duplicate, f"remote-{alive}")
     process = "4242-100-abcdef12"
-    token = f"oid@elsewhere.example#{call_id}:{process}-r:0123456789abcdef:1:0"
+    token = f"oid@elsewhere.example#{call_id}:{process}-s:0123456789abcdef:1:0"
     caches["default"].set(lock_id, token, 30)
-    if alive:
-        caches["default"].set(record_id("elsewhere.example", process), "1", 30)
+    if alive:  # its record beside its lock, as a live holder keeps it
+        backend = backend_for("default")
+        place = backend.record_place(backend.keys_for(lock_id)[0])
+        backend.write_record(place, record_id("elsewhere.example", process), "1", 30)
     outcome = tasks.skip_duplicate.apply(args=(f"remote-{alive}",), task_id=call_id)
     assert broker.lrange("celery", 0, -1) == []  # not put back
     if alive:

@@ -164,3 +164,17 @@ def test_the_record_is_renewed_every_tenth_of_the_bound(store_default):
         assert spent < 20 * record.every * 1.5, f"{spent:.1f}s for 20 beats"
     finally:
         lock.release()
+
+
+def test_a_lock_of_an_earlier_build_is_left_to_expire(store_default):
+    # Its token says it keeps a record wherever Django's cache put it ("-r"),
+    # which this build does not read: unknown, never dead, in a rolling upgrade.
+    from django_tasklock.status import lock_status
+
+    token = "elsewhere.example:4242-100-abcdef12-r:0123456789abcdef:1:0"
+    backend = backend_for("default")
+    assert backend.acquire(backend.keys_for("from-before")[0], token, 30)
+    owner = lock_status("from-before", cache="default").owner
+    assert owner is not None and owner.alive is None, owner
+    assert "where this build does not look" in owner.why
+    assert not Lock("from-before", expire=30).acquire()

@@ -10,6 +10,7 @@ import pytest
 from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, memcache_lock
+from django_tasklock.backends import backend_for
 from tests.services import Memcached, Redis, free_port
 
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
@@ -169,6 +170,17 @@ def use_memcached(settings, address, protocol="auto", alias="own"):
     settings.TASKLOCK = {"CACHE": alias, "MEMCACHED_PROTOCOL": protocol}
 
 
+def fill_until(server: Memcached, cas: int) -> None:
+    """Store items until the server's last CAS id given out is ``cas``."""
+    for n in range(100):
+        reply = server.raw(b"ms tasklock-test-fill-%d 1 c\r\nx" % n)
+        assert reply.startswith(b"HD c"), reply
+        if int(reply[4:]) >= cas:
+            assert int(reply[4:]) == cas, "CAS ids already past the one wanted"
+            return
+    raise AssertionError(f"CAS id {cas} not reached")
+
+
 @pytest.mark.parametrize("protocol", ["meta", "classic"])
 def test_restart_reusing_cas_id_spares_new_holder(settings, own_memcached, protocol):
     """A restarted memcached counts CAS ids from 1 again: the old holder's id can
@@ -177,9 +189,17 @@ def test_restart_reusing_cas_id_spares_new_holder(settings, own_memcached, proto
     # No restart grace: the owner check is what this test is about; and no
     # liveness record, whose write would use up a CAS id.
     settings.TASKLOCK = {**settings.TASKLOCK, "RESTART_GRACE": 0, "LIVENESS": None}
+    fill_until(own_memcached, 8)
     old = Lock("restart", expire=60)
     assert old.acquire()
     own_memcached.restart()
+    # The restart learnt first (the server's run mark takes CAS ids of its
+    # own), then the new run's ids used up to the old holder's.
+    backend = backend_for("own")
+    key = backend.keys_for("restart")[0]
+    assert not backend.locked(key)  # (a new connection, the old one dropped)
+    backend.restarted_at(key)
+    fill_until(own_memcached, old._hold.cas - 1)
     new = Lock("restart", expire=60)
     assert new.acquire()
     assert new._hold.cas == old._hold.cas, "the case this test exists for"

@@ -143,7 +143,7 @@ class Records:
             record.stop()
         if not delete:
             return
-        backend = backend_for(self.alias)
+        backend = backend_for(self.alias, protocol=settings.MEMCACHED_PROTOCOL)
         for record in records:
             try:
                 backend.delete_record(record.place, self.id)
@@ -315,8 +315,11 @@ _records: dict[str, Records] = {}
 _records_guard = threading.Lock()
 
 
-def record_for(alias: str, bound: float) -> Records:
-    """This process's records in ``alias``'s store, for a bound of ``bound`` s."""
+def record_for(
+    alias: str, bound: float, backend: LockBackend | None = None
+) -> Records:
+    """This process's records in ``alias``'s store, for a bound of ``bound`` s
+    (``backend``: the calling thread's for ``alias``, if it has it at hand)."""
     records = _records.get(alias)
     if records is not None and records.bound == bound:
         return records
@@ -325,7 +328,11 @@ def record_for(alias: str, bound: float) -> Records:
         if records is None or records.bound != bound:
             if records is not None:
                 records.stop(delete=False)
-            places = backend_for(alias).record_places()
+            if backend is None:
+                # (The protocol as the settings say: this thread's backend
+                # serves its next lock too.)
+                backend = backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL)
+            places = backend.record_places()
             records = _records[alias] = Records(alias, bound, places)
     return records
 
@@ -395,7 +402,7 @@ def kept_record(
         return None, new_token
     records = _records.get(alias)
     if records is None or records.bound != bound:
-        records = record_for(alias, bound)
+        records = record_for(alias, bound, backend)
     record = records.single
     if record is None:
         if records.keeper is None:  # records cannot be kept beside locks here
