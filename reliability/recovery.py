@@ -440,7 +440,7 @@ def stress(seconds: float, processes: int = 16) -> Row:
     """33. ``processes`` processes take one lock id (LOCK_EXPIRE 600) for
     ``seconds``; every 0.2-0.6 s the current holder is SIGKILLed and a new
     process started. Overlaps: a hold that began before the previous one
-    ended (a killed hold ends at its kill). Wrong: a kill after which the lock
+    ended (a killed hold ends when its kill was sent). Wrong: a kill after which the lock
     was not held again within TARGET + SLACK."""
     from django_tasklock.status import lock_status
 
@@ -458,8 +458,12 @@ def stress(seconds: float, processes: int = 16) -> Row:
             owner = lock_status("stress").owner
             if owner is None or owner.pid not in running:
                 continue
-            os.kill(owner.pid, signal.SIGKILL)
+            # A killed hold ends when the signal is sent: read after the
+            # kill, the clock may come late (this process descheduled), after
+            # the next holder, which can take it only once the process is
+            # dead, already started.
             kills[owner.pid] = time.monotonic()
+            os.kill(owner.pid, signal.SIGKILL)
             running.pop(owner.pid).join()
             spawn_into(context, running, setup, directory)
         for process in running.values():
