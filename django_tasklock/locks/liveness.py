@@ -315,9 +315,7 @@ _records: dict[str, Records] = {}
 _records_guard = threading.Lock()
 
 
-def record_for(
-    alias: str, bound: float, backend: LockBackend | None = None
-) -> Records:
+def record_for(alias: str, bound: float, backend: LockBackend | None = None) -> Records:
     """This process's records in ``alias``'s store, for a bound of ``bound`` s
     (``backend``: the calling thread's for ``alias``, if it has it at hand)."""
     records = _records.get(alias)
