@@ -19,17 +19,19 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.http import HttpResponseRedirect
+from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.http import urlencode
 
 from .backends import close_thread_connections, thread_connections
-from .console import KINDS, Listed, rate_limits, take_inventory
-from .exceptions import LockBackendError
+from .conf import settings
+from .console import KINDS, Listed, lock_aliases, rate_limits, take_inventory
+from .exceptions import LockBackendError, TaskLockError
 from .models import HeldLock
 from .status import LockStatus, expiry_text, holder_text, lock_status, release_refusal
 from .status import remove as remove_lock
+from .values import unique_value
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -179,8 +181,8 @@ class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
         source = request.POST if request.method == "POST" else request.GET
         alias, lock_id = source.get("alias", ""), source.get("lock_id", "")
         try:
-            status = lock_status(lock_id, cache=alias or None)
-        except (LockBackendError, ValueError) as exc:
+            status = _console_lock(lock_id, alias or settings.CACHE)
+        except LockBackendError as exc:
             messages.error(request, f"Could not read lock {lock_id!r}: {exc}")
             return HttpResponseRedirect(self._list_url())
         refusal = None
@@ -245,3 +247,23 @@ class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
             f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}"
             "_changelist"
         )
+
+
+def _console_lock(lock_id: str, alias: str) -> LockStatus:
+    """The lock ``lock_id`` in lock store ``alias``, if it is one the console
+    lists: a store locks are taken in, and, when held, a value this app
+    stores for a lock (a token or a call's mark). Anything else is a 404, so
+    the release permission never reads nor deletes other cache entries (an
+    application's values, rate-limit states, liveness records, rosters).
+    Raises ``LockBackendError`` when the store does not answer."""
+    if alias not in lock_aliases():
+        raise Http404("No lock store of that name.")
+    try:
+        status = lock_status(lock_id, cache=alias)
+    except LockBackendError:
+        raise
+    except (TaskLockError, TypeError, ValueError) as exc:  # not a lock id
+        raise Http404("Not a lock id.") from exc
+    if status.held and not unique_value(status.value):
+        raise Http404("Not a lock of django_tasklock.")
+    return status

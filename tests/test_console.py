@@ -264,3 +264,69 @@ def test_rate_limits_are_shown_with_their_state(settings, admin_client):
     declared = table[table.index('data-limit-id="console-declared"') :]
     assert "admitted in the last period: 1" in declared.split("</tr>")[0]
     limiter.reset()
+
+
+# -- the release page shows and removes only locks ----------------------------------
+
+
+def test_the_release_page_neither_shows_nor_deletes_other_cache_entries(
+    settings, admin_client
+):
+    from django.core.cache import caches
+
+    from django_tasklock import RateLimiter
+    from django_tasklock.locks import liveness
+    from django_tasklock.locks.liveness import RECORD_PREFIX
+
+    caches["default"].set("partner:api-key", "s3cret-value", 600)
+    limiter = RateLimiter("partner-api", "5/h")
+    assert limiter.admit().admitted
+    lock = held_lock("a-real-lock")  # this process's record and roster exist
+    try:
+        record = liveness._records["default"].id
+        assert record.startswith(RECORD_PREFIX)
+        for lock_id in (
+            "partner:api-key",  # an application's value
+            "partner-api-rate",  # a rate limit's state
+            record,  # a liveness record
+            slot_key(0),  # a roster slot
+        ):
+            query = {"lock_id": lock_id, "alias": "default"}
+            page = admin_client.get(CONSOLE + "release/", query)
+            assert page.status_code == 404, lock_id
+            assert "s3cret" not in page.content.decode()
+            forced = admin_client.post(
+                CONSOLE + "release/", {**query, "force": "on", "seen": "x"}
+            )
+            assert forced.status_code == 404, lock_id
+        assert caches["default"].get("partner:api-key") == "s3cret-value"
+        assert limiter.admit().admitted  # its state kept: 2 of 5
+        assert lock.owned()
+        # A lock of this app still has its page.
+        query = {"lock_id": "a-real-lock", "alias": "default"}
+        assert admin_client.get(CONSOLE + "release/", query).status_code == 200
+    finally:
+        lock.release()
+
+
+def test_the_release_page_answers_any_query_string_without_a_server_error(
+    settings, admin_client
+):
+    import random
+
+    chosen = random.Random(30)
+    alphabet = "ab:-_ /%\x00\x01\r\n\t\u00e9\u2603\U0001f512\ud800'\"<>&?=#"
+    aliases = ["", "default", "redis", "nope", "locmem", "dummy", "\x00", "a" * 300]
+    for _ in range(150):
+        lock_id = "".join(chosen.choice(alphabet) for _ in range(chosen.randint(0, 40)))
+        if chosen.random() < 0.1:
+            lock_id *= 20  # past memcached's key length
+        query = {"lock_id": lock_id, "alias": chosen.choice(aliases)}
+        for method in (admin_client.get, admin_client.post):
+            try:
+                answer = method(CONSOLE + "release/", {**query, "force": "on"})
+            except UnicodeEncodeError:
+                continue  # the test client cannot send a lone surrogate
+            assert answer.status_code in (200, 302, 404), (query, answer.status_code)
+    unknown = admin_client.get(CONSOLE + "release/", {"lock_id": "x", "alias": "nope"})
+    assert unknown.status_code == 404
