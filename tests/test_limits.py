@@ -468,3 +468,39 @@ def test_a_named_limit_follows_its_setting_and_given_options_win(any_store, sett
     assert call() == "ran"  # the same state, now judged against 3 a minute
     assert RateLimiter("followed", burst=2, kind="smooth").kind.burst == 2
     RateLimiter("followed").reset()
+
+
+# -- periods and pauses past 30 days (memcached reads a longer expiry as a date) --
+
+
+@pytest.mark.parametrize(
+    ("rate", "kind", "calls", "admitted"),
+    [
+        ("1/30d", "window", 20, 1),
+        ("1000/30d", "window", 1005, 1000),  # a monthly quota
+        ("10/20d", "smooth", 100, 10),
+    ],
+)
+def test_periods_up_to_30_days_are_kept_on_every_store(
+    any_store, rate, kind, calls, admitted
+):
+    limiter = RateLimiter(f"long-{kind}-{admitted}", rate, kind=kind)
+    limiter.reset()
+    try:
+        assert sum(bool(limiter.admit()) for _ in range(calls)) == admitted
+    finally:
+        limiter.reset()
+
+
+@pytest.mark.parametrize(("rate", "days"), [("5/h", 30), ("3/d", 29.5)])
+def test_pauses_up_to_30_days_are_kept_on_every_store(any_store, rate, days):
+    limiter = RateLimiter(f"long-pause-{rate}", rate)
+    limiter.reset()
+    try:
+        seconds = days * 24 * 3600
+        assert seconds - 2 < limiter.pause(seconds) <= seconds
+        refused = limiter.admit()
+        assert not refused and refused.paused
+        assert seconds - 5 < refused.retry_after <= seconds
+    finally:
+        limiter.reset()

@@ -24,7 +24,7 @@ from pymemcache.exceptions import MemcacheError
 from ..keys import memcached_key
 from ..values import unique_value
 from .base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
-from .memcached import _PAST, _bad_counter, _talk, _ttl_of
+from .memcached import _PAST, _bad_counter, _talk, _ttl_of, exptime
 
 if TYPE_CHECKING:
     from django.core.cache.backends.memcached import PyLibMCCache
@@ -92,7 +92,7 @@ class PyLibMCBackend(LockBackend):
             return False
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        if not self._mc.add(key.encode(), token, math.ceil(expire)):
+        if not self._mc.add(key.encode(), token, exptime(expire)):
             return None
         # Someone else's value here means our item expired in between.
         return self._ours(key, token)
@@ -138,7 +138,7 @@ class PyLibMCBackend(LockBackend):
         cas = self._still(key, hold, old)
         if cas is None:
             return None
-        if not self._write(key, new, cas, math.ceil(expire)):
+        if not self._write(key, new, cas, exptime(expire)):
             return None
         return self._ours(key, new)
 

@@ -14,6 +14,7 @@ from .wire import (
     _classic_servers,
     _talk,
     _ttl_of,
+    exptime,
     meta_support,
 )
 
@@ -30,5 +31,6 @@ __all__ = [
     "_talk",
     "_ttl_of",
     "_unlearnable",
+    "exptime",
     "meta_support",
 ]

@@ -55,6 +55,7 @@ from .wire import (
     _flag,
     _server_name,
     _wire_key,
+    exptime,
     only_client,
 )
 
@@ -120,7 +121,7 @@ class MemcachedBackend(MemcachedReads):
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         client = self._client(key)
-        ttl = math.ceil(expire)
+        ttl = exptime(expire)
         sock: Any = getattr(client, "sock", None)
         wire = self.wire
         if (
@@ -221,7 +222,7 @@ class MemcachedBackend(MemcachedReads):
     def reassert(self, key: str, token: str, expire: float) -> Hold | None:
         client = self._client(key)
         return self.wire.once_more(
-            client, lambda: self._acquire(client, key, token, math.ceil(expire))
+            client, lambda: self._acquire(client, key, token, exptime(expire))
         )
 
     # -- fencing tokens ------------------------------------------------------------
@@ -316,7 +317,7 @@ class MemcachedBackend(MemcachedReads):
     ) -> Hold | None:
         assert isinstance(hold, MemcachedHold)
         client = self._client(key)
-        ttl = math.ceil(expire)
+        ttl = exptime(expire)
         tries = 0
 
         def attempt() -> MemcachedHold | None:

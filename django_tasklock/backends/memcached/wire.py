@@ -11,7 +11,9 @@ it was told to use, and which servers turned out to lack meta commands.
 from __future__ import annotations
 
 import logging
+import math
 import socket
+import time
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from pymemcache.client.hash import HashClient
@@ -27,7 +29,7 @@ from ...values import unique_value
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["MemcachedHold", "ServerRefused", "Wire", "meta_support"]
+__all__ = ["MemcachedHold", "ServerRefused", "Wire", "exptime", "meta_support"]
 
 # pymemcache's serde marks str values with flag 16 (FLAG_TEXT): storing the token
 # with it lets cache.get(lock_id) read the owner back as a str.
@@ -42,6 +44,23 @@ _classic_servers: set[Any] = set()
 _PAST = 2592001
 
 logger = logging.getLogger("django_tasklock.backends.memcached")
+
+
+#: The longest expiry memcached reads as seconds from now (protocol.txt,
+#: "Expiration times"); any larger number is a Unix time.
+_RELATIVE_MOST = 2592000
+
+
+def exptime(expire: float) -> int:
+    """What to send memcached for an item to live ``expire`` seconds: whole
+    seconds, rounded up; past 30 days, the Unix time then (memcached reads a
+    larger number of seconds as a Unix time, one in 1970 that expires the item
+    at once). Absolute times are judged on the server's clock: a skew between
+    client and server moves such an item's end by as much."""
+    seconds = math.ceil(expire)
+    if seconds > _RELATIVE_MOST:
+        return int(time.time()) + seconds
+    return seconds
 
 
 def _talk(server: Any, line: bytes, timeout: float) -> bytes:
