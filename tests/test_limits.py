@@ -58,6 +58,8 @@ def test_rates_parse(text, rate):
         ((True, 5), "is not a rate"),
         ((2.5, 5), "whole number"),
         ("10/31d", "30 days"),
+        ("1/0.0004s", 'at least 1 millisecond .+ "2500/s"'),
+        ((3, 0.0001), 'at least 1 millisecond .+ "30000/s"'),
         (10, "is not a rate"),
     ],
 )
@@ -502,5 +504,18 @@ def test_pauses_up_to_30_days_are_kept_on_every_store(any_store, rate, days):
         refused = limiter.admit()
         assert not refused and refused.paused
         assert seconds - 5 < refused.retry_after <= seconds
+    finally:
+        limiter.reset()
+
+
+def test_the_shortest_period_is_enforced(any_store):
+    # A millisecond: the shortest period a limit can keep; two admissions of
+    # "1/0.001s" are never in one millisecond.
+    limiter = RateLimiter("one-per-ms", "1/0.001s")
+    limiter.reset()
+    try:
+        admitted = [limiter.admit() for _ in range(200)]
+        times = [a.at for a in admitted if a]
+        assert len(times) == len(set(times)), "two admissions in one millisecond"
     finally:
         limiter.reset()

@@ -12,6 +12,8 @@ __all__ = ["MAX_WINDOW_COUNT", "Rate", "RateSpec", "parse_rate"]
 
 #: Seconds per unit in a rate's period.
 UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+#: The shortest period: the limits keep time in whole milliseconds.
+MIN_PERIOD: Final = 0.001
 #: The longest period: memcached's relative expiry ends at 30 days.
 MAX_PERIOD: Final = 30 * 86400
 #: The window kind keeps one timestamp per admission of the last period in one
@@ -80,6 +82,14 @@ def parse_rate(value: object, *, name: str = "rate") -> Rate:
         )
     if not math.isfinite(period) or period <= 0:
         raise ValueError(f"{name} {value!r}: the period must be more than 0 seconds.")
+    if period < MIN_PERIOD:
+        per_second = count / period
+        raise ValueError(
+            f"{name} {value!r}: the period must be at least 1 millisecond (0.001s): "
+            "limits keep time in whole milliseconds, so a shorter one cannot be "
+            f"enforced. For the same pace write it per second: "
+            f'"{max(round(per_second), 1)}/s".'
+        )
     if period > MAX_PERIOD:
         raise ValueError(
             f"{name} {value!r}: the period must be at most 30 days (memcached's "
