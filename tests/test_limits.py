@@ -519,3 +519,23 @@ def test_the_shortest_period_is_enforced(any_store):
         assert len(times) == len(set(times)), "two admissions in one millisecond"
     finally:
         limiter.reset()
+
+
+@pytest.mark.parametrize("kind", ["window", "smooth"])
+def test_an_idle_limit_shows_the_same_fields_as_a_used_one(any_store, settings, kind):
+    import json
+
+    settings.TASKLOCK = {**any_store.tasklock, "RATE_KIND": kind}
+    limiter = RateLimiter(f"idle-{kind}", "3/m")
+    limiter.reset()
+    idle = json.loads(_command(f"idle-{kind}", "--rate", "3/m", "--json"))
+    assert limiter.admit()
+    used = json.loads(_command(f"idle-{kind}", "--rate", "3/m", "--json"))
+    assert set(idle) == set(used), set(idle) ^ set(used)
+    if kind == "window":
+        assert idle["admitted in the last period"] == 0
+        assert idle["left in this period"] == 3
+    else:
+        assert idle["burst left"] == used["burst left"] + 1
+    assert idle["next admission in"] == 0.0 and idle["paused for"] == 0.0
+    limiter.reset()

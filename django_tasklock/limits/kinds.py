@@ -154,7 +154,7 @@ return {1, now, 0, 0}
         )
 
     def describe(self, state: object, now: int) -> dict[str, object]:
-        paused, times = self.parse(state)
+        paused, times = (0, []) if state is None else self.parse(state)
         if times and times[-1] > now:
             now = int(times[-1])
         recent = [t for t in times if t > now - self.period]
@@ -231,7 +231,7 @@ return {1, now, 0, 0}
         )
 
     def describe(self, state: object, now: int) -> dict[str, object]:
-        paused, numbers = self.parse(state)
+        paused, numbers = (0, []) if state is None else self.parse(state)
         interval = self.period / self.rate.count
         tat = max(numbers[0] if numbers else now, now)
         tolerance = (self.burst - 1) * interval

@@ -170,10 +170,10 @@ class RateLimiter:
         }
         if self.kind.name == "smooth":
             shown["burst"] = self.kind.burst
-        if found is None:
-            shown["state"] = "no admissions remembered"
-            return shown
-        value, now = found
+        # The same fields whatever the state: a limit with none remembered is
+        # described as one that admitted nothing.
+        value, now = (None, store.now_ms()) if found is None else found
+        shown["state"] = "no admissions remembered" if found is None else "remembered"
         shown.update(self.kind.describe(value, now))
         return shown
 
