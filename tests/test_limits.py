@@ -539,3 +539,26 @@ def test_an_idle_limit_shows_the_same_fields_as_a_used_one(any_store, settings, 
         assert idle["burst left"] == used["burst left"] + 1
     assert idle["next admission in"] == 0.0 and idle["paused for"] == 0.0
     limiter.reset()
+
+
+def test_the_command_reads_a_declared_rate(any_store):
+    import json
+
+    from django_tasklock import rate_limited
+    from tests import tasks  # declares tests.limited-smooth: 4/s, smooth, burst 2
+
+    assert tasks.limited_smooth is not None
+
+    @rate_limited("7/h", name="cmd-keyed", key="tenant")
+    def per_tenant(tenant):
+        return tenant
+
+    shown = json.loads(_command("tests.limited-smooth", "--json"))
+    assert (shown["rate"], shown["kind"], shown["burst"]) == ("4/s", "smooth", 2)
+    keyed = json.loads(_command("cmd-keyed-0123abcd", "--json"))
+    assert (keyed["limit"], keyed["rate"]) == ("cmd-keyed-0123abcd", "7/h")
+    # Given options still win, and an undeclared id still needs its rate.
+    assert (
+        json.loads(_command("cmd-keyed-x", "--kind", "smooth", "--json"))["kind"]
+        == "smooth"
+    )

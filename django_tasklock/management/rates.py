@@ -4,7 +4,9 @@ operator does to one: pause it (a partner asked for a break) and reset it.
 ::
 
     manage.py tasklock rate partner-api                 # a TASKLOCK['RATE_LIMITS'] name
-    manage.py tasklock rate feeds.fetch --rate 10/m     # any limit id, with its rate
+    manage.py tasklock rate feeds.fetch                 # a @rate_limited task's
+    manage.py tasklock rate feeds.fetch-<digest>        # ... one of its keyed limits
+    manage.py tasklock rate other --rate 10/m           # any limit id, with its rate
     manage.py tasklock rate partner-api --pause 30
     manage.py tasklock rate partner-api --reset
 """
@@ -16,6 +18,7 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
+from ..conf import settings
 from ..exceptions import LockBackendError, LockConfigurationError
 from ..limits.limiter import RateLimiter
 
@@ -26,8 +29,15 @@ def add_rate_parser(actions: Any) -> None:
     rate: CommandParser = actions.add_parser(
         "rate", help="A rate limit's state; --pause or --reset it."
     )
-    rate.add_argument("limit_id", help="The limit id (a RATE_LIMITS name, or any).")
-    rate.add_argument("--rate", help='Its rate ("10/m"), unless RATE_LIMITS names it.')
+    rate.add_argument(
+        "limit_id",
+        help="The limit id: a RATE_LIMITS name, a @rate_limited name (or one of "
+        "its keyed limits, <name>-<digest>), or any with --rate.",
+    )
+    rate.add_argument(
+        "--rate",
+        help='Its rate ("10/m"), unless declared (RATE_LIMITS, @rate_limited).',
+    )
     rate.add_argument("--kind", choices=("window", "smooth"))
     rate.add_argument("--burst", type=int)
     rate.add_argument("--cache", help="The CACHES alias (default: TASKLOCK's).")
@@ -39,15 +49,39 @@ def add_rate_parser(actions: Any) -> None:
                         help="Forget its admissions and any pause.")  # fmt: skip
 
 
+def _declared(limit_id: str) -> RateLimiter | None:
+    """The limiter a ``@rate_limited`` of the installed apps declares under
+    ``limit_id`` (its name, or a keyed limit's ``<name>-<digest>``), with the
+    declared rate; None if none does."""
+    from ..checks import _import_task_modules
+    from ..limits.decorator import DECLARED
+
+    _import_task_modules()
+    limits = DECLARED.get(limit_id)
+    if limits is None:
+        # A keyed limit's id: the longest declared name it extends.
+        names = [n for n in DECLARED if limit_id.startswith(n + "-")]
+        limits = DECLARED[max(names, key=len)] if names else None
+    return None if limits is None else limits._make(limit_id)
+
+
 def rate_action(stdout: Any, options: dict[str, Any]) -> None:
     try:
-        limiter = RateLimiter(
-            options["limit_id"],
-            options["rate"],
-            kind=options["kind"],
-            burst=options["burst"],
-            cache=options["cache"],
-        )
+        limit_id = options["limit_id"]
+        declared = None
+        if options["rate"] is None and limit_id not in settings.rate_limit_names():
+            declared = _declared(limit_id)
+        overrides = [options[name] for name in ("kind", "burst", "cache")]
+        if declared is not None and overrides == [None, None, None]:
+            limiter = declared
+        else:
+            limiter = RateLimiter(
+                limit_id,
+                options["rate"] if declared is None else declared.rate,
+                kind=options["kind"],
+                burst=options["burst"],
+                cache=options["cache"],
+            )
         if options["pause"] is not None:
             left = limiter.pause(options["pause"])
             stdout.write(
