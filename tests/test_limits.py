@@ -545,6 +545,7 @@ def test_the_command_reads_a_declared_rate(any_store):
     import json
 
     from django_tasklock import rate_limited
+    from django_tasklock.limits.decorator import DECLARED
     from tests import tasks  # declares tests.limited-smooth: 4/s, smooth, burst 2
 
     assert tasks.limited_smooth is not None
@@ -553,12 +554,13 @@ def test_the_command_reads_a_declared_rate(any_store):
     def per_tenant(tenant):
         return tenant
 
-    shown = json.loads(_command("tests.limited-smooth", "--json"))
-    assert (shown["rate"], shown["kind"], shown["burst"]) == ("4/s", "smooth", 2)
-    keyed = json.loads(_command("cmd-keyed-0123abcd", "--json"))
-    assert (keyed["limit"], keyed["rate"]) == ("cmd-keyed-0123abcd", "7/h")
-    # Given options still win, and an undeclared id still needs its rate.
-    assert (
-        json.loads(_command("cmd-keyed-x", "--kind", "smooth", "--json"))["kind"]
-        == "smooth"
-    )
+    try:
+        shown = json.loads(_command("tests.limited-smooth", "--json"))
+        assert (shown["rate"], shown["kind"], shown["burst"]) == ("4/s", "smooth", 2)
+        keyed = json.loads(_command("cmd-keyed-0123abcd", "--json"))
+        assert (keyed["limit"], keyed["rate"]) == ("cmd-keyed-0123abcd", "7/h")
+        # Given options still win.
+        given = json.loads(_command("cmd-keyed-x", "--kind", "smooth", "--json"))
+        assert (given["rate"], given["kind"]) == ("7/h", "smooth")
+    finally:
+        DECLARED.pop("cmd-keyed", None)  # (declared here, for this test only)
