@@ -23,6 +23,8 @@ Ids are stable and documented in docs/reference/checks.rst:
 - E019 TASKLOCK['ON_LIMIT'] is not retry, raise, wait or skip.
 - E020 TASKLOCK['METRICS'] is not None or 'prometheus', or prometheus_client
   is not installed.
+- E021 a @rate_limited of an installed app's tasks has a rate, kind or burst
+  it cannot keep, or names a limit TASKLOCK['RATE_LIMITS'] does not define.
 - E015 CACHES is not set: Django's implicit default is a LocMemCache per
   process, so no lock is shared between worker processes.
 - E012 TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
@@ -116,7 +118,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if isinstance(alias, str) and alias:
         checked.add(alias)
         messages.extend(_check_cache(alias, protocol, "TASKLOCK['CACHE']"))
+    settings_ok = not messages
     messages.extend(_import_task_modules())
+    if settings_ok:  # (a limit is made from the settings: they must be sound)
+        messages.extend(_check_declared_limits())
     for named, users in sorted(named_aliases().items()):
         if named in checked:
             continue
@@ -139,6 +144,32 @@ def _setting_error(key: str, message: str) -> Error:
     return Error(
         message, hint=hint, id=_SETTING_IDS[key] if known else "django_tasklock.E001"
     )
+
+
+def _check_declared_limits() -> list[CheckMessage]:
+    """E021: each ``@rate_limited`` of an installed app's ``tasks`` module,
+    made as its first call would make it."""
+    from django.apps import apps
+
+    from .limits.decorator import DECLARED
+
+    modules = {f"{config.name}.tasks" for config in apps.get_app_configs()}
+    messages: list[CheckMessage] = []
+    for name, limits in sorted(DECLARED.items()):
+        if limits.module not in modules:
+            continue
+        try:
+            limits._make(name)
+        except (TypeError, ValueError) as exc:
+            messages.append(
+                Error(
+                    f"@rate_limited {name!r}: {exc}",
+                    hint="Fix its rate, kind or burst (or its TASKLOCK['RATE_LIMITS'] "
+                    "entry); every call of it would fail.",
+                    id="django_tasklock.E021",
+                )
+            )
+    return messages
 
 
 def _import_task_modules() -> list[CheckMessage]:

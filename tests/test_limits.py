@@ -564,3 +564,52 @@ def test_the_command_reads_a_declared_rate(any_store):
         assert (given["rate"], given["kind"]) == ("7/h", "smooth")
     finally:
         DECLARED.pop("cmd-keyed", None)  # (declared here, for this test only)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"rate": "20001/m"}, 'use kind="smooth"'),  # the window's maximum
+        ({"rate": "5/m", "burst": 0}, "burst must be a whole number"),
+        ({"rate": "5/m", "kind": "sliding"}, "kind must be one of"),
+        ({"rate": "1/0.0001s"}, "at least 1 millisecond"),
+    ],
+)
+def test_a_limit_it_cannot_keep_is_refused_at_decoration(options, says):
+    with pytest.raises(ValueError, match=says):
+        rate_limited(**options, on_limit="skip")
+
+
+def test_a_declared_limit_it_cannot_keep_is_a_check_error(settings):
+    from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
+
+    from django_tasklock.limits.decorator import DECLARED
+
+    # Accepted at decoration (the default kind then smooth), then the setting
+    # makes it a window, which cannot keep 20,001 a period.
+    settings.TASKLOCK = {**settings.TASKLOCK, "RATE_KIND": "smooth"}
+
+    def too_many():
+        return None
+
+    def undefined():
+        return None
+
+    # As if declared in an installed app's tasks module (the check looks
+    # there only, where Celery finds tasks).
+    too_many.__module__ = undefined.__module__ = "example_project.feeds.tasks"
+    rate_limited("20001/m", name="check-window", on_limit="skip")(too_many)
+    rate_limited(name="check-undefined", on_limit="skip")(undefined)
+
+    settings.TASKLOCK = {**settings.TASKLOCK, "RATE_KIND": "window"}
+    try:
+        with pytest.raises(SystemCheckError) as raised:
+            call_command("check")
+        said = str(raised.value)
+        assert said.count("django_tasklock.E021") == 2, said
+        assert "'check-window'" in said and "the window kind keeps" in said
+        assert "'check-undefined'" in said and "has no rate" in said
+    finally:
+        DECLARED.pop("check-window", None)
+        DECLARED.pop("check-undefined", None)

@@ -16,11 +16,13 @@ import logging
 from collections.abc import Callable
 from typing import Any, Final, Literal, TypeVar, cast
 
+from django.core.exceptions import ImproperlyConfigured
+
 from ..arguments import KeySpec, binder, call_digest
 from ..conf import LIMIT_POLICIES, settings
 from ..exceptions import RateLimited
 from ..options import check_key
-from .limiter import Admission, RateLimiter
+from .limiter import Admission, RateLimiter, make_kind
 from .rates import RateSpec, parse_rate
 
 __all__ = ["current_admission", "rate_limited"]
@@ -68,7 +70,7 @@ def rate_limited(
     ``TASKLOCK["WAIT_TIMEOUT"]``) and then raises; ``"skip"`` returns None and
     logs at INFO.
     """
-    _check_options(rate, name, on_limit)
+    _check_options(rate, name, on_limit, kind, burst)
 
     def decorate(func: F) -> F:
         signature = inspect.signature(func)
@@ -91,6 +93,7 @@ def rate_limited(
             binder(signature),
             parameters[0].name if takes_self else None,
         )
+        limits.module = func.__module__
         DECLARED[limits.base] = limits
         limiter_for = limits.for_call
 
@@ -125,12 +128,27 @@ def _task_of(args: tuple[Any, ...]) -> Any:
     return None
 
 
-def _check_options(rate: RateSpec | None, name: str | None, on_limit: object) -> None:
-    """Refuse at decoration what would fail at the first call."""
+def _check_options(
+    rate: RateSpec | None,
+    name: str | None,
+    on_limit: object,
+    kind: str | None,
+    burst: int | None,
+) -> None:
+    """Refuse at decoration what would fail at the first call (in a worker):
+    a rate, kind, burst or count the limit cannot keep. A named limit's own
+    entries are checked by ``manage.py check`` (E021) and at the first call."""
     if rate is None and name is None:
         raise TypeError('rate_limited needs a rate ("10/m"), a name=, or both.')
     if rate is not None:
-        parse_rate(rate)
+        parsed = parse_rate(rate)
+        chosen = kind
+        if chosen is None:
+            try:
+                chosen = settings.RATE_KIND
+            except ImproperlyConfigured:  # settings not ready: E021 checks it
+                chosen = "smooth"
+        make_kind(parsed, chosen, parsed.count if burst is None else burst)
     if on_limit is not None and on_limit not in LIMIT_POLICIES:
         raise ValueError(
             f"on_limit must be one of {', '.join(LIMIT_POLICIES)}, not {on_limit!r}."
@@ -155,6 +173,9 @@ class _Limits:
     ) -> None:
         self.base, self.given, self.key = base, given, key
         self.bind, self.self_name = bind, self_name
+        #: The module of the decorated function (checks look at installed
+        #: apps' tasks modules only).
+        self.module = ""
         self.limiters: dict[str, RateLimiter] = {}
 
     def for_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RateLimiter:

@@ -15,7 +15,7 @@ from . import store
 from .kinds import KINDS, Kind
 from .rates import MAX_WINDOW_COUNT, Rate, RateSpec, parse_rate
 
-__all__ = ["Admission", "RateLimiter"]
+__all__ = ["Admission", "RateLimiter", "make_kind"]
 
 logger = logging.getLogger("django_tasklock.limits")
 
@@ -67,21 +67,9 @@ class RateLimiter:
         self.limit_id = limit_id
         self.rate: Rate = parse_rate(named.get("rate", rate), name="rate")
         kind_name = kind or named.get("kind") or settings.RATE_KIND
-        if kind_name not in KINDS:
-            raise ValueError(
-                f"kind must be one of {', '.join(KINDS)}, not {kind_name!r}."
-            )
         if burst is None:
             burst = named.get("burst", self.rate.count)
-        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
-            raise ValueError(f"burst must be a whole number >= 1, not {burst!r}.")
-        if kind_name == "window" and self.rate.count > MAX_WINDOW_COUNT:
-            raise ValueError(
-                f"rate {self.rate}: the window kind keeps every admission of the "
-                f'last period, at most {MAX_WINDOW_COUNT}; use kind="smooth" for '
-                "higher counts."
-            )
-        self.kind: Kind = KINDS[kind_name](self.rate, burst)
+        self.kind: Kind = make_kind(self.rate, kind_name, burst)
         self._cache = cache or named.get("cache")
 
     def __repr__(self) -> str:
@@ -182,3 +170,19 @@ class RateLimiter:
         return bool(
             self._call("reset the rate limit", lambda b, k, _kind: store.reset(b, k))
         )
+
+
+def make_kind(rate: Rate, kind: object, burst: object) -> Kind:
+    """The kind ``kind`` of limit at ``rate``; ValueError saying what to write
+    for a kind, burst or count it cannot keep."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}.")
+    if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+        raise ValueError(f"burst must be a whole number >= 1, not {burst!r}.")
+    if kind == "window" and rate.count > MAX_WINDOW_COUNT:
+        raise ValueError(
+            f"rate {rate}: the window kind keeps every admission of the last "
+            f'period, at most {MAX_WINDOW_COUNT}; use kind="smooth" for higher '
+            "counts."
+        )
+    return KINDS[str(kind)](rate, burst)
