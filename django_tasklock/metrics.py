@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse
     from prometheus_client import CollectorRegistry
 
-__all__ = ["LockMetrics", "install", "metrics_view", "task_label"]
+__all__ = ["LockMetrics", "install", "limit_label", "metrics_view", "task_label"]
 
 #: Seconds: a lock wait is short, a hold may be long.
 WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
@@ -52,18 +52,40 @@ HOLD_BUCKETS: Final = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 600, 1800, 3600)
 _SUFFIXES: Final = ("-lock-", "-slot-", "-run-")
 
 
+#: The ``task`` label of a lock no task took (a bare ``Lock`` or
+#: ``memcache_lock``), of a bare ``Semaphore``'s slot, and of a rate limit that
+#: no ``@rate_limited`` and no ``RATE_LIMITS`` entry declares: one series
+#: each, whatever their ids, which an application may make per object.
+UNNAMED_LOCK: Final = "(lock)"
+UNNAMED_SEMAPHORE: Final = "(semaphore)"
+UNNAMED_LIMIT: Final = "(limit)"
+
+
 def task_label(lock: Any, lock_id: str) -> str:
-    """The ``task`` label of a lock: the task (or function) that took it,
-    else its semaphore's name, else its lock id up to ``-lock-``."""
+    """The ``task`` label of a lock: the task (or function) that took it, or
+    the task named in a lock id made as the recipe makes them
+    (``<task>-lock-<digest>``); else a fixed label, never the lock id."""
     about = getattr(lock, "about", None)
     if about is not None:
         return str(about[0] if isinstance(about, tuple) else about.name)
-    slot_of = getattr(lock, "slot_of", None)
-    if slot_of is not None:
-        return str(slot_of)
+    if getattr(lock, "slot_of", None) is not None:
+        return UNNAMED_SEMAPHORE
     for suffix in _SUFFIXES:
-        lock_id = lock_id.partition(suffix)[0]
-    return lock_id
+        named, found, _ = lock_id.partition(suffix)
+        if found and named:
+            return named
+    return UNNAMED_LOCK
+
+
+def limit_label(limit_id: str) -> str:
+    """The ``task`` label of a rate limit: its declared name (a keyed
+    limit's ``<name>-<digest>`` counts under ``<name>``), else a fixed one."""
+    from .limits.decorator import DECLARED
+
+    if limit_id in DECLARED or limit_id in settings.rate_limit_names():
+        return limit_id
+    names = [name for name in DECLARED if limit_id.startswith(name + "-")]
+    return max(names, key=len) if names else UNNAMED_LIMIT
 
 
 def _cache(lock: Any) -> str:
@@ -114,6 +136,8 @@ class LockMetrics:
         from prometheus_client import REGISTRY, Counter, Histogram
 
         where = REGISTRY if registry is None else registry
+        #: The registry the metrics are in.
+        self.registry = where
         both = ["task", "cache"]
         self.acquisitions = Counter(
             "tasklock_acquisitions", "Locks taken.", both, registry=where
@@ -198,7 +222,7 @@ class LockMetrics:
         self.duplicates.labels(name, cache or settings.CACHE, action).inc()
 
     def on_rate_limited(self, sender: Any, *, limit_id: str, **_: Any) -> None:
-        self.rate_limited.labels(limit_id.partition(":")[0]).inc()
+        self.rate_limited.labels(limit_label(limit_id)).inc()
 
     _RECEIVERS: Final = (
         (lock_acquired, "on_acquired"),

@@ -102,9 +102,67 @@ def test_labels_are_task_names_never_lock_ids():
     assert task_label(lock, lock.lock_id) == "feeds.import_feed"
     lock.about = ("feeds.import_feed", (), {})
     assert task_label(lock, "anything") == "feeds.import_feed"
-    slot = Lock("reports-slot-2")
-    slot.slot_of = "reports"
-    assert task_label(slot, slot.lock_id) == "reports"
+    slot = Lock("reports-17-slot-2")
+    slot.slot_of = "reports-17"
+    assert task_label(slot, slot.lock_id) == "(semaphore)"
+    assert task_label(Lock("invoice-17"), "invoice-17") == "(lock)"
+
+
+def test_series_depend_on_what_is_declared_not_on_ids_or_arguments(
+    settings, producer_metrics
+):
+    from django_tasklock import RateLimiter, Semaphore, memcache_lock, rate_limited
+
+    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60, "LIVENESS": None}
+    for n in range(5000):
+        lock = Lock(f"invoice-{n}", expire=30)
+        assert lock.acquire() and lock.release()
+        with memcache_lock(f"export:{n}", "oid") as acquired:
+            assert acquired
+    for n in range(50):
+        semaphore = Semaphore(f"report-{n}", 2, expire=30)
+        assert semaphore.acquire() and semaphore.release()
+
+    @rate_limited("1/h", name="metrics-keyed", key="tenant", on_limit="skip")
+    def per_tenant(tenant):
+        return tenant
+
+    try:
+        for n in range(1000):
+            per_tenant(n)
+            per_tenant(n)  # refused: counted
+        for n in range(100):
+            undeclared = RateLimiter(f"user-{n}", "1/h")
+            undeclared.reset()
+            assert undeclared.admit() and not undeclared.admit()
+            undeclared.reset()
+    finally:
+        from django_tasklock.limits.decorator import DECLARED
+
+        DECLARED.pop("metrics-keyed", None)
+    series = {}
+    for metric in producer_metrics.registry.collect():
+        names = {
+            tuple(sorted(sample.labels.items()))
+            for sample in metric.samples
+            if not sample.name.endswith(("_created", "_bucket"))
+        }
+        series[metric.name] = names
+    tasks = {dict(labels)["task"] for labels in series["tasklock_acquisitions"]}
+    assert tasks == {"(lock)", "(semaphore)"}, tasks
+    limited = series["tasklock_rate_limited"]
+    assert {dict(labels)["task"] for labels in limited} == {"metrics-keyed", "(limit)"}
+    total = sum(len(names) for names in series.values())
+    print(f"series for 10,000 lock ids, 50 semaphores, 1,100 limit ids: {total}")
+    assert total <= 20, series
+    assert (
+        sample(
+            producer_metrics.registry,
+            "tasklock_rate_limited_total",
+            task="metrics-keyed",
+        )
+        == 1000
+    )
 
 
 def test_contentions_losses_and_store_errors_are_counted(settings, rf):
