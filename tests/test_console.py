@@ -330,3 +330,21 @@ def test_the_release_page_answers_any_query_string_without_a_server_error(
             assert answer.status_code in (200, 302, 404), (query, answer.status_code)
     unknown = admin_client.get(CONSOLE + "release/", {"lock_id": "x", "alias": "nope"})
     assert unknown.status_code == 404
+
+
+from tests.celery_app import app  # noqa: E402
+
+
+@app.task(bind=True)
+@single_instance(key="tenant", limit=2, expire=60)
+def slot_report(self, tenant):
+    """Returns its own slot's roster entries, as listed while it runs."""
+    wait_until(lambda: [e for e in take_inventory(["default"]).listed()
+                        if e.entry.kind == "slot" and e.entry.call_id], 10)  # fmt: skip
+    return [e.entry for e in take_inventory(["default"]).listed() if e.entry.call_id]
+
+
+def test_a_slot_held_by_a_call_shows_its_task_id_and_is_found_by_it(settings):
+    entries = slot_report.apply(args=("acme",), task_id="call-in-a-slot").get()
+    assert [(e.kind, e.call_id) for e in entries] == [("slot", "call-in-a-slot")]
+    assert entries[0].task == slot_report.name

@@ -156,7 +156,8 @@ def entry_of(lock: Any, wall_offset: float, runs: dict[int, Any]) -> Entry:
         kind="lock" if slot is None else "slot",
         task=task or (slot or lock.lock_id),
         args=args,
-        call_id=getattr(lock, "call_id", None),
+        # (A semaphore's slot names no call in its token: its run does.)
+        call_id=getattr(lock, "call_id", None) or getattr(about, "call_id", None),
         since=(lock.acquired_at or 0.0) + wall_offset,
         renews=getattr(lock, "_heartbeat", None) is not None,
     )
