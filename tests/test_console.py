@@ -348,3 +348,24 @@ def test_a_slot_held_by_a_call_shows_its_task_id_and_is_found_by_it(settings):
     entries = slot_report.apply(args=("acme",), task_id="call-in-a-slot").get()
     assert [(e.kind, e.call_id) for e in entries] == [("slot", "call-in-a-slot")]
     assert entries[0].task == slot_report.name
+
+
+def test_a_lock_on_any_server_of_a_pool_is_listed(settings):
+    # The roster is kept by the thread of the record on the pool's first
+    # server: a process whose locks are all on another server starts it too.
+    from django_tasklock.backends import backend_for
+
+    settings.TASKLOCK = {"CACHE": "pair", "LOCK_EXPIRE": 60, "LIVENESS": 3}
+    backend = backend_for("pair")
+    first = backend.record_places()[0]
+    lock_id = next(
+        f"on-another-server-{n}"
+        for n in range(100)
+        if backend.record_place(backend.keys_for(f"on-another-server-{n}")[0]) != first
+    )
+    lock = Lock(lock_id, expire=30)
+    assert lock.acquire()
+    try:
+        wait_until(lambda: listed(lock_id, "pair"), 10)
+    finally:
+        lock.release()

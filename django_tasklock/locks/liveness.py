@@ -208,6 +208,8 @@ class Record:
         trouble. Never waits on the thread, whose write may hang on a server
         that stopped answering."""
         self.start()
+        if self is not self.records.keeper:
+            self.records.start()  # the roster's thread lists this lock
         if time.monotonic() < self.due:
             return True
         try:
