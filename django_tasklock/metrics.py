@@ -80,12 +80,12 @@ def task_label(lock: Any, lock_id: str) -> str:
 def limit_label(limit_id: str) -> str:
     """The ``task`` label of a rate limit: its declared name (a keyed
     limit's ``<name>-<digest>`` counts under ``<name>``), else a fixed one."""
-    from .limits.decorator import DECLARED
+    from .limits.decorator import declared_limit
 
-    if limit_id in DECLARED or limit_id in settings.rate_limit_names():
+    if limit_id in settings.rate_limit_names():
         return limit_id
-    names = [name for name in DECLARED if limit_id.startswith(name + "-")]
-    return max(names, key=len) if names else UNNAMED_LIMIT
+    limits = declared_limit(limit_id)
+    return UNNAMED_LIMIT if limits is None else limits.base
 
 
 def _cache(lock: Any) -> str:

@@ -160,6 +160,17 @@ def _check_options(
 DECLARED: dict[str, _Limits] = {}
 
 
+def declared_limit(limit_id: str) -> _Limits | None:
+    """The ``@rate_limited`` whose limit ``limit_id`` is: by its name, or for
+    a keyed limit's ``<name>-<digest>`` the longest declared name it extends;
+    None if none is."""
+    limits = DECLARED.get(limit_id)
+    if limits is None:
+        names = [name for name in DECLARED if limit_id.startswith(name + "-")]
+        limits = DECLARED[max(names, key=len)] if names else None
+    return limits
+
+
 class _Limits:
     """The limiters of one decorated function, by limit id (its calls' keys)."""
 

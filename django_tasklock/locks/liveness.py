@@ -274,9 +274,13 @@ class Record:
                     "(%s: %s); contenders on other hosts may take this "
                     "process's locks there %.0fs after its last renewal, and "
                     "they are reported lost here then.",
-                    self.id, self.alias, self.place, type(exc).__name__, exc,
+                    self.id,
+                    self.alias,
+                    self.place,
+                    type(exc).__name__,
+                    exc,
                     self.bound,
-                )  # fmt: skip
+                )
             self._failing = True
         except Exception:  # a bug of ours must not stop the beat
             self._once("renewal", f"renewing liveness record {self.id!r}")

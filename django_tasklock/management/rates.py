@@ -54,14 +54,10 @@ def _declared(limit_id: str) -> RateLimiter | None:
     ``limit_id`` (its name, or a keyed limit's ``<name>-<digest>``), with the
     declared rate; None if none does."""
     from ..checks import _import_task_modules
-    from ..limits.decorator import DECLARED
+    from ..limits.decorator import declared_limit
 
     _import_task_modules()
-    limits = DECLARED.get(limit_id)
-    if limits is None:
-        # A keyed limit's id: the longest declared name it extends.
-        names = [n for n in DECLARED if limit_id.startswith(n + "-")]
-        limits = DECLARED[max(names, key=len)] if names else None
+    limits = declared_limit(limit_id)
     return None if limits is None else limits._make(limit_id)
 
 

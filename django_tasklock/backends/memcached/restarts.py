@@ -90,8 +90,13 @@ def _refuse(server: Any, run: tuple[int, int, str], uptime: int, was: str) -> No
             "empty: locks it held are gone while their holders may still run. "
             "New locks on it are refused for %.0fs more "
             "(TASKLOCK['RESTART_GRACE'] = %ss).",
-            _server_name(server), uptime, run[0], was, left, grace,
-        )  # fmt: skip
+            _server_name(server),
+            uptime,
+            run[0],
+            was,
+            left,
+            grace,
+        )
 
 
 class Restarts:
