@@ -10,7 +10,10 @@ try (a Celery retry included) look like a duplicate for a whole expiry.
 owner-checked (only while the store still holds this very token), as soon as the
 store answers, and goes on looking for a short grace period after that, because a
 command still queued on the old connection may be carried out a moment after the
-store's first answer on a new one.
+store's first answer on a new one. A look that waits on a store that never
+answers (no socket timeout) holds back no other store's tokens for long: after
+``STUCK`` seconds the next token gets a new thread, and the old one ends when
+its look does.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ STEP: Final = 0.1
 MAX_STEP: Final = 1.0
 #: At most this many tokens are watched; the oldest is dropped (and logged) first.
 LIMIT: Final = 10_000
+#: Seconds one look may take before a new token gets a thread of its own: a
+#: store that never answers (no socket timeout, a peer that vanished without a
+#: reset) must not keep every other token waiting behind it.
+STUCK: Final = 10.0
 
 
 @dataclass
@@ -53,6 +60,8 @@ _watched: list[_Watched] = []
 _mutex = threading.Lock()
 _thread: list[threading.Thread] = []
 _removed = [0]
+#: monotonic: when the watching thread last finished a look (or started).
+_progress = [0.0]
 
 
 def watch(lock_id: str, alias: str, protocol: str, key: str, token: str) -> None:
@@ -65,12 +74,31 @@ def watch(lock_id: str, alias: str, protocol: str, key: str, token: str) -> None
                 dropped.lock_id,
             )
         _watched.append(_Watched(lock_id, alias, protocol, key, token))
-        if not _thread:
-            thread = threading.Thread(
-                target=_run, name="tasklock-pending-removals", daemon=True
+        _ensure_thread()
+
+
+def _ensure_thread() -> None:
+    """Start the watching thread unless one runs and moves (under ``_mutex``).
+
+    A thread that died, or that has waited on one look for ``STUCK`` seconds,
+    is replaced; the replaced one ends when its look returns."""
+    now = time.monotonic()
+    if _thread:
+        running = _thread[0]
+        if running.is_alive() and now - _progress[0] < STUCK:
+            return
+        if running.is_alive():
+            logger.warning(
+                "The removal of locks of unknown fate has waited %.0fs on one "
+                "store; a new thread goes on with the others.",
+                now - _progress[0],
             )
-            _thread[:] = [thread]
-            thread.start()
+    thread = threading.Thread(
+        target=_run, name="tasklock-pending-removals", daemon=True
+    )
+    _thread[:] = [thread]
+    _progress[0] = now
+    thread.start()
 
 
 def forget() -> None:
@@ -132,15 +160,21 @@ def _look_safely(item: _Watched) -> bool:
 
 
 def _run() -> None:
+    me = threading.current_thread()
     step = STEP
     try:
         while True:
             with _mutex:
                 items = list(_watched)
-                if not items:
-                    _thread.clear()  # under the mutex: watch() starts a new one
+                if not items or not _thread or _thread[0] is not me:
+                    if _thread and _thread[0] is me:
+                        _thread.clear()  # under the mutex: watch() starts anew
                     return
-            done = [item for item in items if _look_safely(item)]
+            done = []
+            for item in items:
+                if _look_safely(item):
+                    done.append(item)
+                _progress[0] = time.monotonic()
             answered = any(item.answered_at is not None for item in items)
             with _mutex:
                 for item in done:
@@ -149,6 +183,9 @@ def _run() -> None:
             step = STEP if answered or done else min(step * 2, MAX_STEP)
             time.sleep(step)
     finally:
+        with _mutex:  # (ended by a bug: the next watch() starts a thread)
+            if _thread and _thread[0] is me:
+                _thread.clear()
         close_thread_connections()
 
 

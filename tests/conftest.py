@@ -13,12 +13,14 @@ from django.test import override_settings
 from tests.services import Memcached, Redis
 
 
-def wait_until(condition, limit: float = 30.0) -> float:
-    """Seconds until ``condition()`` held, polling every 5 ms."""
+def wait_until(condition, limit: float = 30.0, about=None) -> float:
+    """Seconds until ``condition()`` held, polling every 5 ms; ``about()``
+    says what the failure message should show of the state then."""
     started = time.monotonic()
     while not condition():
         if time.monotonic() - started > limit:
-            raise AssertionError(f"not within {limit}s")
+            shown = f": {about()}" if about is not None else ""
+            raise AssertionError(f"not within {limit}s{shown}")
         time.sleep(0.005)
     return time.monotonic() - started
 

@@ -30,9 +30,29 @@ def use_cache(settings, config, alias="lossy", **tasklock):
     settings.TASKLOCK = {"CACHE": alias, "LOCK_EXPIRE": 60, **tasklock}
 
 
+def watch_state() -> str:
+    """The background watch as a failed wait shows it: its thread, what it
+    watches, and where the thread is."""
+    import sys
+    import traceback
+
+    threads = list(pending._thread)
+    frames = sys._current_frames()
+    where = [
+        "".join(traceback.format_stack(frames[t.ident])[-6:])
+        for t in threads
+        if t.ident in frames
+    ]
+    return (
+        f"thread {threads} alive {[t.is_alive() for t in threads]}, "
+        f"{pending.pending_count()} watched, {pending.removed_count()} removed, "
+        f"last look {time.monotonic() - pending._progress[0]:.1f}s ago; at {where}"
+    )
+
+
 def wait_for_pending_watch(before: int) -> None:
     """Until the background watch has dealt with every token handed to it."""
-    wait_until(lambda: pending.pending_count() == 0)
+    wait_until(lambda: pending.pending_count() == 0, about=watch_state)
     assert pending.removed_count() >= before
 
 
@@ -99,7 +119,8 @@ def test_redis_replies_lost_until_the_caller_fails_leave_no_lock(own_redis, prox
     assert proxy.dropped >= 2
     store = direct(own_redis)
     assert store.exists(":1:unknown-fate") == 1, "the store never acted: no orphan"
-    wait_until(lambda: proxy.refused >= 1)  # the watch tried, and was cut off
+    # The watch tried, and was cut off.
+    wait_until(lambda: proxy.refused >= 1, about=watch_state)
     assert store.exists(":1:unknown-fate") == 1
     proxy.heal()
     gone_after = wait_until(lambda: store.exists(":1:unknown-fate") == 0)
@@ -137,7 +158,9 @@ def test_acquire_timed_out_on_a_paused_store_leaves_no_orphan(settings, kind):
         resumed = time.monotonic()
         key = caches["paused"].make_key("paused-lock")
         # The resumed store takes the lock for nobody; the watch removes it.
-        wait_until(lambda: pending.removed_count() > removed, limit=10)
+        wait_until(
+            lambda: pending.removed_count() > removed, limit=10, about=watch_state
+        )
         assert time.monotonic() - resumed < 10
         wait_for_pending_watch(removed + 1)
         assert not _exists(kind, server, key)
@@ -169,5 +192,49 @@ def test_release_whose_reply_was_lost_is_finished_in_the_background(
     assert direct(own_redis).exists(":1:release-lost") == 1
     # Reachable again (directly, as after a failover of the proxy): removed.
     use_cache(settings, {"BACKEND": REDIS, "LOCATION": own_redis.url})
-    gone = wait_until(lambda: direct(own_redis).exists(":1:release-lost") == 0)
+    gone = wait_until(
+        lambda: direct(own_redis).exists(":1:release-lost") == 0, about=watch_state
+    )
     assert gone < 5
+
+
+def test_a_store_that_never_answers_holds_back_no_other_removal(
+    settings, own_redis, monkeypatch
+):
+    """A look at a store that never answers (no socket timeout, a peer gone
+    without a reset) would keep every other token waiting behind it: after
+    ``STUCK`` seconds a new token gets a thread of its own."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nothing ever answers
+    monkeypatch.setattr(pending, "STUCK", 1.0)
+    settings.CACHES = {
+        **settings.CACHES,
+        "silent": {
+            "BACKEND": REDIS,
+            "LOCATION": f"redis://127.0.0.1:{silent.getsockname()[1]}/0",
+        },
+    }
+    use_cache(settings, {"BACKEND": REDIS, "LOCATION": own_redis.url})
+    try:
+        pending.watch("lost-there", "silent", "auto", ":1:lost-there", "a-token")
+        stuck = pending._thread[0]
+        # The look waits on the silent store's reply: nothing moves.
+        time_stuck = wait_until(lambda: time.monotonic() - pending._progress[0] > 1)
+        assert stuck.is_alive() and pending.pending_count() == 1, time_stuck
+        orphan = Lock("orphan")  # a token of unknown fate on a store that answers
+        assert orphan.acquire()
+        removed = pending.removed_count()
+        pending.watch("orphan", "lossy", "auto", ":1:orphan", orphan.token or "")
+        wait_until(
+            lambda: direct(own_redis).exists(":1:orphan") == 0,
+            limit=10,
+            about=watch_state,
+        )
+        assert pending.removed_count() == removed + 1
+        assert pending._thread[0] is not stuck
+    finally:
+        silent.close()  # the stuck look fails, and its thread ends
+        pending.forget()
