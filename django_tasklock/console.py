@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from django.conf import settings as django_settings
 
@@ -39,6 +39,10 @@ __all__ = [
 
 #: Kinds of entries, in the order the console filters them.
 KINDS = ("lock", "slot", "queued")
+#: A store server that started less than this many seconds ago may not list
+#: every held lock yet: each holder lists them again at its first beat (about
+#: a second) after it meets the restarted server.
+RELIST: Final = 10.0
 
 
 #: One entry as the rosters list it: (alias, lister's record id, lister's
@@ -86,6 +90,9 @@ class Inventory:
     processes: dict[str, int]
     failed: dict[str, str]
     full: list[str]
+    #: Why what is listed may be incomplete (a server that just restarted, a
+    #: store whose holders keep no roster), one sentence each.
+    incomplete: list[str] = dataclasses.field(default_factory=list)
 
     def listed(self) -> list[Listed]:
         """Every entry, as ``Listed``."""
@@ -150,6 +157,7 @@ def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
             continue
         if listing.full:
             inventory.full.append(alias)
+        inventory.incomplete += _incomplete(alias, backend)
         best: dict[str, Found] = {}
         records = set()
         for record, host, written, rows in listing.entries:
@@ -166,6 +174,30 @@ def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
         inventory.entries += best.values()
         inventory.processes[alias] = len(records)
     return inventory
+
+
+def _incomplete(alias: str, backend: Any) -> list[str]:
+    """Why the roster of ``alias`` may not list every held lock now."""
+    if not backend.record_places():
+        return [
+            f"Store {alias} keeps no liveness records (libmemcached picks each "
+            "key's server itself), so its holders list no locks here; "
+            "`manage.py tasklock status <lock id>` reads any one of them."
+        ]
+    try:
+        uptimes = backend.uptimes()
+    except backend.errors as exc:
+        return [
+            f"Could not tell whether store {alias} restarted lately "
+            f"({type(exc).__name__}: {exc}); if it did, some locks may be missing."
+        ]
+    return [
+        f"Server {server} of store {alias} started {uptime:.0f}s ago (restarted): "
+        "holders list their locks again within about a second of meeting it, "
+        "so some may be missing for now. Look again."
+        for server, uptime in sorted(uptimes.items())
+        if uptime < RELIST
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -217,6 +217,12 @@ class LockBackend(abc.ABC):
         """Remove the liveness record ``record_id`` at ``place``."""
         self.cache.delete(record_id)
 
+    def uptimes(self) -> dict[str, float]:
+        """Seconds each server of the store has run since it last started, by
+        its name, for the servers that tell (none, for stores that cannot);
+        raises ``errors`` when a server does not answer."""
+        return {}
+
     def read_many(self, keys: list[str]) -> dict[str, Any]:
         """The values of the cache keys ``keys`` (before Django makes them) that
         are stored; one round trip per server. Raises ``errors`` when a server

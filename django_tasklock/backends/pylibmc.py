@@ -37,6 +37,10 @@ __all__ = ["PyLibMCBackend"]
 _inherited: list[Any] = []
 
 
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class PyLibMCBackend(LockBackend):
     """Locks on the memcached servers of a PyLibMCCache alias."""
 
@@ -183,6 +187,15 @@ class PyLibMCBackend(LockBackend):
 
     def delete_record(self, place: object, record_id: str) -> None:
         self._mc.delete(self.key_for(record_id).encode())
+
+    def uptimes(self) -> dict[str, float]:
+        # One (server, stats) pair per server; libmemcached raises when one
+        # does not answer.
+        return {
+            _text(name).split(" ")[0]: float(_text(stats["uptime"]))
+            for name, stats in self._mc.get_stats()
+            if "uptime" in stats
+        }
 
     def peek(self, key: str) -> Peek | None:
         value, cas = self._mc.gets(key.encode())

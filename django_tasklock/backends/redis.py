@@ -188,6 +188,10 @@ class RedisBackend(LockBackend):
         key = self.key_for(record_id)
         self._redis(key).delete(key)
 
+    def uptimes(self) -> dict[str, float]:
+        info = self._redis("").info("server")
+        return {self._server(): float(info["uptime_in_seconds"])}
+
     def read_many(self, keys: list[str]) -> dict[str, Any]:
         if not keys:
             return {}

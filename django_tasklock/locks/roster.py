@@ -11,11 +11,16 @@ the task name, arguments and task id where they are known. More than ``CHUNK``
 entries spill into ``tasklock-roster:<n>:<i>`` items.
 
 What it costs: nothing on an acquire or a release. The liveness thread, once a
-beat, compares the held locks with those written last (a set comparison in
-memory) and rewrites the slot only when they changed, or when the slot nears
-its expiry (one ``set_many`` of about 150 bytes per entry, in the round trip
-that writes the record). Listing costs one ``get_many`` of the ``SLOTS`` slot
-keys and one of the spilled chunks, however large the cache.
+beat, reads its slot back (one ``get``) and compares the held locks with those
+written last (a set comparison in memory); it rewrites the slot only when they
+changed, when the slot nears its expiry (one ``set_many`` of about 150 bytes per
+entry, in the round trip that writes the record), or when the slot is no longer
+its own: gone (a restarted or flushed store, an eviction) or claimed by another
+process since. It then claims a slot again and writes it at that beat, so what
+a process holds is listed again within a beat of a restart; a slot another
+process took is never written over, nor deleted at exit. Listing costs one
+``get_many`` of the ``SLOTS`` slot keys and one of the spilled chunks, however
+large the cache.
 
 A slot outlives its process for as long as any lock it lists may: a SIGKILLed
 worker's locks stay listed (with their holder judged dead) until they are
@@ -191,6 +196,8 @@ class Roster:
         #: Wall clock: when the slot must be written again at the latest.
         self.renew_by = 0.0
         self.full_warned = False
+        #: How many times the slot was found gone or taken, and claimed again.
+        self.reclaimed = 0
 
     def note_mark(self, key: str, entry: Entry, life: float) -> None:
         """Remember a mark this process published (listed at the next beat);
@@ -216,6 +223,8 @@ class Roster:
         runs = self.runs
         for ident in [ident for ident in runs if ident not in tokens]:
             runs.pop(ident, None)
+        if self.slot is not None and self.slot >= 0 and not self._still_ours(backend):
+            self._lost_slot()
         if (
             self.slot is not None
             and tokens == self.listed
@@ -262,6 +271,30 @@ class Roster:
             )
         self.chunks = len(chunks)
 
+    def _still_ours(self, backend: LockBackend) -> bool:
+        """Whether the store still keeps this process's slot, written by it
+        (or claimed and not yet written); raises ``backend.errors``."""
+        assert self.slot is not None
+        key = slot_key(self.slot)
+        head = _load(backend.read_many([key]).get(key))
+        if not isinstance(head, dict):
+            return False
+        # ("{}": claimed by this process, whose first write failed.)
+        return head.get("record") == self.record_id or (not head and self.chunks == 0)
+
+    def _lost_slot(self) -> None:
+        """Forget a slot the store no longer keeps for this process: never
+        written again nor deleted (it may be another process's now)."""
+        logger.info(
+            "Roster slot %s of %r in cache %r was gone or taken (the store "
+            "restarted, was flushed or evicted it): listing its locks again",
+            self.slot,
+            self.record_id,
+            self.alias,
+        )
+        self.slot, self.chunks, self.listed = None, 0, {}
+        self.reclaimed += 1
+
     def _claim(self, backend: LockBackend) -> int:
         """Take a free slot (``add``): the first free one this process sees."""
         taken = backend.read_many([slot_key(slot) for slot in range(SLOTS)])
@@ -281,9 +314,9 @@ class Roster:
         return -1
 
     def leave(self, backend: LockBackend) -> None:
-        """Delete the slot (the process is on its way out); raises
-        ``backend.errors``."""
-        if self.slot is not None and self.slot >= 0:
+        """Delete the slot, if it is still this process's (the process is on
+        its way out); raises ``backend.errors``."""
+        if self.slot is not None and self.slot >= 0 and self._still_ours(backend):
             backend.cache.delete_many(
                 [slot_key(self.slot, i) for i in range(max(self.chunks, 1))]
             )

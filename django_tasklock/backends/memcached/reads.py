@@ -3,12 +3,13 @@ key, for how long, and the server a key goes to (the base of the backend)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from pymemcache.exceptions import MemcacheError
+from pymemcache.exceptions import MemcacheError, MemcacheUnknownCommandError
 
 from ..base import Hold, LockBackend, Peek
-from .wire import MemcachedHold, Wire, _ttl_of, _wire_key
+from .wire import MemcachedHold, Wire, _read_stats, _server_name, _ttl_of, _wire_key
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -53,7 +54,9 @@ class MemcachedReads(LockBackend):
             by_client.setdefault(self._client(key), []).append(key)
         found: dict[str, Any] = {}
         for client, its_keys in by_client.items():
-            found.update(client.get_many(its_keys))
+            found.update(
+                self.wire.once_more(client, partial(client.get_many, its_keys))
+            )
         return found
 
     def held_many(self, keys: list[str]) -> list[bool]:
@@ -101,6 +104,17 @@ class MemcachedReads(LockBackend):
     def delete_record(self, place: object, record_id: str) -> None:
         client, key = self._at(place), self.key_for(record_id)
         self.wire.once_more(client, lambda: client.delete(key, noreply=False))
+
+    def uptimes(self) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for client in self._servers():
+            try:
+                stats = self.wire.once_more(client, partial(_read_stats, client))
+            except MemcacheUnknownCommandError:
+                continue  # a proxy without stats: it cannot tell
+            if b"uptime" in stats:
+                found[_server_name(client.server)] = float(stats[b"uptime"])
+        return found
 
     def ttl(self, key: str) -> float | None:
         # Only the meta protocol can read an item's remaining time, so this is
