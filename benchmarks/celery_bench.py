@@ -22,7 +22,7 @@ django.setup()
 
 import redis  # noqa: E402
 from celery import Celery  # noqa: E402
-from celery.signals import task_postrun  # noqa: E402
+from celery.signals import task_postrun, task_prerun  # noqa: E402
 from celery_once import QueueOnce  # noqa: E402
 from celery_singleton import Singleton  # noqa: E402
 
@@ -200,13 +200,27 @@ def hammer_limit(
 
 
 def _ran(kind: str, n: int) -> None:
-    """Record a run: its argument and when it was let in (the limit's time of
-    admission under @rate_limited, else now)."""
-    from django_tasklock import current_admission
+    """Record a run: its argument and when its body started (the same for
+    Celery's rate_limit and @rate_limited, so their busiest seconds compare)."""
+    _counter_client().rpush(f"{RATE_RUNS}:{kind}", json.dumps([n, time.time()]))
 
-    admission = current_admission()
-    at = time.time() if admission is None else admission.at
-    _counter_client().rpush(f"{RATE_RUNS}:{kind}", json.dumps([n, at]))
+
+#: Deliveries of the calls of the rate-limit benchmark, by kind: a call sent
+#: again for its turn is delivered once more.
+DELIVERIES = "bench:rate-deliveries"
+_DELIVERED_KINDS = {
+    "benchmarks.celery_bench.calls_window": "window",
+    "benchmarks.celery_bench.calls_smooth": "smooth",
+    "benchmarks.celery_bench.limiter_beside_celery": "limiter",
+    "benchmarks.celery_bench.celery_rate_limited": "celery",
+}
+
+
+@task_prerun.connect
+def count_delivery(sender: Any = None, **kwargs: Any) -> None:
+    kind = _DELIVERED_KINDS.get(getattr(sender, "name", ""))
+    if kind is not None:
+        _counter_client().incr(f"{DELIVERIES}:{kind}")
 
 
 @app.task(bind=True, max_retries=0)

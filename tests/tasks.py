@@ -11,7 +11,7 @@ import os
 import time
 
 import redis
-from celery.signals import task_postrun
+from celery.signals import task_postrun, task_prerun
 
 from django_tasklock import Lock, current_lock, rate_limited, single_instance
 from tests.celery_app import app
@@ -44,6 +44,29 @@ def _record_ignored(task_id: str | None = None, state: str | None = None, **_):
     if state == "IGNORED" and task_id and os.environ.get("TASKLOCK_TEST_REDIS"):
         with _redis() as client:
             client.rpush("ignored", task_id)
+
+
+def deliveries(task_ids: list[str]) -> tuple[int, int]:
+    """(deliveries begun, deliveries ended) of the calls ``task_ids``, in
+    every worker process: a call sent again is delivered once more."""
+    with _redis() as client:
+        begun = client.hmget("delivered", task_ids)
+        ended = client.hmget("ended", task_ids)
+    return sum(int(n or 0) for n in begun), sum(int(n or 0) for n in ended)
+
+
+@task_prerun.connect
+def _count_delivery(task_id: str | None = None, **_):
+    if task_id and os.environ.get("TASKLOCK_TEST_REDIS"):
+        with _redis() as client:
+            client.hincrby("delivered", task_id, 1)
+
+
+@task_postrun.connect
+def _count_end(task_id: str | None = None, **_):
+    if task_id and os.environ.get("TASKLOCK_TEST_REDIS"):
+        with _redis() as client:
+            client.hincrby("ended", task_id, 1)
 
 
 def forget_runs() -> None:
@@ -426,6 +449,12 @@ def limited_window(self, key, n):
 @rate_limited("4/s", name="tests.limited-smooth", kind="smooth", burst=2,
               cache="redis")  # fmt: skip
 def limited_smooth(self, key, n):
+    return _limited(self, key, n)
+
+
+@app.task(bind=True, max_retries=0)
+@rate_limited("10/s", name="tests.limited-backlog")
+def limited_backlog(self, key, n):
     return _limited(self, key, n)
 
 

@@ -96,14 +96,25 @@ def test_rate_limit_quick_run_counts_no_violation_and_no_lost_call():
         # table, from a full run alone on the machine, shows how much).
         assert float(share) > 50, (kind, store)
     calls = re.findall(
-        r"^\s+@rate_limited, (window|smooth)\s+(\d+)/60\s+(\d+)$", out, re.M
+        r"^\s+@rate_limited, (window|smooth)\s+(\d+)/60\s+(\d+)\s+([\d.]+)$",
+        out,
+        re.M,
     )
-    assert calls == [("window", "60", "0"), ("smooth", "60", "0")], out
+    assert [call[:3] for call in calls] == [
+        ("window", "60", "0"),
+        ("smooth", "60", "0"),
+    ], out
+    # A backlog is sent again once per call, for its own turn (the storm
+    # allows no fewer than 1 + 40/60 here), not once per refusal.
+    assert all(float(call[3]) <= 2.0 for call in calls), out
     celery = re.search(r'Celery rate_limit="10/s"\s+(\d+)$', out, re.M)
     ours = re.search(r'@rate_limited\("10/s"\)\s+(\d+)$', out, re.M)
     assert celery and ours, out
-    # Per worker: two workers let twice the rate through; the limiter, its rate.
-    assert int(ours.group(1)) <= 10 < int(celery.group(1))
+    # Per worker: two workers let twice the rate through; the limiter, its
+    # rate (counted on body starts, which lag their admission by a few ms
+    # each, more on a busy machine, so one second of them may hold one or
+    # two more; the exactness rows check the admissions themselves).
+    assert int(ours.group(1)) <= 12 < int(celery.group(1))
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from django_tasklock import (
     rate_limited,
 )
 from django_tasklock.exceptions import LockBackendError, LockConfigurationError
-from django_tasklock.limits.kinds import Smooth, Window
+from django_tasklock.limits.kinds import Smooth, Turns, Window
 from django_tasklock.limits.rates import Rate, parse_rate
 from django_tasklock.signals import rate_limit_paused, rate_limit_refused
 from tests.limits_helpers import (
@@ -107,6 +107,37 @@ def test_window_never_goes_back_in_time():
     assert not window.decide(late.state, 4_500).admitted
 
 
+def test_smooth_never_goes_back_in_time():
+    """A clock behind the last admission (another host's, 4 s behind) is
+    judged at that admission's time: its refusal names the wait from then."""
+    smooth = Smooth(Rate(1, 1), burst=2)  # one a second, bursts of 2
+    first = smooth.decide(None, 5_000)
+    late = smooth.decide(first.state, 1_000)
+    assert late.admitted and late.at == 5_000
+    again = smooth.decide(late.state, 1_000)
+    assert not again.admitted and again.at == 5_000 and again.retry_after == 1.0
+
+
+def test_smooth_pause_refuses_until_it_ends():
+    smooth = Smooth(Rate(5, 1), burst=5)
+    state, _ttl = smooth.pause(None, 1_000, 30)
+    verdict = smooth.decide(state, 2_000)
+    assert not verdict.admitted and verdict.paused and verdict.retry_after == 29
+    assert smooth.decide(state, 31_000).admitted
+
+
+def test_turns_of_refused_calls_are_spread_at_the_limits_pace():
+    turns = Turns(Rate(10, 1), after=0.5)  # turns 100 ms apart
+    state, got = None, []
+    for now in (0, 0, 10, 20):
+        verdict = turns.decide(state, now)
+        state = verdict.state
+        got.append((verdict.at, verdict.retry_after))
+    assert got == [(500, 0.5), (600, 0.6), (700, 0.69), (800, 0.78)]
+    # A queue whose turns have all come starts again from now.
+    assert turns.decide(state, 5_000).at == 5_500
+
+
 def test_smooth_spaces_admissions_and_allows_a_burst():
     smooth = Smooth(Rate(10, 10), burst=3)  # one a second, bursts of 3
     state, times = None, []
@@ -163,8 +194,9 @@ def test_admits_the_rate_then_refuses_with_when_to_come_back(any_store, kind):
     limiter.reset()
 
 
-def test_pause_stops_every_process_and_is_signalled(any_store):
-    limiter = RateLimiter("paused", "100/s")
+@pytest.mark.parametrize("kind", ["window", "smooth"])
+def test_pause_stops_every_process_and_is_signalled(any_store, kind):
+    limiter = RateLimiter("paused", "100/s", kind=kind)
     limiter.reset()
     seen: list[dict[str, object]] = []
 
@@ -175,7 +207,7 @@ def test_pause_stops_every_process_and_is_signalled(any_store):
     rate_limit_refused.connect(receiver)
     try:
         assert 29 < limiter.pause(30) <= 30
-        refused = RateLimiter("paused", "100/s").admit()  # another object
+        refused = RateLimiter("paused", "100/s", kind=kind).admit()  # another
         assert not refused and refused.paused and 29 < refused.retry_after <= 30
     finally:
         rate_limit_paused.disconnect(receiver)
@@ -187,6 +219,21 @@ def test_pause_stops_every_process_and_is_signalled(any_store):
     assert seen[1]["paused"] is True
     assert limiter.state()["paused for"] > 29  # type: ignore[operator]
     limiter.reset()
+
+
+def test_every_store_hands_each_refused_call_a_turn_of_its_own(any_store):
+    limiter = RateLimiter("turns", "10/s")
+    limiter.reset()
+    try:
+        waits = [limiter.turn(1.0) for _ in range(5)]
+        assert 0.9 < waits[0] <= 1.0
+        # Each 0.1 s after the one before, less the time the asking took.
+        gaps = [b - a for a, b in itertools.pairwise(waits)]
+        assert all(0.05 < gap <= 0.101 for gap in gaps), gaps
+        assert limiter.reset() is False  # (turns are no admissions)
+        assert 0.9 < limiter.turn(1.0) <= 1.0, "reset left the queue"
+    finally:
+        limiter.reset()
 
 
 def test_wait_comes_back_when_told(any_store):
@@ -494,9 +541,10 @@ def test_periods_up_to_30_days_are_kept_on_every_store(
         limiter.reset()
 
 
+@pytest.mark.parametrize("kind", ["window", "smooth"])
 @pytest.mark.parametrize(("rate", "days"), [("5/h", 30), ("3/d", 29.5)])
-def test_pauses_up_to_30_days_are_kept_on_every_store(any_store, rate, days):
-    limiter = RateLimiter(f"long-pause-{rate}", rate)
+def test_pauses_up_to_30_days_are_kept_on_every_store(any_store, rate, days, kind):
+    limiter = RateLimiter(f"long-pause-{rate}", rate, kind=kind)
     limiter.reset()
     try:
         seconds = days * 24 * 3600

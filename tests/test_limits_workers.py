@@ -8,6 +8,7 @@ import pytest
 
 from django_tasklock import RateLimiter
 from tests import tasks
+from tests.conftest import wait_until
 from tests.limits_helpers import smooth_violations, window_violations
 from tests.test_celery_workers import broker  # noqa: F401
 from tests.workers import start_workers, stop_workers
@@ -55,3 +56,31 @@ def test_a_rate_limit_above_an_enqueue_time_lock_loses_no_call(workers):
     runs = tasks.runs(key)
     assert sorted(run["n"] for run in runs) == list(range(6)), "ran twice or never"
     assert window_violations([int(run["at"]) for run in runs], 2, 1000) == 0  # type: ignore[call-overload]
+
+
+def test_a_backlog_is_sent_again_once_per_call_and_keeps_its_final_state(workers):
+    """Sixty calls at once over a 10/s limit: each refused call is sent again
+    for its own turn (not all for the moment the refusal named, to be refused
+    again but for ten), and the state each call ends in is its last run's: a
+    refused delivery's RETRY never lands after the SUCCESS of the call's run."""
+    from celery.result import AsyncResult
+
+    from tests.celery_app import app
+
+    RateLimiter("tests.limited-backlog", "10/s").reset()
+    key = "limited-backlog"
+    sent = [tasks.limited_backlog.delay(key, n) for n in range(60)]
+    assert sorted(result.get(timeout=90) for result in sent) == list(range(60))
+    runs = tasks.runs(key)
+    assert sorted(run["n"] for run in runs) == list(range(60)), "ran twice or never"
+    times = [int(run["at"]) for run in runs]  # type: ignore[call-overload]
+    assert window_violations(times, 10, 1000) == 0
+    ids = [result.id for result in sent]
+    # Every delivery over: each refused one sent its call again before it
+    # ended, and every call has run, so none is still to come.
+    wait_until(lambda: tasks.deliveries(ids)[1] == tasks.deliveries(ids)[0], 30)
+    delivered = tasks.deliveries(ids)[0]
+    print(f"60 calls over 10/s: {delivered} deliveries, {delivered / 60:.2f} per call")
+    assert delivered <= 2 * 60, f"{delivered} deliveries for 60 calls"
+    states = [AsyncResult(task_id, app=app).state for task_id in ids]
+    assert states == ["SUCCESS"] * 60, [s for s in states if s != "SUCCESS"]

@@ -1,8 +1,9 @@
 """``@rate_limited``: at most N runs of a task per period, across every worker.
 
 A run is admitted as it starts. One over the limit is never dropped silently:
-by default the call is sent again to run at the time the refusal names (not in
-a tight loop, and not counted against the task's ``max_retries``); ``raise``,
+by default the call is sent again for its own turn (not in a tight loop, not all
+at the moment the refusal names, and not counted against the task's
+``max_retries``); ``raise``,
 ``wait`` (up to a timeout, then raise) and ``skip`` (logged at INFO) are there
 when asked for.
 """
@@ -267,16 +268,23 @@ def _wait(
 def _retry(
     limiter: RateLimiter, admission: Admission, args: tuple[Any, ...], *_: Any
 ) -> Any:
-    """Send the call again, to run when the limit said it could admit one: a
-    new message with the same task id, arguments and retry count, and Celery's
-    ``Retry`` raised so that the worker records this run as a retry."""
+    """Send the call again, for its own turn in the queue of refused calls
+    (``RateLimiter.turn``: a backlog is spread at the limit's pace, not all
+    sent for the moment the refusal named): a new message with the same task
+    id, arguments and retry count. The call's state is set to ``RETRY`` before
+    the message goes, and this run ends with Celery's ``Ignore``, which stores
+    nothing: the state a later run stores is never written over by this one's
+    (Celery's ``Retry`` would write ``RETRY`` after the message went, and a
+    run of it quick enough to have finished by then kept that state for
+    good)."""
     task = args[0]
     request = getattr(task, "request", None)
     if request is None or request.called_directly or request.is_eager:
         raise RateLimited(limiter.limit_id, admission.retry_after)
-    from celery.exceptions import Retry
+    from celery.exceptions import Ignore
 
-    countdown = admission.retry_after
+    countdown = limiter.turn(admission.retry_after)
+    _note_retry(task, request, RateLimited(limiter.limit_id, countdown))
     again = task.signature_from_request(
         request, countdown=countdown, retries=request.retries
     )
@@ -288,7 +296,26 @@ def _retry(
         countdown,
         limiter.limit_id,
     )
-    raise Retry(when=countdown, sig=again)
+    raise Ignore()
+
+
+def _note_retry(task: Any, request: Any, reason: RateLimited) -> None:
+    """Store the ``RETRY`` state of a call about to be sent again, where the
+    task stores states (as Celery's own retry would); a result backend that
+    fails here is logged, and the call is sent again all the same."""
+    if getattr(task, "ignore_result", False) and not getattr(
+        task, "store_errors_even_if_ignored", False
+    ):
+        return
+    try:
+        task.backend.mark_as_retry(request.id, reason, request=request)
+    except Exception:
+        logger.warning(
+            "Could not store the RETRY state of %s[%s]; it is sent again anyway",
+            getattr(task, "name", "?"),
+            request.id,
+            exc_info=True,
+        )
 
 
 #: What a run over the limit does, by ``on_limit``.

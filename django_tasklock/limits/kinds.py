@@ -17,6 +17,13 @@ Times are whole milliseconds. A state is one short text per limit id:
 
 A clock that reads earlier than the last admission stored (another host's) is
 taken as that admission's time, so the stored times never go back.
+
+Beside a limit's state, ``Turns`` keeps the queue of calls it refused and that
+are sent again (``on_limit="retry"``): ``"q 0 <next>"``, the first free turn.
+A refused call takes the turn ``max(next, now + retry_after)`` and moves
+``next`` one ``period / count`` on, so a backlog is sent again spread at the
+limit's pace, in the order it was refused, instead of all for the same moment.
+A turn is no admission: the call is admitted (or refused again) when it comes.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple
 if TYPE_CHECKING:
     from .rates import Rate
 
-__all__ = ["KINDS", "Kind", "Smooth", "Verdict", "Window"]
+__all__ = ["KINDS", "Kind", "Smooth", "Turns", "Verdict", "Window"]
 
 
 class Verdict(NamedTuple):
@@ -58,7 +65,7 @@ class Kind:
         self.rate, self.burst = rate, burst
         self.period = round(rate.period * 1000)
 
-    def args(self) -> tuple[int, int, int]:
+    def args(self) -> tuple[float, ...]:
         return self.rate.count, self.period, self.burst
 
     def parse(self, state: object) -> tuple[int, list[float]]:
@@ -242,6 +249,64 @@ return {1, now, 0, 0}
                 (tat - tolerance - now) / 1000, (paused - now) / 1000, 0.0
             ),
             "paused for": max((paused - now) / 1000, 0.0),
+        }
+
+
+class Turns(Kind):
+    """The turns of refused calls sent again (see the module's docstring):
+    ``decide`` always grants one, ``at`` the turn and ``retry_after`` the
+    seconds until it."""
+
+    name = "turns"
+    tag = "q"
+    number = "{:.3f}"
+    lua = """
+local interval, after = tonumber(ARGV[1]), tonumber(ARGV[2])
+local clock = redis.call("time")
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local turn = now + after
+local state = redis.call("get", KEYS[1])
+if state then
+    local fields = {}
+    for field in string.gmatch(state, "%S+") do fields[#fields + 1] = field end
+    local queued = tonumber(fields[3])
+    if fields[1] == "q" and queued and queued > turn then turn = queued end
+end
+redis.call("set", KEYS[1], string.format("q 0 %.3f", turn + interval), "PX",
+    math.ceil(turn + interval - now) + 1000)
+return {1, turn, math.ceil(turn - now), 0}
+"""
+
+    def __init__(self, rate: Rate, after: float) -> None:
+        super().__init__(rate, 1)
+        self.interval = self.period / rate.count
+        self.after = max(math.ceil(after * 1000), 0)
+
+    def args(self) -> tuple[float, ...]:
+        return self.interval, self.after
+
+    def decide(self, state: object, now: int) -> Verdict:
+        queued = 0.0
+        if state is not None:
+            try:
+                numbers = self.parse(state)[1]
+            except ValueError:
+                numbers = []  # not a queue: start one
+            queued = numbers[0] if numbers else 0.0
+        turn = max(queued, now + self.after)
+        nxt = turn + self.interval
+        return Verdict(
+            True,
+            round(turn),
+            math.ceil(turn - now) / 1000,
+            self.render(0, [nxt]),
+            max(nxt - now, 0) / 1000 + 1,
+        )
+
+    def describe(self, state: object, now: int) -> dict[str, object]:
+        numbers = [] if state is None else self.parse(state)[1]
+        return {
+            "queue ends in": max((numbers[0] - now) / 1000, 0.0) if numbers else 0.0
         }
 
 

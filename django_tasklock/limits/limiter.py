@@ -12,7 +12,7 @@ from ..conf import settings
 from ..exceptions import LockBackendError
 from ..signals import rate_limit_paused, rate_limit_refused
 from . import store
-from .kinds import KINDS, Kind
+from .kinds import KINDS, Kind, Turns
 from .rates import MAX_WINDOW_COUNT, Rate, RateSpec, parse_rate
 
 __all__ = ["Admission", "RateLimiter", "make_kind"]
@@ -113,6 +113,18 @@ class RateLimiter:
             )
         return admission
 
+    def turn(self, after: float) -> float:
+        """Seconds until the turn of a call this limit refused ``after``
+        seconds before it could admit one, in the queue of refused calls sent
+        again: at least ``after``, and one ``period / count`` after the turn
+        before (``kinds.Turns``). Raises ``LockBackendError``."""
+        turns = Turns(self.rate, after)
+        verdict = self._call(
+            "take a turn under the rate limit",
+            lambda b, k, _kind: store.admit(b, f"{k}:turns", turns),
+        )
+        return float(verdict.retry_after)
+
     def wait(self, timeout: float) -> Admission:
         """Admit, waiting up to ``timeout`` seconds for room (each wait as long
         as the refusal said); the last refusal if there was none by then."""
@@ -166,9 +178,15 @@ class RateLimiter:
         return shown
 
     def reset(self) -> bool:
-        """Forget every admission and pause; True if there was any."""
+        """Forget every admission and pause (and the queue of refused calls'
+        turns); True if there was any admission or pause."""
         return bool(
-            self._call("reset the rate limit", lambda b, k, _kind: store.reset(b, k))
+            self._call(
+                "reset the rate limit",
+                lambda b, k, _kind: [store.reset(b, f"{k}:turns"), store.reset(b, k)][
+                    1
+                ],
+            )
         )
 
 
