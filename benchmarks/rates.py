@@ -14,6 +14,10 @@ Redis broker, one private memcached and Redis for the limits:
    ``@rate_limited`` task whose ``max_retries`` is 0; how many ran, how often.
 3. Beside Celery: ``rate_limit="10/s"`` (per worker) and ``@rate_limited("10/s")``
    on the same two workers, the busiest second of each.
+4. Long periods: a ``100/30d`` limit of each kind, in this process. On
+   memcached, whose limits run on the client's clock, that clock is moved
+   forward 90 days (1.8 hours a step, two admissions asked each step); Redis
+   judges on its own clock, which cannot be moved: its first period only.
 
 ``--write-docs`` replaces the table between the rate-limit markers in
 docs/explanation/performance.rst.
@@ -86,6 +90,53 @@ def exactness(counter: Any, kind: str, store: str, rate: str, wanted: int) -> st
     return (
         f"    {kind + ', ' + store:<20}{rate:>8}{len(times):>10,}{span:>9.1f}s{bad:>12}"
         f"{share * 100:>12.1f}%  {guarantee}"
+    )
+
+
+LONG_RATE, LONG_COUNT, LONG_PERIOD = "100/30d", 100, 30 * 86400 * 1000
+
+
+def long_period(kind: str, store: str) -> str:
+    """One row: a 30-day limit, on a clock moved forward where the client's
+    clock is the one deciding (see the module's docstring)."""
+    from unittest import mock
+
+    from django_tasklock import RateLimiter
+    from django_tasklock.limits import store as limit_store
+
+    burst = 10
+    limiter = RateLimiter(f"bench-long-{kind}-{store}-{time.time_ns()}", LONG_RATE,
+                          kind=kind, burst=burst, cache=STORES[store])  # fmt: skip
+    limiter.reset()
+    times: list[int] = []
+
+    def ask(tries: int) -> None:
+        for _ in range(tries):
+            admission = limiter.admit()
+            if admission:
+                times.append(round(admission.at * 1000))
+
+    if store == "Redis":
+        ask(3 * LONG_COUNT)
+        clock = "Redis's, one period"
+    else:
+        now = [limit_store.now_ms()]
+        with mock.patch.object(limit_store, "now_ms", side_effect=lambda: now[0]):
+            for _ in range(1200):
+                ask(2)
+                now[0] += LONG_PERIOD // 400
+        clock = "moved 90 days"
+    limiter.reset()
+    if kind == "window":
+        bad = window_violations(times, LONG_COUNT, LONG_PERIOD)
+    else:
+        bad = smooth_violations(times, LONG_COUNT, LONG_PERIOD, burst)
+    share = admitted_share(
+        times, LONG_COUNT, LONG_PERIOD, burst if kind == "smooth" else None
+    )
+    return (
+        f"    {kind + ', ' + store:<20}{LONG_RATE:>8}{len(times):>10,}{bad:>12}"
+        f"{share * 100:>12.1f}%  {clock}"
     )
 
 
@@ -164,6 +215,15 @@ def measure(quick: bool) -> str:
         print(f"beside Celery: {label}...", flush=True)
         runs, _ = sent_calls(counter, task, kind, 60)
         lines.append(f"    {label:<40}{busiest_second([at for _, at in runs]):>16}")
+    lines += [
+        "",
+        f"    {'long periods':<20}{'rate':>8}{'admitted':>10}{'violations':>12}"
+        f"{'of allowed':>13}  clock",
+    ]
+    for store in STORES:
+        for kind in ("window", "smooth"):
+            print(f"long period: {kind} on {store}...", flush=True)
+            lines.append(long_period(kind, store))
     return "\n".join(lines) + "\n"
 
 

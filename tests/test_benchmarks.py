@@ -107,6 +107,16 @@ def test_rate_limit_quick_run_counts_no_violation_and_no_lost_call():
     # A backlog is sent again once per call, for its own turn (the storm
     # allows no fewer than 1 + 40/60 here), not once per refusal.
     assert all(float(call[3]) <= 2.0 for call in calls), out
+    long = re.findall(
+        r"^\s+(window|smooth), (memcached|Redis)\s+100/30d\s+([\d,]+)\s+(\d+)\s",
+        out,
+        re.M,
+    )
+    assert len(long) == 4, out
+    assert all(int(row[3]) == 0 for row in long), out
+    # 90 days of a 30-day window: three periods' worth, and no more (a state
+    # that expired at once, as memcached reads a long ttl, would admit 2,400).
+    assert ("window", "memcached", "300", "0") in long, out
     celery = re.search(r'Celery rate_limit="10/s"\s+(\d+)$', out, re.M)
     ours = re.search(r'@rate_limited\("10/s"\)\s+(\d+)$', out, re.M)
     assert celery and ours, out
