@@ -85,6 +85,22 @@ def _row(listed: Listed, now: float) -> dict[str, Any]:
     return row
 
 
+def summary(found: int, processes: dict[str, int]) -> str:
+    """The page's one sentence: what was listed, by how many processes, in
+    which stores (only those where a process lists something)."""
+    listing = [(alias, count) for alias, count in processes.items() if count]
+    if not listing:
+        return f"{found} listed: no process lists a lock in any store."
+    parts = [
+        f"{count} process{'es' if count != 1 else ''} in {alias}"
+        for alias, count in listing
+    ]
+    stores = (
+        parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    )
+    return f"{found} listed, by {stores}."
+
+
 @admin.register(HeldLock)
 class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
     """The held-lock list and the release confirmation, in place of the
@@ -160,10 +176,7 @@ class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
             "chosen": chosen,
             "kinds": KINDS,
             "aliases": sorted(inventory.processes) + sorted(inventory.failed),
-            "listing": [
-                (alias, count) for alias, count in inventory.processes.items() if count
-            ],
-            "found": len(found),
+            "summary": summary(len(found), inventory.processes),
             "page_query": {
                 number: urlencode({**kept, "p": number})
                 for number in page.paginator.page_range

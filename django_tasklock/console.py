@@ -147,6 +147,7 @@ def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
     listed twice (a queued mark its publisher lists, taken over by the worker
     that runs it) is listed once, by its holder."""
     inventory = Inventory([], {}, {}, [])
+    young: dict[str, tuple[float, list[str]]] = {}
     aliases = lock_aliases() if aliases is None else list(aliases)
     for alias in aliases:
         backend = backend_for(alias)
@@ -157,7 +158,7 @@ def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
             continue
         if listing.full:
             inventory.full.append(alias)
-        inventory.incomplete += _incomplete(alias, backend)
+        inventory.incomplete += _incomplete(alias, backend, young)
         best: dict[str, Found] = {}
         records = set()
         for record, host, written, rows in listing.entries:
@@ -173,11 +174,16 @@ def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
                     best[row[_LOCK_ID]] = (alias, record, host, row)
         inventory.entries += best.values()
         inventory.processes[alias] = len(records)
+    inventory.incomplete += _young_notice(young)
     return inventory
 
 
-def _incomplete(alias: str, backend: Any) -> list[str]:
-    """Why the roster of ``alias`` may not list every held lock now."""
+def _incomplete(
+    alias: str, backend: Any, young: dict[str, tuple[float, list[str]]]
+) -> list[str]:
+    """Why the roster of ``alias`` may not list every held lock now; its
+    servers that started lately go into ``young`` (server: uptime, aliases),
+    told in one sentence for every store (``_young_notice``)."""
     if not backend.record_places():
         return [
             f"Store {alias} keeps no liveness records (libmemcached picks each "
@@ -191,12 +197,23 @@ def _incomplete(alias: str, backend: Any) -> list[str]:
             f"Could not tell whether store {alias} restarted lately "
             f"({type(exc).__name__}: {exc}); if it did, some locks may be missing."
         ]
+    for server, uptime in uptimes.items():
+        if uptime < RELIST:
+            young.setdefault(server, (uptime, []))[1].append(alias)
+    return []
+
+
+def _young_notice(young: dict[str, tuple[float, list[str]]]) -> list[str]:
+    if not young:
+        return []
+    servers = [
+        f"{server} ({', '.join(aliases)}) {uptime:.0f}s ago"
+        for server, (uptime, aliases) in sorted(young.items())
+    ]
     return [
-        f"Server {server} of store {alias} started {uptime:.0f}s ago (restarted): "
-        "holders list their locks again within about a second of meeting it, "
-        "so some may be missing for now. Look again."
-        for server, uptime in sorted(uptimes.items())
-        if uptime < RELIST
+        f"Started lately: {'; '.join(servers)}. Holders list their locks on a "
+        "server within about a second of meeting it, so some may be missing "
+        "for now: look again."
     ]
 
 

@@ -396,7 +396,8 @@ def test_after_a_restart_held_locks_are_listed_again_within_a_beat(settings):
         restarted = time.monotonic()
         inventory = take_inventory(["restarted"])
         assert any(
-            "restarted" in why and "started" in why for why in inventory.incomplete
+            f"{server.address} (restarted)" in why and "Started lately" in why
+            for why in inventory.incomplete
         ), inventory.incomplete
         relisted = wait_until(lambda: listed("feeds-lock-restart", "restarted"), 10)
         # One beat is 0.3 s here; the reconnection and the page's read add some.

@@ -54,7 +54,7 @@ def browser():
         "--no-sandbox",
         "--disable-dev-shm-usage",
         "--disable-gpu",
-        "--window-size=1500,900",
+        "--window-size=1280,900",  # a laptop's
     ):
         options.add_argument(argument)
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
@@ -66,6 +66,11 @@ def browser():
 @pytest.fixture(autouse=True)
 def _memcached_locks(settings):
     settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
+    # The page lists every lock store configured: here, as in most
+    # projects, one memcached and one Redis.
+    settings.CACHES = {
+        alias: settings.CACHES[alias] for alias in ("default", "redis", "locmem")
+    }
 
 
 def log_in(browser, live_server, username, password="pw"):
@@ -111,6 +116,36 @@ def screenshot(browser, name):
     return path
 
 
+def text_of(browser, element_id):
+    """The text of ``element_id`` on the page shown now ("" while a new page
+    is loading)."""
+    from selenium.common.exceptions import (
+        NoSuchElementException,
+        StaleElementReferenceException,
+    )
+
+    try:
+        return browser.find_element(By.ID, element_id).text
+    except (NoSuchElementException, StaleElementReferenceException):
+        return ""
+
+
+def fits_the_window(browser):
+    """Nothing of the list is out of sight sideways: neither the page nor the
+    list scrolls, and every row's release link is inside the window."""
+    overflow = browser.execute_script(
+        "const list = document.querySelector('.tasklock-console .results');"
+        "return [document.documentElement.scrollWidth - window.innerWidth,"
+        " list.scrollWidth - list.clientWidth, window.innerWidth];"
+    )
+    assert overflow[0] <= 0 and overflow[1] <= 0, overflow
+    for link in browser.find_elements(By.CSS_SELECTOR, "a.release-link"):
+        right = browser.execute_script(
+            "return arguments[0].getBoundingClientRect().right;", link
+        )
+        assert right <= overflow[2], (right, overflow)
+
+
 def test_a_workers_lock_is_listed_found_and_released(workers, browser, live_server):
     tasks.forget_runs()
     User.objects.create_superuser("admin", "admin@example.com", "pw")
@@ -127,6 +162,9 @@ def test_a_workers_lock_is_listed_found_and_released(workers, browser, live_serv
         assert cell(row, "task-id") == result.id
         assert cell(row, "state") == "alive"
         assert cell(row, "store") == "default"
+        fits_the_window(browser)
+        summary = browser.find_element(By.ID, "tasklock-summary").text
+        assert summary == "1 listed, by 1 process in default.", summary
         screenshot(browser, "console.png")
 
         # Search by the task id finds it, and only it.
@@ -136,6 +174,7 @@ def test_a_workers_lock_is_listed_found_and_released(workers, browser, live_serv
         browser.find_element(
             By.CSS_SELECTOR, "#tasklock-filters input[type=submit]"
         ).click()
+        wait_until(lambda: f"q={result.id}" in browser.current_url, 30)
         rows = browser.find_elements(By.CSS_SELECTOR, "tr.tasklock-row")
         assert [r.get_attribute("data-lock-id") for r in rows] == [lock_id]
 
@@ -143,8 +182,9 @@ def test_a_workers_lock_is_listed_found_and_released(workers, browser, live_serv
         rows[0].find_element(By.CSS_SELECTOR, "a.release-link").click()
         assert "Its holder may still run" in browser.page_source
         browser.find_element(By.ID, "tasklock-release").click()
-        refusal = browser.find_element(By.ID, "tasklock-refusal").text
-        assert "Release anyway" in refusal and lock_status(lock_id).held
+        # (Read again until the answer to the POST is the page shown.)
+        wait_until(lambda: "Release anyway" in text_of(browser, "tasklock-refusal"), 30)
+        assert lock_status(lock_id).held
         screenshot(browser, "console-release.png")
         browser.find_element(By.ID, "tasklock-force").click()
         browser.find_element(By.ID, "tasklock-release").click()
