@@ -13,8 +13,8 @@ requests it kept from the server, so a test can tell the fault happened;
 client that sends each request, pipelined or not, in one write and waits for the
 answer. ``split_replies(at)`` passes each reply on in two writes, its first
 ``at`` bytes and, a moment later, the rest, as a slow network may deliver it;
-``split`` counts the replies it cut. ``hold(pattern)`` keeps requests whose
-bytes contain ``pattern`` from the server until ``let_go()``; ``held`` counts
+``split`` counts the replies it cut. ``hold(*patterns)`` keeps requests whose
+bytes contain one of ``patterns`` from the server until ``let_go()``; ``held`` counts
 them, so a test can act while a call waits on that request.
 """
 
@@ -43,7 +43,7 @@ class FaultProxy:
         self._times = 0
         self._refusing = b""
         self.held = 0
-        self._holding = b""
+        self._holding: tuple[bytes, ...] = ()
         self._let_go = threading.Event()
         self._mutex = threading.Lock()
         self._connections: list[socket.socket] = []
@@ -65,14 +65,14 @@ class FaultProxy:
         with self._mutex:
             self._split_at = at
 
-    def hold(self, pattern: bytes) -> None:
+    def hold(self, *patterns: bytes) -> None:
         with self._mutex:
-            self._holding = pattern
+            self._holding = patterns
             self._let_go.clear()
 
     def let_go(self) -> None:
         with self._mutex:
-            self._holding = b""
+            self._holding = ()
         self._let_go.set()
 
     def heal(self) -> None:
@@ -113,7 +113,7 @@ class FaultProxy:
                     if self._times and self._pattern in data:
                         self._times -= 1
                         doomed.set()
-                    holding = bool(self._holding) and self._holding in data
+                    holding = any(pattern in data for pattern in self._holding)
                     if holding:
                         self.held += 1
                 if holding:

@@ -433,3 +433,59 @@ def test_a_slot_another_process_took_is_neither_written_over_nor_deleted(setting
     forget_records(delete=True)  # the way out of the process
     assert caches["default"].get(slot_key(mine)) == other, "deleted at exit"
     assert caches["default"].get(slot_key(now_in)) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_forced_release_removes_only_the_item_it_judged(settings, memcached):
+    """The lock changes hands while a forced release is on its way to the
+    store (the delete held back by a proxy): the release removes nothing, and
+    the new holder's lock stays."""
+    import functools
+
+    from django.test import Client
+    from pymemcache.client.base import Client as Memcache
+
+    from tests.conftest import background, close_connections
+    from tests.faultproxy import FaultProxy
+
+    proxy = FaultProxy(memcached.port)
+    settings.CACHES = {
+        **settings.CACHES,
+        "proxied": {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": proxy.address,
+        },
+    }
+    settings.TASKLOCK = {"CACHE": "proxied", "LOCK_EXPIRE": 60, "LIVENESS": 3}
+    admin = User.objects.create_superuser("admin", "admin@example.com", "pw")
+    client = Client()
+    client.force_login(admin)
+    lock = Lock("feeds-lock-judged")
+    assert lock.acquire()
+    key = b":1:feeds-lock-judged"
+    query = {
+        "alias": "proxied",
+        "lock_id": "feeds-lock-judged",
+        "seen": lock.token,
+        "force": "on",
+    }
+    try:
+        proxy.hold(b"md " + key, b"delete " + key)  # reads pass; removals wait
+        post = functools.partial(client.post, follow=True)
+        thread, outcome = background(post, CONSOLE + "release/", query)
+        wait_until(lambda: proxy.held >= 1, 30)
+        # Meanwhile its lock expired and another process took it.
+        direct = Memcache(("127.0.0.1", memcached.port))
+        direct.set(key.decode(), "another-owners-token", expire=60, noreply=False)
+        proxy.let_go()
+        thread.join(30)
+        page = outcome["result"].content.decode()
+        stored = direct.get(key.decode())
+        shown = page[page.find('class="messagelist"') :][:400]
+        assert stored == b"another-owners-token", (stored, shown)
+        assert "nothing was removed" in page, shown
+        assert not LogEntry.objects.filter(object_repr="feeds-lock-judged").exists()
+        direct.close()
+    finally:
+        proxy.close()
+        close_connections()
