@@ -135,7 +135,7 @@ def view(
 
 def measure(
     total: int, processes: int, views: int = 5, unrelated: int = 1_000_000
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
     from django.conf import settings
     from django.core.cache import caches
 
@@ -145,6 +145,7 @@ def measure(
     proxy = FaultProxy(memcached.port)
     holders: list[Any] = []
     rows = []
+    fill: dict[str, int] = {}
     try:
         settings.CACHES = {
             "default": {
@@ -175,6 +176,17 @@ def measure(
                     cache.set_many(
                         {f"unrelated-{n}": n for n in range(start, start + 10_000)}
                     )
+                # What the store kept of it, and of the locks (read, not
+                # assumed from what was written).
+                fill = {
+                    "written": others,
+                    "stored": memcached.stat("curr_items"),
+                    "evicted": memcached.stat("evictions"),
+                    "listed": len(take_inventory().entries),
+                    "held": sum(
+                        one.status().held for one in take_inventory().listed()[:200]
+                    ),
+                }
             for name, query in queries.items():
                 times, trips = [], set()
                 for _ in range(views):
@@ -196,10 +208,12 @@ def measure(
         stop_holders(holders)
         proxy.close()
         memcached.stop()
-    return rows
+    return rows, fill
 
 
-def render(rows: list[dict[str, Any]], total: int, command: str) -> str:
+def render(
+    rows: list[dict[str, Any]], fill: dict[str, int], total: int, command: str
+) -> str:
     lines = [
         f"{'view':<16}{'other keys':>11}{'rows':>6}{'median':>9}{'worst':>9}"
         f"{'round trips':>13}"
@@ -210,6 +224,12 @@ def render(rows: list[dict[str, Any]], total: int, command: str) -> str:
             f"{row['view']:<16}{row['unrelated']:>11,}{row['rows']:>6}"
             f"{row['median']:>8.2f}s{row['worst']:>8.2f}s{trips:>13}"
         )
+    lines += [
+        "",
+        f"after writing {fill['written']:,} other keys: {fill['stored']:,} items "
+        f"stored, {fill['evicted']:,} evicted; {fill['listed']:,} of {total:,} "
+        f"locks listed; {fill['held']} of the first 200 listed still held",
+    ]
     body = "\n".join("    " + line for line in lines)
     return (
         f"Measured by ``{command}`` ({total:,} held locks in four processes; a "
@@ -235,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     total = 4_000 if options.quick else options.locks
     unrelated = 10_000 if options.quick else options.unrelated
     views = 2 if options.quick else options.views
-    rows = measure(total, 4, views=views, unrelated=unrelated)
+    rows, fill = measure(total, 4, views=views, unrelated=unrelated)
     command = "python -m benchmarks.console" + (" --quick" if options.quick else "")
-    table = render(rows, total, command)
+    table = render(rows, fill, total, command)
     print(table)
     lost = lost_at_release()
     shutil.rmtree(LOGS, ignore_errors=True)

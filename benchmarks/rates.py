@@ -232,8 +232,8 @@ def render(body: str, command: str) -> str:
         f"``{command}`` (two prefork workers of four processes, private memcached "
         "and Redis; violations of the kind's guarantee counted over every "
         'admission\'s time; "admitted": admissions recorded, the run stopping '
-        'at its target; "of allowed": admissions over what the rate allows '
-        "between the first and the last; deliveries per call: every delivery "
+        'at its target; "of allowed": the share of the rate admitted (see '
+        "above); deliveries per call: every delivery "
         "of the calls, refused ones included; the busiest second counted on "
         "body starts for both):\n\n.. code-block:: text\n\n" + body
     )

@@ -39,17 +39,23 @@ def smooth_violations(
 def admitted_share(
     times_ms: list[int], count: int, period_ms: int, burst: int | None = None
 ) -> float:
-    """Admissions over the most the limit allows between the first and the
-    last: ``count`` per started period for the window kind; for the smooth
-    kind (``burst`` given), ``burst`` plus one per interval."""
+    """How much of what the limit allows callers got. Window kind: the
+    admissions in the whole periods from the first one, over ``count`` per
+    period (a run that ends part-way into a period is not judged on it, so the
+    figure does not jump with where the run stopped). Smooth kind (``burst``
+    given): the admissions over ``burst`` plus one per interval between the
+    first and the last."""
     times = sorted(times_ms)
     if len(times) < 2:
         return 0.0
     span = times[-1] - times[0]
     if burst is None:
-        allowed = count * (span // period_ms + 1)
-    else:
-        allowed = burst + math.floor(span * count / period_ms)
+        periods = span // period_ms
+        if periods == 0:
+            return len(times) / count
+        ends = times[0] + periods * period_ms
+        return sum(at < ends for at in times) / (count * periods)
+    allowed = burst + math.floor(span * count / period_ms)
     return len(times) / allowed
 
 
