@@ -61,7 +61,7 @@ def exactness(counter: Any, kind: str, store: str, rate: str, wanted: int) -> st
     """One row: eight pool processes hammer one limit until ``wanted``."""
     from benchmarks import celery_bench
     from django_tasklock import RateLimiter
-    from django_tasklock.limits.rates import parse_rate
+    from django_tasklock.rates import parse_rate
 
     parsed = parse_rate(rate)
     burst = max(parsed.count // 10, 1)

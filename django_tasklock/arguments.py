@@ -18,7 +18,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 if TYPE_CHECKING:
     import inspect
 
-__all__ = ["KeySpec", "call_digest", "canonical_json", "md5_hex"]
+__all__ = ["KeySpec", "call_digest", "canonical_json", "check_key", "md5_hex"]
 
 #: What ``key=`` may be: an argument name, several names, or a callable taking the
 #: call's arguments and returning a str.
@@ -216,3 +216,27 @@ def _serialise(task_name: str, name: str, value: object) -> str:
             "Pass JSON-friendly values (str, numbers, lists, dicts, UUID, datetime, "
             "Decimal), or key= naming the arguments that identify a call."
         ) from exc
+
+
+def check_key(
+    func: Callable[..., Any], key: KeySpec, signature: inspect.Signature
+) -> None:
+    """Refuse a ``key=`` that names no argument of ``func``."""
+    if key is None or callable(key):
+        return
+    names = [key] if isinstance(key, str) else key
+    if (
+        not isinstance(names, (list, tuple))
+        or not names
+        or not all(isinstance(name, str) for name in names)
+    ):
+        raise TypeError(
+            f"key= must be an argument name, a list of names or a callable, not {key!r}."
+        )
+    known = signature.parameters
+    for name in names:
+        if name not in known:
+            raise ValueError(
+                f"key= names {name!r}, which is not an argument of {func.__qualname__}; "
+                f"its arguments are: {', '.join(known) or '(none)'}."
+            )

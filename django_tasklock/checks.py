@@ -64,7 +64,7 @@ from .backends import (
 from .backends.memcached import meta_support
 from .backends.registry import recommended_paths
 from .conf import DEFAULTS, setting_problems, suggested_key
-from .registry import named_aliases
+from .registry import import_task_modules, named_aliases
 
 __all__ = ["check_settings"]
 
@@ -173,30 +173,17 @@ def _check_declared_limits() -> list[CheckMessage]:
 
 
 def _import_task_modules() -> list[CheckMessage]:
-    """Import each installed app's ``tasks`` module, as Celery's autodiscovery
-    does, so the aliases its tasks name are registered before they are checked."""
-    from importlib import import_module
-    from importlib.util import find_spec
-
-    from django.apps import apps
-
-    messages: list[CheckMessage] = []
-    for config in apps.get_app_configs():
-        name = f"{config.name}.tasks"
-        try:
-            if find_spec(name) is None:
-                continue
-            import_module(name)
-        except Exception as exc:
-            messages.append(
-                Warning(
-                    f"Could not import {name} ({type(exc).__name__}: {exc}), so the "
-                    "cache= aliases of its @single_instance tasks were not checked.",
-                    hint=f"Make {name} importable; run the check again.",
-                    id="django_tasklock.W003",
-                )
-            )
-    return messages
+    """W003 for each installed app's ``tasks`` module that would not import
+    (``registry.import_task_modules``)."""
+    return [
+        Warning(
+            f"Could not import {name} ({type(exc).__name__}: {exc}), so the "
+            "cache= aliases of its @single_instance tasks were not checked.",
+            hint=f"Make {name} importable; run the check again.",
+            id="django_tasklock.W003",
+        )
+        for name, exc in import_task_modules()
+    ]
 
 
 def _servers(config: dict[str, Any]) -> list[tuple[str, int]]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from django.conf import settings as django_settings
 
 from .exceptions import InvalidLockExpire, LockConfigurationError
+from .rates import parse_rate
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -154,8 +155,6 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
 def validate_rate_limits(value: object) -> dict[str, dict[str, Any]]:
     """``TASKLOCK['RATE_LIMITS']``: named limits, each a rate (``"100/m"``) or
     a dict of ``rate`` and optionally ``kind``, ``burst`` and ``cache``."""
-    from .limits.rates import parse_rate
-
     where = "TASKLOCK['RATE_LIMITS']"
     if not isinstance(value, dict):
         raise ValueError(

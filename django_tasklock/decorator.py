@@ -12,10 +12,10 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
-from .arguments import KeySpec, binder, call_digest
+from .arguments import KeySpec, binder, call_digest, check_key
 from .integrations import install, starter
 from .modes import mode_for
-from .options import Mode, OnDuplicate, Options, Policy, check_key
+from .options import Mode, OnDuplicate, Options, Policy
 from .registry import name_alias
 from .runs import current_lock, retry_unbound
 from .targets import lock_id_for

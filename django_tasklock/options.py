@@ -17,12 +17,9 @@ from .locks import ON_LOST_POLICIES, OnLost
 from .semaphores import validate_limit
 
 if TYPE_CHECKING:
-    import inspect
-    from collections.abc import Callable
-
     from .arguments import KeySpec
 
-__all__ = ["Mode", "OnDuplicate", "Options", "Policy", "check_key"]
+__all__ = ["Mode", "OnDuplicate", "Options", "Policy"]
 
 Policy = Literal["skip", "raise", "retry", "wait"]
 Mode = Literal["while_running", "until_finished", "until_started", "coalesce"]
@@ -93,27 +90,3 @@ class Options:
             "on_lost": self.on_lost,
         }
         self.lock_options.update((k, v) for k, v in given.items() if v is not None)
-
-
-def check_key(
-    func: Callable[..., Any], key: KeySpec, signature: inspect.Signature
-) -> None:
-    """Refuse a ``key=`` that names no argument of ``func``."""
-    if key is None or callable(key):
-        return
-    names = [key] if isinstance(key, str) else key
-    if (
-        not isinstance(names, (list, tuple))
-        or not names
-        or not all(isinstance(name, str) for name in names)
-    ):
-        raise TypeError(
-            f"key= must be an argument name, a list of names or a callable, not {key!r}."
-        )
-    known = signature.parameters
-    for name in names:
-        if name not in known:
-            raise ValueError(
-                f"key= names {name!r}, which is not an argument of {func.__qualname__}; "
-                f"its arguments are: {', '.join(known) or '(none)'}."
-            )

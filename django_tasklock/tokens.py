@@ -19,9 +19,8 @@ import threading
 import time
 from typing import Final
 
-from .backends import FenceCounter
 from .conf import MAX_EXPIRE
-from .values import token_process
+from .values import FenceCounter, token_process
 
 __all__ = [
     "FENCE_COUNTER_TTL",

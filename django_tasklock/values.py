@@ -3,9 +3,9 @@ backends (below everything else) and made by ``tokens`` and ``calls``."""
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NamedTuple
 
-__all__ = ["QUEUED", "STARTED", "token_process", "unique_value"]
+__all__ = ["QUEUED", "STARTED", "FenceCounter", "token_process", "unique_value"]
 
 #: The marks a call leaves: published and not started; started (until_started).
 QUEUED: Final = "queued:"
@@ -38,3 +38,17 @@ def unique_value(value: object) -> bool:
     if isinstance(value, str) and value.startswith((QUEUED, STARTED)):
         return True
     return token_process(value) is not None
+
+
+class FenceCounter(NamedTuple):
+    """Where an acquisition draws its fencing token from.
+
+    ``key`` is the counter's store key; ``floor`` the value a missing counter
+    (never made, evicted, flushed, lost in a restart) starts again from, the
+    current time in microseconds, above anything it can have given out; ``ttl``
+    its lifetime in whole seconds, renewed on every draw.
+    """
+
+    key: str
+    floor: int
+    ttl: int

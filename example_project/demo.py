@@ -473,7 +473,7 @@ def report_rate(server: FeedServer, rate_text: str) -> bool:
     """The busiest period the feed server saw, against the fetch rate limit.
     A request arrives a moment after its admission; half a second of that is
     allowed for before calling the limit broken."""
-    from django_tasklock.limits.rates import parse_rate
+    from django_tasklock.rates import parse_rate
 
     rate = parse_rate(rate_text)
     shorter = rate.period - 0.5

@@ -7,6 +7,12 @@ docstrings of it and of everything inside it; blank lines and comments count.
 Imports are those between modules of django_tasklock, at any depth, those under
 ``TYPE_CHECKING`` too (a type annotation is a dependency as well). A cycle among
 them is printed and fails the run, as does a class or function over its limit.
+
+The layers: the order docs/explanation/architecture.rst states between its
+``layers-start`` and ``layers-end`` markers, read from there (one layer a line,
+``name: module ...``, top first; a module named there covers the modules under
+it, ``(package)`` is django_tasklock's ``__init__``). Every module must be in a
+layer, and an import may go to its own layer or one below, never above.
 """
 
 from __future__ import annotations
@@ -18,6 +24,53 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "django_tasklock"
+ARCHITECTURE = ROOT / "docs" / "explanation" / "architecture.rst"
+
+
+def layers(text: str) -> list[tuple[str, list[str]]]:
+    """The layers the architecture page states, top first: (name, modules)."""
+    start, end = text.index(".. layers-start"), text.index(".. layers-end")
+    found = []
+    for line in text[start:end].splitlines()[1:]:
+        name, colon, modules = line.strip().partition(":")
+        if colon and modules.strip() and not line.strip().startswith(".."):
+            found.append((name.strip(), modules.split()))
+    return found
+
+
+def layer_of(module: str, stated: list[tuple[str, list[str]]]) -> int | None:
+    """The index of the layer ``module`` is in (the longest name that covers
+    it), or None."""
+    best: tuple[int, int] | None = None
+    for index, (_name, names) in enumerate(stated):
+        for short in names:
+            full = PACKAGE if short == "(package)" else f"{PACKAGE}.{short}"
+            covers = module == full or (
+                short != "(package)" and module.startswith(full + ".")
+            )
+            if covers and (best is None or len(full) > best[1]):
+                best = (index, len(full))
+    return None if best is None else best[0]
+
+
+def layer_violations(
+    edges: dict[str, set[str]], stated: list[tuple[str, list[str]]]
+) -> list[str]:
+    """Every module outside the stated layers, and every import upwards."""
+    found = []
+    for module in sorted(edges):
+        if layer_of(module, stated) is None:
+            found.append(f"{module} is in no layer of {ARCHITECTURE.name}")
+    for module, targets in sorted(edges.items()):
+        here = layer_of(module, stated)
+        for target in sorted(targets):
+            there = layer_of(target, stated)
+            if here is not None and there is not None and there < here:
+                found.append(
+                    f"{module} ({stated[here][0]}) imports {target}, "
+                    f"a layer above ({stated[there][0]})"
+                )
+    return found
 
 
 def module_name(path: Path) -> str:
@@ -187,12 +240,16 @@ def main() -> int:
     print(f"import circles: {len(circles)}")
     for circle in circles:
         print("  " + " <-> ".join(circle))
+    broken = layer_violations(edges, layers(ARCHITECTURE.read_text()))
+    print(f"layer violations: {len(broken)}")
+    for violation in broken:
+        print("  " + violation)
     over = [c for c in classes if c[0] > args.limit_class] + [
         f for f in functions if f[0] > args.limit_function
     ]
     for lines, name in over:
         print(f"over the limit: {name} ({lines} lines)")
-    return 1 if over or circles else 0
+    return 1 if over or circles or broken else 0
 
 
 if __name__ == "__main__":

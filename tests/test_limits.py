@@ -17,7 +17,7 @@ from django_tasklock import (
 )
 from django_tasklock.exceptions import LockBackendError, LockConfigurationError
 from django_tasklock.limits.kinds import Smooth, Turns, Window
-from django_tasklock.limits.rates import Rate, parse_rate
+from django_tasklock.rates import Rate, parse_rate
 from django_tasklock.signals import rate_limit_paused, rate_limit_refused
 from tests.limits_helpers import (
     admission_storm,

@@ -44,16 +44,25 @@ def test_no_class_or_function_over_its_limit_and_no_import_circle():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "import circles: 0" in result.stdout
+    assert "layer violations: 0" in result.stdout
 
 
-def test_the_shape_script_finds_a_circle_and_an_oversized_function(tmp_path):
-    # The check itself can fail: a package with both is refused.
+def test_the_shape_script_finds_a_circle_an_oversized_function_and_a_layer_broken(
+    tmp_path,
+):
+    # The check itself can fail: a package with each is refused.
     package = tmp_path / "django_tasklock"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "a.py").write_text("from . import b\n")
     (package / "b.py").write_text(
         "from . import a\n\n\ndef big():\n" + "    x = 1\n" * 61
+    )
+    (package / "c.py").write_text("def lazy():\n    from . import a\n")
+    docs = tmp_path / "docs" / "explanation"
+    docs.mkdir(parents=True)
+    (docs / "architecture.rst").write_text(
+        ".. layers-start\n\n    top: (package) a\n    bottom: b\n\n.. layers-end\n"
     )
     script = tmp_path / "scripts" / "shape.py"
     script.parent.mkdir()
@@ -64,3 +73,8 @@ def test_the_shape_script_finds_a_circle_and_an_oversized_function(tmp_path):
     assert result.returncode == 1
     assert "django_tasklock.a <-> django_tasklock.b" in result.stdout
     assert "over the limit: django_tasklock.b:big (62 lines)" in result.stdout
+    assert "django_tasklock.c is in no layer" in result.stdout
+    assert (
+        "django_tasklock.b (bottom) imports django_tasklock.a, a layer above (top)"
+        in result.stdout
+    ), result.stdout

@@ -6,6 +6,7 @@ import abc
 from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
 
 from ..keys import fence_id
+from ..values import FenceCounter
 
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
@@ -21,20 +22,6 @@ ONE_PLACE: Final = "store"
 #: What a backend needs to prove ownership later: a CAS id on memcached, the
 #: stored token on Redis and LocMem. Opaque to everything but its backend.
 Hold = object
-
-
-class FenceCounter(NamedTuple):
-    """Where an acquisition draws its fencing token from.
-
-    ``key`` is the counter's store key; ``floor`` the value a missing counter
-    (never made, evicted, flushed, lost in a restart) starts again from, the
-    current time in microseconds, above anything it can have given out; ``ttl``
-    its lifetime in whole seconds, renewed on every draw.
-    """
-
-    key: str
-    floor: int
-    ttl: int
 
 
 class Peek(NamedTuple):

@@ -19,12 +19,11 @@ from typing import Any, Final, Literal, TypeVar, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
-from ..arguments import KeySpec, binder, call_digest
+from ..arguments import KeySpec, binder, call_digest, check_key
 from ..conf import LIMIT_POLICIES, settings
 from ..exceptions import RateLimited
-from ..options import check_key
+from ..rates import RateSpec, parse_rate
 from .limiter import Admission, RateLimiter, make_kind
-from .rates import RateSpec, parse_rate
 
 __all__ = ["current_admission", "rate_limited"]
 

@@ -32,7 +32,7 @@ import math
 from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple
 
 if TYPE_CHECKING:
-    from .rates import Rate
+    from ..rates import Rate
 
 __all__ = ["KINDS", "Kind", "Smooth", "Turns", "Verdict", "Window"]
 

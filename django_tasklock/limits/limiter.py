@@ -10,10 +10,10 @@ from typing import Any, NamedTuple
 from ..backends import backend_for
 from ..conf import settings
 from ..exceptions import LockBackendError
+from ..rates import MAX_WINDOW_COUNT, Rate, RateSpec, parse_rate
 from ..signals import rate_limit_paused, rate_limit_refused
 from . import store
 from .kinds import KINDS, Kind, Turns
-from .rates import MAX_WINDOW_COUNT, Rate, RateSpec, parse_rate
 
 __all__ = ["Admission", "RateLimiter", "make_kind"]
 
