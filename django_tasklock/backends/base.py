@@ -44,6 +44,10 @@ class LockBackend(abc.ABC):
     errors: tuple[type[BaseException], ...] = ()
     #: memcached only: "auto", "meta" or "classic" (TASKLOCK["MEMCACHED_PROTOCOL"]).
     protocol: str = "auto"
+    #: Whether the store runs Lua scripts atomically (``script``, ``raw``):
+    #: then rate limits decide in the store, on its clock, in one round trip;
+    #: else by compare-and-swap on the client's clock.
+    runs_scripts: ClassVar[bool] = False
 
     def __init__(self, cache: BaseCache, alias: str) -> None:
         self.cache = cache
@@ -209,6 +213,15 @@ class LockBackend(abc.ABC):
         its name, for the servers that tell (none, for stores that cannot);
         raises ``errors`` when a server does not answer."""
         return {}
+
+    def script(self, text: str, keys: tuple[str, ...], *args: object) -> Any:
+        """Run the Lua script ``text`` atomically on the store (where
+        ``runs_scripts``)."""
+        raise NotImplementedError(f"{self.kind} runs no scripts")
+
+    def raw(self, key: str) -> bytes | None:
+        """The bytes a script stored at ``key`` (where ``runs_scripts``)."""
+        raise NotImplementedError(f"{self.kind} runs no scripts")
 
     def read_many(self, keys: list[str]) -> dict[str, Any]:
         """The values of the cache keys ``keys`` (before Django makes them) that

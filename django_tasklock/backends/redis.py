@@ -102,6 +102,8 @@ def _redis_errors() -> tuple[type[BaseException], ...]:
 class RedisBackend(LockBackend):
     """Locks on the primary of a RedisCache alias (reads go to it too)."""
 
+    runs_scripts = True
+
     kind = "Redis"
     cache: RedisCache
 

@@ -1,8 +1,9 @@
 """A rate limit's state in the lock store: one item per limit id.
 
-Redis runs each kind's Lua script (one round trip, on Redis's own clock). Every
-other store (memcached's meta and classic protocols, pylibmc, LocMem) reads the
-item and writes it back only if nobody changed it in between: ``peek``, then
+A store that runs scripts (Redis: ``LockBackend.runs_scripts``) runs each
+kind's Lua script (one round trip, on the store's own clock). Every other store
+(memcached's meta and classic protocols, pylibmc, LocMem) reads the item and
+writes it back only if nobody changed it in between: ``peek``, then
 ``add`` when it is absent or ``replace`` (a compare-and-swap on its CAS id)
 when present, on the client's wall clock. A write that loses the race reads
 again; each loss means another process's admission went through.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..backends.redis import RedisBackend
 from .kinds import Verdict
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def now_ms() -> int:
 def admit(backend: LockBackend, key: str, kind: Kind) -> Verdict:
     """One admission; raises ``backend.errors`` (and ValueError for a key that
     holds something else)."""
-    if isinstance(backend, RedisBackend):
+    if backend.runs_scripts:
         admitted, at, retry_ms, paused = backend.script(kind.lua, (key,), *kind.args())
         return Verdict(bool(admitted), int(at), int(retry_ms) / 1000, None, 0,
                        bool(paused))  # fmt: skip
@@ -90,7 +90,7 @@ def admit(backend: LockBackend, key: str, kind: Kind) -> Verdict:
 def pause(backend: LockBackend, key: str, kind: Kind, seconds: float) -> float:
     """Stop admissions for ``seconds`` (a longer pause already set stays);
     the seconds until admissions resume."""
-    if isinstance(backend, RedisBackend):
+    if backend.runs_scripts:
         left = backend.script(
             _PAUSE, (key,), round(seconds * 1000), kind.period, kind.tag
         )
@@ -110,7 +110,7 @@ def pause(backend: LockBackend, key: str, kind: Kind, seconds: float) -> float:
 
 def read(backend: LockBackend, key: str) -> tuple[object, int] | None:
     """The stored state and the clock to judge it by (ms); None if none."""
-    if isinstance(backend, RedisBackend):
+    if backend.runs_scripts:
         raw = backend.raw(key)
         if raw is None:
             return None
@@ -122,7 +122,7 @@ def read(backend: LockBackend, key: str) -> tuple[object, int] | None:
 
 def reset(backend: LockBackend, key: str) -> bool:
     """Forget the limit's state (its admissions and any pause); True if it had one."""
-    if isinstance(backend, RedisBackend):
+    if backend.runs_scripts:
         return bool(backend.script("return redis.call('del', KEYS[1])", (key,)))
     peek = backend.peek(key)
     if peek is None:
