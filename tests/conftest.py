@@ -12,6 +12,8 @@ from django.test import override_settings
 
 from tests.services import Memcached, Redis
 
+pytest_plugins = ["tests.fixtures"]
+
 
 def wait_until(condition, limit: float = 30.0, about=None) -> float:
     """Seconds until ``condition()`` held, polling every 5 ms; ``about()``

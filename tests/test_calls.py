@@ -23,6 +23,8 @@ from tests.celery_app import app
 from tests.conftest import reset_publisher, wait_until
 from tests.services import Redis
 
+pytestmark = pytest.mark.usefixtures("memcached_locks")
+
 
 @pytest.fixture
 def broker(redis_server):
@@ -39,11 +41,6 @@ def broker(redis_server):
     queue.flushdb()
     queue.close()
     reset_publisher(app)
-
-
-@pytest.fixture(autouse=True)
-def _memcached_locks(settings):
-    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
 
 
 @pytest.fixture

@@ -18,12 +18,7 @@ from tests.conftest import wait_until
 from tests.test_celery_workers import broker  # noqa: F401
 from tests.workers import overlaps, start_workers, stop_workers
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _memcached_locks(settings):
-    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("memcached_locks")]
 
 
 @pytest.fixture(scope="module")

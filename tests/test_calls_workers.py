@@ -28,7 +28,7 @@ from tests.test_celery_workers import broker, intervals, storm  # noqa: F401
 from tests.workers import overlaps, start_workers, stop_workers
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("memcached_locks")]
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,6 @@ def workers(broker):  # noqa: F811
     processes = start_workers(broker, ["calls-1", "calls-2"])
     yield processes
     stop_workers(processes)
-
-
-@pytest.fixture(autouse=True)
-def _memcached_locks(settings):
-    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
 
 
 @pytest.fixture

@@ -12,10 +12,7 @@ from django_tasklock import Lock, LockLost, LockNotAcquired, current_lock, lock_
 from tests import tasks
 from tests.conftest import background
 
-
-@pytest.fixture(autouse=True)
-def _memcached_locks(settings):
-    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
+pytestmark = pytest.mark.usefixtures("memcached_locks")
 
 
 def test_bound_task_lock_id_uses_task_name():

@@ -21,7 +21,7 @@ from tests.conftest import reset_publisher, use_redis_broker
 from tests.workers import overlaps, start_workers, stop_workers
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("memcached_locks")]
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +30,6 @@ def broker(redis_server):
     env = use_redis_broker(app, redis_server.url)
     yield env
     reset_publisher(app)
-
-
-@pytest.fixture(autouse=True)
-def _memcached_locks(settings):
-    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 60}
 
 
 def storm(calls, producers=4):

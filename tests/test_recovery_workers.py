@@ -29,15 +29,11 @@ from tests.workers import (
     stop_workers,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("memcached_locks")]
+LOCK_EXPIRE = 600  # (memcached_locks)
 
 #: Kill to the second run's start, on a loaded machine; the dead lock has 600 s left.
 BOUND = TARGET + SLACK
-
-
-@pytest.fixture(autouse=True)
-def _memcached_locks(settings):
-    settings.TASKLOCK = {"CACHE": "default", "LOCK_EXPIRE": 600}
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +48,12 @@ def workers(broker):  # noqa: F811
     [tasks.hold_long_when_told, tasks.queue_long_when_told],
     ids=lambda t: t.name,
 )
-def test_a_killed_childs_call_runs_again_at_once(workers, task):
+def test_the_call_of_a_killed_child_runs_again_at_once(workers, task):
     took, _ = kill_then_run_again(task, f"again-{task.name}")
     assert took < BOUND, f"ran again {took:.2f}s after the kill"
 
 
-def test_a_killed_childs_semaphore_slot_is_free_at_once(workers):
+def test_the_semaphore_slot_of_a_killed_child_is_free_at_once(workers):
     key = "again-slot"
     tasks.slot_long_when_told.delay(key, 0)
     wait_until(lambda: len(started_runs(key)) == 1, 30)
@@ -67,7 +63,7 @@ def test_a_killed_childs_semaphore_slot_is_free_at_once(workers):
     assert len(started_runs(key)) == 3
 
 
-def test_the_parent_frees_a_dead_childs_lock_without_a_contender(workers):
+def test_the_parent_frees_the_lock_of_a_dead_child_without_a_contender(workers):
     key = "parent-frees"
     lock_id = lock_id_for(tasks.hold_long_when_told, key)
     tasks.hold_long_when_told.delay(key)
