@@ -16,6 +16,7 @@ quicker tests here as well. The main run has them all.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -63,11 +64,16 @@ def tests(session: nox.Session, django: str) -> None:
     session.install("-e", ".[test]", f"Django~={django}")
     coverage = ROOT / ".coverage-matrix"
     coverage.mkdir(exist_ok=True)
+    # A new random order each run (pytest-randomly), said here: -q hides the
+    # header that would name it.
+    seed = random.randrange(2**32)
+    session.log(f"tests in random order: --randomly-seed={seed} repeats it")
     session.run(
         "python",
         "-m",
         "pytest",
         "-q",
+        f"--randomly-seed={seed}",
         "-p",
         "no:cacheprovider",
         "-m",

@@ -303,3 +303,22 @@ def use_redis_broker(celery_app, redis_url: str) -> dict[str, str]:
     )
     reset_publisher(celery_app)
     return env
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The docs' examples run in the order they are written, each building on
+    the ones above it on its page; pytest-randomly shuffles every other test
+    (the examples take the places it gave them, in their own order)."""
+    places = [
+        i
+        for i, item in enumerate(items)
+        if getattr(item, "originalname", "") == "test_example"
+        and item.nodeid.startswith("tests/test_docs_examples.py::")
+    ]
+    ordered = sorted(
+        (items[i] for i in places),
+        key=lambda item: item.callspec.indices["example"],  # type: ignore[attr-defined]
+    )
+    for place, item in zip(places, ordered, strict=True):
+        items[place] = item

@@ -25,7 +25,12 @@ from tests import tasks
 from tests.celery_app import app
 from tests.conftest import wait_until
 from tests.test_celery_workers import broker, intervals, storm  # noqa: F401
-from tests.workers import overlaps, start_workers, stop_workers
+from tests.workers import (
+    overlaps,
+    start_workers,
+    stop_workers,
+    wait_for_idle_workers,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("memcached_locks")]
@@ -162,6 +167,7 @@ def test_autoretry_keeps_the_call_locked_and_final_failure_frees_it(workers):
 
 
 def test_revoking_a_pending_call_frees_it_when_a_worker_drops_it(workers):
+    wait_for_idle_workers(4)  # the four calls below take every pool process
     busy = [tasks.finish_once.delay(f"busy-{n}", seconds=2.0) for n in range(4)]
     wait_until(
         lambda: all(
