@@ -172,8 +172,9 @@ def validate_rate_limits(value: object) -> dict[str, dict[str, Any]]:
             )
         parse_rate(entry["rate"], name=f"{where}[{name!r}]")
         if "kind" in entry:
-            validate_choice(entry["kind"], name=f"{where}[{name!r}]['kind']",
-                            choices=RATE_KINDS)  # fmt: skip
+            validate_choice(
+                entry["kind"], name=f"{where}[{name!r}]['kind']", choices=RATE_KINDS
+            )
         burst = entry.get("burst", 1)
         if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
             raise ValueError(

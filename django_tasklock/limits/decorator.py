@@ -227,10 +227,16 @@ class _Limits:
 
 
 Policy = Callable[
-    [RateLimiter, Admission, tuple[Any, ...], "float | None", Callable[..., Any],
-     dict[str, Any]],
+    [
+        RateLimiter,
+        Admission,
+        tuple[Any, ...],
+        "float | None",
+        Callable[..., Any],
+        dict[str, Any],
+    ],
     Any,
-]  # fmt: skip
+]
 
 
 def _raise(limiter: RateLimiter, admission: Admission, *_: Any) -> Any:

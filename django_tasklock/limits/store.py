@@ -66,8 +66,9 @@ def admit(backend: LockBackend, key: str, kind: Kind) -> Verdict:
     holds something else)."""
     if backend.runs_scripts:
         admitted, at, retry_ms, paused = backend.script(kind.lua, (key,), *kind.args())
-        return Verdict(bool(admitted), int(at), int(retry_ms) / 1000, None, 0,
-                       bool(paused))  # fmt: skip
+        return Verdict(
+            bool(admitted), int(at), int(retry_ms) / 1000, None, 0, bool(paused)
+        )
     for _ in range(MAX_ROUNDS):
         peek = backend.peek(key)
         verdict = kind.decide(None if peek is None else peek.value, now_ms())

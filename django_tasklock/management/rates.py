@@ -43,10 +43,15 @@ def add_rate_parser(actions: Any) -> None:
     rate.add_argument("--cache", help="The CACHES alias (default: TASKLOCK's).")
     rate.add_argument("--json", action="store_true", help="Print JSON.")
     change = rate.add_mutually_exclusive_group()
-    change.add_argument("--pause", type=float, metavar="SECONDS",
-                        help="Stop admissions for this long, in every process.")  # fmt: skip
-    change.add_argument("--reset", action="store_true",
-                        help="Forget its admissions and any pause.")  # fmt: skip
+    change.add_argument(
+        "--pause",
+        type=float,
+        metavar="SECONDS",
+        help="Stop admissions for this long, in every process.",
+    )
+    change.add_argument(
+        "--reset", action="store_true", help="Forget its admissions and any pause."
+    )
 
 
 def _declared(limit_id: str) -> RateLimiter | None:

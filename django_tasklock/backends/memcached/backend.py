@@ -46,13 +46,13 @@ from ...values import unique_value
 from .fencing import draw
 from .reads import MemcachedReads
 from .restarts import NodeRestarted, Restarts, _refused
+from .rewrite import rewrite
 from .wire import (
     _PAST,
     _TEXT_FLAG,
     MemcachedHold,
     ServerRefused,
     Wire,
-    _flag,
     _server_name,
     _wire_key,
     exptime,
@@ -198,8 +198,12 @@ class MemcachedBackend(MemcachedReads):
             wire = _wire_key(client, key)
             # Add mode: stored only if absent, answering the new item's CAS id.
             command = b"ms %s %d T%d F%d ME c\r\n%s" % (
-                wire, len(data), ttl, _TEXT_FLAG, data,
-            )  # fmt: skip
+                wire,
+                len(data),
+                ttl,
+                _TEXT_FLAG,
+                data,
+            )
             reply = self.wire.command(client, command)
             if reply is not None:
                 return self.wire.added(client, wire, reply)
@@ -323,7 +327,7 @@ class MemcachedBackend(MemcachedReads):
         def attempt() -> MemcachedHold | None:
             nonlocal tries
             tries += 1
-            done = self._rewrite(client, key, hold, old, new, ttl)
+            done = rewrite(self.wire, client, key, hold, old, new, ttl)
             if done is None and tries > 1 and unique_value(new):
                 # The first try may have been carried out before its reply was
                 # lost: the store then holds ``new`` (a token, or a call's
@@ -334,39 +338,3 @@ class MemcachedBackend(MemcachedReads):
             return done
 
         return self.wire.once_more(client, attempt)
-
-    def _rewrite(
-        self,
-        client: Any,
-        key: str,
-        hold: MemcachedHold,
-        old: object,
-        new: str,
-        ttl: int,
-    ) -> MemcachedHold | None:
-        shortcut = hold.sock is not None
-        cas = self.wire.owner_cas(client, key, hold, old)
-        if cas is None:
-            return None
-        if self.wire.meta(client):
-            data = new.encode()
-            command = b"ms %s %d C%d T%d F%d c\r\n%s" % (
-                _wire_key(client, key), len(data), cas, ttl, _TEXT_FLAG, data,
-            )  # fmt: skip
-            reply = self.wire.command(client, command)
-            if reply is not None:
-                if reply.startswith(b"HD"):
-                    return self.wire.hold(client, _flag(reply, b"c"))
-                if reply.startswith(b"EX") and shortcut:
-                    # The CAS id this connection learnt changed: another
-                    # owner's item, or ours moved by the slab rebalancer. The
-                    # value tells (once).
-                    hold.sock = None
-                    return self._rewrite(client, key, hold, old, new, ttl)
-                if reply.startswith((b"EX", b"NF")):
-                    return None
-                raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-        if not client.cas(key, new, cas, expire=ttl, noreply=False):
-            return None
-        value, new_cas = client.gets(key)
-        return self.wire.hold(client, new_cas, meta=False) if value == new else None

@@ -41,9 +41,12 @@ def draw(
         # us and gets a larger one.
         data = token.encode()
         commands = b"ma %s N%d J%d T%d v\r\nmg %s c v" % (
-            _wire_key(client, fence.key), fence.ttl, fence.floor, fence.ttl,
+            _wire_key(client, fence.key),
+            fence.ttl,
+            fence.floor,
+            fence.ttl,
             _wire_key(client, key),
-        )  # fmt: skip
+        )
         replies = wire.exchange(client, commands, 2)
         if replies is not None:
             drawn, check = replies

@@ -1,0 +1,59 @@
+"""A compare-and-swap rewrite of a held item on memcached: how a lock is
+extended, replaced by a new value, or handed over, only while it is still the
+holder's (the backend's ``replace``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pymemcache.exceptions import MemcacheError
+
+from .wire import _TEXT_FLAG, MemcachedHold, Wire, _flag, _wire_key
+
+__all__ = ["rewrite"]
+
+
+def rewrite(
+    wire: Wire,
+    client: Any,
+    key: str,
+    hold: MemcachedHold,
+    old: object,
+    new: str,
+    ttl: int,
+) -> MemcachedHold | None:
+    """Store ``new`` for ``ttl`` in place of the item ``hold`` holds (whose
+    value is ``old``), only while the store still has that very item: its
+    CAS id, or (after a connection change or a slab move) its value; the
+    hold on the new item, or None."""
+    shortcut = hold.sock is not None
+    cas = wire.owner_cas(client, key, hold, old)
+    if cas is None:
+        return None
+    if wire.meta(client):
+        data = new.encode()
+        command = b"ms %s %d C%d T%d F%d c\r\n%s" % (
+            _wire_key(client, key),
+            len(data),
+            cas,
+            ttl,
+            _TEXT_FLAG,
+            data,
+        )
+        reply = wire.command(client, command)
+        if reply is not None:
+            if reply.startswith(b"HD"):
+                return wire.hold(client, _flag(reply, b"c"))
+            if reply.startswith(b"EX") and shortcut:
+                # The CAS id this connection learnt changed: another
+                # owner's item, or ours moved by the slab rebalancer. The
+                # value tells (once).
+                hold.sock = None
+                return rewrite(wire, client, key, hold, old, new, ttl)
+            if reply.startswith((b"EX", b"NF")):
+                return None
+            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+    if not client.cas(key, new, cas, expire=ttl, noreply=False):
+        return None
+    value, new_cas = client.gets(key)
+    return wire.hold(client, new_cas, meta=False) if value == new else None
