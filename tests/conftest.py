@@ -121,10 +121,19 @@ def _clean_stores(
     memcached_pair: tuple[Memcached, Memcached],
     redis_server: Redis,
 ) -> None:
+    restarted = False
     for server in (memcached, *memcached_pair):
         if server.process is None:  # a test stopped it and failed before restarting
             server.start()
+        # A test that restarted it left this thread's connections to the old
+        # process: the next command on them would fail (tests run in a random
+        # order, so any test may come next).
+        pid = server.process.pid  # type: ignore[union-attr]
+        restarted |= getattr(server, "pid_seen", pid) != pid
+        server.pid_seen = pid  # type: ignore[attr-defined]
         server.flush_all()
+    if restarted:
+        close_connections()
     # Only the databases tests write: Celery's broker (db 3) and results (db 4)
     # keep their queue bindings for worker processes that outlive one test.
     caches["redis"]._cache.get_client(write=True).flushdb()
