@@ -48,11 +48,15 @@ typecheck: $(STAMP)
 # tests start as well, combined with the matrix runs' (code only Django 6 runs
 # is measured there); fail_under in pyproject.toml is the floor.
 PYTEST_WORKERS ?= 4
+# The tests run in a random order (pytest-randomly), seeded by the commit: a
+# new order for each commit, the same one for every run of a commit, so that a
+# failure repeats. PYTEST_SEED=default draws a new order; the seed is printed.
+PYTEST_SEED ?= $(or $(shell git rev-parse HEAD 2>/dev/null | cut -c1-8 | sed 's/^/0x/' | xargs -r printf '%d'),default)
 pytest: pytest-run
 	$(MAKE) --no-print-directory coverage
 
 pytest-run: services $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --randomly-seed=$(PYTEST_SEED) --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
 
 coverage: $(STAMP)
 	if ls .coverage-matrix/* >/dev/null 2>&1; then \

@@ -57,6 +57,18 @@ def _interpreters_on_path() -> None:
 _interpreters_on_path()
 
 
+def _commit_seed() -> int:
+    """The first 32 bits of the commit checked out; a random seed outside a
+    git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout
+        return int(head[:8], 16)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return random.randrange(2**32)
+
+
 @nox.session
 @nox.parametrize("python,django", PAIRS)
 def tests(session: nox.Session, django: str) -> None:
@@ -64,9 +76,9 @@ def tests(session: nox.Session, django: str) -> None:
     session.install("-e", ".[test]", f"Django~={django}")
     coverage = ROOT / ".coverage-matrix"
     coverage.mkdir(exist_ok=True)
-    # A new random order each run (pytest-randomly), said here: -q hides the
-    # header that would name it.
-    seed = random.randrange(2**32)
+    # A random order (pytest-randomly) seeded by the commit, as in make test:
+    # said here, since -q hides the header that would name it.
+    seed = _commit_seed()
     session.log(f"tests in random order: --randomly-seed={seed} repeats it")
     session.run(
         "python",
