@@ -242,6 +242,24 @@ def _check_protocol(
     return messages
 
 
+def _unsafe_options(
+    alias: str, backend_class: type[Any], options: dict[str, Any]
+) -> list[CheckMessage]:
+    """An error for each OPTIONS entry of ``alias`` that would let a lock
+    fail silently."""
+    return [
+        Error(
+            f"CACHES[{alias!r}] has OPTIONS[{option!r}] set: {why}.",
+            hint=(
+                f"Remove {option} from this alias, or give locks an alias of their "
+                "own without it and set TASKLOCK['CACHE'] to it."
+            ),
+            id=_OPTION_IDS[option],
+        )
+        for option, why in unsafe_options(backend_class, options).items()
+    ]
+
+
 def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessage]:
     """The alias's backend and options; with ``protocol`` (None: skip, another
     setting is already wrong), how its memcached servers meet meta commands.
@@ -271,20 +289,7 @@ def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessa
                 id="django_tasklock.E004",
             )
         ]
-    messages: list[CheckMessage] = []
-    for option, why in unsafe_options(
-        backend_class, config.get("OPTIONS") or {}
-    ).items():
-        messages.append(
-            Error(
-                f"CACHES[{alias!r}] has OPTIONS[{option!r}] set: {why}.",
-                hint=(
-                    f"Remove {option} from this alias, or give locks an alias of their "
-                    "own without it and set TASKLOCK['CACHE'] to it."
-                ),
-                id=_OPTION_IDS[option],
-            )
-        )
+    messages = _unsafe_options(alias, backend_class, config.get("OPTIONS") or {})
     if issubclass(backend_class, LocMemCache) and not caches_implicit():
         messages.append(
             Warning(

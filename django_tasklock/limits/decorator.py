@@ -64,8 +64,8 @@ def rate_limited(
     every call. ``kind``: ``"window"`` or ``"smooth"`` (see ``RateLimiter``).
 
     ``on_limit`` (default ``TASKLOCK["ON_LIMIT"]``, ``"retry"``): ``"retry"``
-    sends the call again to run when the limit will admit it (a bound Celery
-    task; its ``max_retries`` are not spent); ``"raise"`` raises
+    sends the call again for its own turn in the limit's queue of refused
+    calls (a bound Celery task; its ``max_retries`` are not spent); ``"raise"`` raises
     ``RateLimited``; ``"wait"`` waits up to ``timeout`` seconds (default
     ``TASKLOCK["WAIT_TIMEOUT"]``) and then raises; ``"skip"`` returns None and
     logs at INFO.
@@ -73,28 +73,9 @@ def rate_limited(
     _check_options(rate, name, on_limit, kind, burst)
 
     def decorate(func: F) -> F:
-        signature = inspect.signature(func)
-        parameters = list(signature.parameters.values())
-        takes_self = bool(parameters) and parameters[0].kind in (
-            inspect.Parameter.POSITIONAL_ONLY,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        limits, signature = _declare(
+            func, name, (rate, kind, burst, cache), key, on_limit
         )
-        check_key(func, key, signature)
-        if on_limit == "retry" and not takes_self:
-            raise TypeError(
-                f"on_limit='retry' needs a bound Celery task, but {func.__qualname__} "
-                "takes no 'self', so a call over the limit could not be sent again "
-                "and would be lost. Use @app.task(bind=True), or another on_limit."
-            )
-        limits = _Limits(
-            name or f"{func.__module__}.{func.__qualname__}",
-            (rate, kind, burst, cache),
-            key,
-            binder(signature),
-            parameters[0].name if takes_self else None,
-        )
-        limits.module = func.__module__
-        DECLARED[limits.base] = limits
         limiter_for = limits.for_call
 
         @functools.wraps(func)
@@ -118,6 +99,40 @@ def rate_limited(
         return cast(F, wrapper)
 
     return decorate
+
+
+def _declare(
+    func: Callable[..., Any],
+    name: str | None,
+    spec: tuple[Any, ...],
+    key: KeySpec,
+    on_limit: OnLimit | None,
+) -> tuple[_Limits, inspect.Signature]:
+    """The limits of ``func`` (``spec``: rate, kind, burst, cache), checked
+    against its signature and declared (``DECLARED``), and its signature."""
+    signature = inspect.signature(func)
+    parameters = list(signature.parameters.values())
+    takes_self = bool(parameters) and parameters[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
+    check_key(func, key, signature)
+    if on_limit == "retry" and not takes_self:
+        raise TypeError(
+            f"on_limit='retry' needs a bound Celery task, but {func.__qualname__} "
+            "takes no 'self', so a call over the limit could not be sent again "
+            "and would be lost. Use @app.task(bind=True), or another on_limit."
+        )
+    limits = _Limits(
+        name or f"{func.__module__}.{func.__qualname__}",
+        spec,
+        key,
+        binder(signature),
+        parameters[0].name if takes_self else None,
+    )
+    limits.module = func.__module__
+    DECLARED[limits.base] = limits
+    return limits, signature
 
 
 def _task_of(args: tuple[Any, ...]) -> Any:
