@@ -23,6 +23,16 @@ def workers(broker):  # noqa: F811
     stop_workers(processes)
 
 
+def run_each_once(task, key, calls, timeout=60):
+    """Send ``calls`` calls of ``task`` at once (its ``n`` from 0 up); every
+    one returns and ran exactly once. Their results, and their runs."""
+    sent = [task.delay(key, n) for n in range(calls)]
+    assert sorted(result.get(timeout=timeout) for result in sent) == list(range(calls))
+    runs = tasks.runs(key)
+    assert sorted(run["n"] for run in runs) == list(range(calls)), "ran twice or never"
+    return sent, runs
+
+
 @pytest.mark.parametrize(
     ("task", "kind"),
     [(tasks.limited_window, "window"), (tasks.limited_smooth, "smooth")],
@@ -32,11 +42,7 @@ def test_every_call_runs_once_at_the_limits_pace(workers, settings, task, kind):
     name = f"tests.limited-{kind}"
     cache = "redis" if kind == "smooth" else "default"
     RateLimiter(name, "4/s", kind=kind, burst=2, cache=cache).reset()
-    key = f"limited-{kind}"
-    sent = [task.delay(key, n) for n in range(12)]  # three periods' worth
-    assert sorted(result.get(timeout=60) for result in sent) == list(range(12))
-    runs = tasks.runs(key)
-    assert sorted(run["n"] for run in runs) == list(range(12)), "ran twice or never"
+    _sent, runs = run_each_once(task, f"limited-{kind}", 12)  # three periods' worth
     # Sent again at the time each refusal named, without spending max_retries (0).
     assert all(run["retries"] == 0 for run in runs)
     times = [int(run["at"]) for run in runs]  # type: ignore[call-overload]
@@ -50,11 +56,9 @@ def test_every_call_runs_once_at_the_limits_pace(workers, settings, task, kind):
 
 def test_a_rate_limit_above_an_enqueue_time_lock_loses_no_call(workers):
     RateLimiter("tests.limited-until-finished", "2/s").reset()
-    key = "limited-until-finished"
-    sent = [tasks.limited_until_finished.delay(key, n) for n in range(6)]
-    assert sorted(result.get(timeout=60) for result in sent) == list(range(6))
-    runs = tasks.runs(key)
-    assert sorted(run["n"] for run in runs) == list(range(6)), "ran twice or never"
+    _sent, runs = run_each_once(
+        tasks.limited_until_finished, "limited-until-finished", 6
+    )
     assert window_violations([int(run["at"]) for run in runs], 2, 1000) == 0  # type: ignore[call-overload]
 
 
@@ -68,11 +72,7 @@ def test_a_backlog_is_sent_again_once_per_call_and_keeps_its_final_state(workers
     from tests.celery_app import app
 
     RateLimiter("tests.limited-backlog", "10/s").reset()
-    key = "limited-backlog"
-    sent = [tasks.limited_backlog.delay(key, n) for n in range(60)]
-    assert sorted(result.get(timeout=90) for result in sent) == list(range(60))
-    runs = tasks.runs(key)
-    assert sorted(run["n"] for run in runs) == list(range(60)), "ran twice or never"
+    sent, runs = run_each_once(tasks.limited_backlog, "limited-backlog", 60, 90)
     times = [int(run["at"]) for run in runs]  # type: ignore[call-overload]
     assert window_violations(times, 10, 1000) == 0
     ids = [result.id for result in sent]

@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple
 if TYPE_CHECKING:
     from ..rates import Rate
 
-__all__ = ["KINDS", "Kind", "Smooth", "Turns", "Verdict", "Window"]
+__all__ = ["KINDS", "LUA_NOW", "Kind", "Smooth", "Turns", "Verdict", "Window"]
+
+#: Lua: ``now``, the store's clock in whole milliseconds, by which every
+#: script of a limit judges.
+LUA_NOW: Final = """local clock = redis.call("time")
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+"""
 
 
 class Verdict(NamedTuple):
@@ -110,11 +116,12 @@ class Window(Kind):
 
     name = "window"
     tag = "w"
-    lua = """
+    lua = (
+        """
 local count, period = tonumber(ARGV[1]), tonumber(ARGV[2])
-local clock = redis.call("time")
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local state = redis.call("get", KEYS[1])
+"""
+        + LUA_NOW
+        + """local state = redis.call("get", KEYS[1])
 local paused, times = 0, {}
 if state then
     local fields = {}
@@ -144,6 +151,7 @@ local last = math.max(paused, now)
 redis.call("set", KEYS[1], table.concat(parts, " "), "PX", last - now + period + 1000)
 return {1, now, 0, 0}
 """
+    )
 
     def decide(self, state: object, now: int) -> Verdict:
         paused, times = (0, []) if state is None else self.parse(state)
@@ -183,13 +191,14 @@ class Smooth(Kind):
     name = "smooth"
     tag = "s"
     number = "{:.3f}"
-    lua = """
+    lua = (
+        """
 local count, period, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local interval = period / count
 local tolerance = (burst - 1) * interval
-local clock = redis.call("time")
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local state = redis.call("get", KEYS[1])
+"""
+        + LUA_NOW
+        + """local state = redis.call("get", KEYS[1])
 local paused, tat = 0, now
 if state then
     local fields = {}
@@ -213,6 +222,7 @@ redis.call("set", KEYS[1], string.format("s %d %.3f %d", paused, tat, now), "PX"
     math.ceil(last - now) + period + 1000)
 return {1, now, 0, 0}
 """
+    )
 
     def decide(self, state: object, now: int) -> Verdict:
         paused, numbers = (0, [now]) if state is None else self.parse(state)
@@ -260,11 +270,12 @@ class Turns(Kind):
     name = "turns"
     tag = "q"
     number = "{:.3f}"
-    lua = """
+    lua = (
+        """
 local interval, after = tonumber(ARGV[1]), tonumber(ARGV[2])
-local clock = redis.call("time")
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local turn = now + after
+"""
+        + LUA_NOW
+        + """local turn = now + after
 local state = redis.call("get", KEYS[1])
 if state then
     local fields = {}
@@ -276,6 +287,7 @@ redis.call("set", KEYS[1], string.format("q 0 %.3f", turn + interval), "PX",
     math.ceil(turn + interval - now) + 1000)
 return {1, turn, math.ceil(turn - now), 0}
 """
+    )
 
     def __init__(self, rate: Rate, after: float) -> None:
         super().__init__(rate, 1)

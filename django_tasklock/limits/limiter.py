@@ -180,13 +180,11 @@ class RateLimiter:
     def reset(self) -> bool:
         """Forget every admission and pause (and the queue of refused calls'
         turns); True if there was any admission or pause."""
+        self._call(
+            "reset the rate limit", lambda b, k, _kind: store.reset(b, f"{k}:turns")
+        )
         return bool(
-            self._call(
-                "reset the rate limit",
-                lambda b, k, _kind: [store.reset(b, f"{k}:turns"), store.reset(b, k)][
-                    1
-                ],
-            )
+            self._call("reset the rate limit", lambda b, k, _kind: store.reset(b, k))
         )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from .kinds import Verdict
+from .kinds import LUA_NOW, Verdict
 
 if TYPE_CHECKING:
     from ..backends.base import LockBackend
@@ -28,11 +28,12 @@ __all__ = ["admit", "pause", "read", "reset"]
 MAX_ROUNDS = 1000
 
 # Pause a limit of either kind: its second field is the time admissions resume.
-_PAUSE = """
+_PAUSE = (
+    """
 local until_ms, period, tag = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local clock = redis.call("time")
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local state = redis.call("get", KEYS[1])
+"""
+    + LUA_NOW
+    + """local state = redis.call("get", KEYS[1])
 local fields = {}
 if state then
     for field in string.gmatch(state, "%S+") do fields[#fields + 1] = field end
@@ -54,6 +55,7 @@ if ttl > wanted then wanted = ttl end
 redis.call("set", KEYS[1], table.concat(fields, " "), "PX", wanted)
 return resume - now
 """
+)
 
 
 def now_ms() -> int:
