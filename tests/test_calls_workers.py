@@ -29,7 +29,6 @@ from tests.workers import (
     overlaps,
     start_workers,
     stop_workers,
-    wait_for_idle_workers,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,24 +166,22 @@ def test_autoretry_keeps_the_call_locked_and_final_failure_frees_it(workers):
 
 
 def test_revoking_a_pending_call_frees_it_when_a_worker_drops_it(workers):
-    wait_for_idle_workers(4)  # the four calls below take every pool process
-    busy = [tasks.finish_once.delay(f"busy-{n}", seconds=2.0) for n in range(4)]
-    wait_until(
-        lambda: all(
-            held(lock_id_for(tasks.finish_once, f"busy-{n}", 2.0)) == ("running", r.id)
-            for n, r in enumerate(busy)
-        ),
-        30,
-    )
+    # A countdown keeps the call pending, whatever the pool processes are doing
+    # (a worker holds it unstarted): it is revoked long before it is due, and
+    # the worker drops it when it comes due. Four busy calls filling the pool
+    # were not enough: a worker acks a call as it starts it, so it may take a
+    # third and fourth while the other worker idles, and a call it got then ran.
     lock_id = lock_id_for(tasks.finish_once, "revoked")
-    pending = tasks.finish_once.delay("revoked")
+    pending = tasks.finish_once.apply_async(("revoked",), countdown=3)
     assert held(lock_id) == ("queued", pending.id)
     pending.revoke()
-    for result in busy:
-        result.get(timeout=60)
-    wait_until(lambda: free(lock_id), 10)
+    # Its lock lasts the countdown and the queue allowance: freed by the drop.
+    wait_until(lambda: free(lock_id), 20)
     assert tasks.runs("revoked") == [], "the revoked call ran"
-    assert tasks.finish_once.delay("revoked").id != pending.id
+    again = tasks.finish_once.delay("revoked")
+    assert again.id != pending.id
+    again.get(timeout=60)
+    assert [run["task_id"] for run in tasks.runs("revoked")] == [again.id]
 
 
 def test_revoking_a_running_call_with_terminate_frees_it(workers):

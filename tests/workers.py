@@ -385,27 +385,6 @@ def start_workers(
     return processes
 
 
-def wait_for_idle_workers(pool_processes: int, limit: float = 60.0) -> None:
-    """Until the workers of tests.celery_app run and hold nothing, with
-    ``pool_processes`` pool processes up between them (a test that killed one
-    left the worker making a new one): a test that fills every pool process
-    starts from there, whatever ran before it."""
-    from tests.celery_app import app
-    from tests.conftest import wait_until
-
-    def idle() -> bool:
-        inspector = app.control.inspect(timeout=1.0)
-        busy = [inspector.active() or {}, inspector.reserved() or {}]
-        stats = inspector.stats() or {}
-        up = sum(
-            len(one.get("pool", {}).get("processes", [])) for one in stats.values()
-        )
-        running = sum(len(calls) for found in busy for calls in found.values())
-        return running == 0 and up >= pool_processes
-
-    wait_until(idle, limit)
-
-
 def stop_workers(processes: list[subprocess.Popen[bytes]]) -> None:
     from tests.services import stop_process
 
