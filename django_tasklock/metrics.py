@@ -170,19 +170,13 @@ class LockMetrics:
             ["task"],
             registry=where,
         )
+        wait = "Seconds an acquire that took its lock waited."
         self.wait = Histogram(
-            "tasklock_wait_seconds",
-            "Seconds an acquire that took its lock waited.",
-            both,
-            buckets=WAIT_BUCKETS,
-            registry=where,
+            "tasklock_wait_seconds", wait, both, buckets=WAIT_BUCKETS, registry=where
         )
+        hold = "Seconds a lock was held."
         self.hold = Histogram(
-            "tasklock_hold_seconds",
-            "Seconds a lock was held.",
-            both,
-            buckets=HOLD_BUCKETS,
-            registry=where,
+            "tasklock_hold_seconds", hold, both, buckets=HOLD_BUCKETS, registry=where
         )
 
     # -- receivers -------------------------------------------------------------

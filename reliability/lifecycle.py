@@ -170,7 +170,7 @@ def long_outage(redis: Redis, tries: int) -> Row:
             with use_cache(redis.url, "redis", socket_connect_timeout=0.5):
                 lock = Lock(lock_id, expire=EXPIRE, renew=True)
                 assert lock.acquire()
-                life = lock._life
+                life = lock.acquisition.life
                 lives.append(life)
                 acquired_at = lock.acquired_at or 0.0
                 redis.stop()
@@ -220,7 +220,7 @@ def max_hold_overshoot(memcached: Memcached, tries: int) -> Row:
         lock = Lock(lock_id, expire=EXPIRE, renew=True, max_hold=max_hold)
         assert lock.acquire()
         acquired_at = lock.acquired_at or 0.0
-        key = lock._key or ""
+        key = lock.acquisition.key if lock.acquisition else ""
         while memcached.raw(b"mg " + key.encode() + b" v").startswith(b"VA"):
             time.sleep(0.005)
         gone = time.monotonic() - acquired_at

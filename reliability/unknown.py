@@ -137,7 +137,7 @@ def paused_store(memcached_factory: type[Memcached], tries: int) -> Row:
                 assert warm.acquire()
                 assert warm.release()
                 lock_id = f"fault-paused-{attempt}"
-                key = warm._key.replace("fault-warm-up", lock_id)  # type: ignore[union-attr]
+                key = warm.acquisition.key.replace("fault-warm-up", lock_id)  # type: ignore[union-attr]
                 removed = pending.removed_count()
                 assert server.process is not None
                 stop_and_wait(server.process.pid)

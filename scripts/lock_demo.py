@@ -141,8 +141,8 @@ def stale_holder_spares_new_one(
     assert as_another_worker(new.acquire)
     if show_cas:
         say(
-            f"   the old holder's CAS id is {old._hold.cas}, "  # type: ignore[attr-defined]
-            f"the new holder's is {new._hold.cas}"  # type: ignore[attr-defined]
+            f"   the old holder's CAS id is {old.acquisition.hold.cas}, "  # type: ignore[union-attr]
+            f"the new holder's is {new.acquisition.hold.cas}"  # type: ignore[union-attr]
         )
     released = old.release()
     third_lock = as_another_worker(lambda: Lock(lock_id).acquire())

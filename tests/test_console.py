@@ -39,7 +39,7 @@ def held_lock(lock_id, task="feeds.import_feed", args=(), kwargs=None, **options
     lock = Lock(lock_id, **options)
     lock.about = (task, args, kwargs or {})
     assert lock.acquire()
-    wait_until(lambda: listed(lock_id, lock._alias or "default"), 10)
+    wait_until(lambda: listed(lock_id, lock.acquisition.alias), 10)
     return lock
 
 

@@ -325,7 +325,7 @@ def test_meta_replies_in_pieces_are_read_whole(settings, memcached):
         assert holder.release()  # HD
         gone = Lock("pieces-gone")
         assert gone.acquire()
-        memcached.raw(b"delete " + gone._key.encode())  # type: ignore[union-attr]
+        memcached.raw(b"delete " + gone.acquisition.key.encode())  # type: ignore[union-attr]
         assert gone.release() is False  # NF: reported lost, nothing removed
         assert gone.lost
         assert proxy.split >= 5

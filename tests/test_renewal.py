@@ -272,7 +272,7 @@ def test_store_down_longer_than_the_lock_lives_is_a_loss(private_store, lost_eve
     # comes after the reply, which a busy machine may delay).
     sent_at = time.monotonic()
     assert lock.acquire()
-    life = lock._life
+    life = lock.acquisition.life
     beat = lock._heartbeat.interval  # type: ignore[union-attr]
     server.stop()
     stopped_at = time.monotonic()
@@ -312,7 +312,7 @@ def test_store_paused_past_the_locks_life_is_a_loss_by_the_clock(
     lock = Lock("paused", expire=EXPIRE, renew=True)
     before = time.monotonic()
     assert lock.acquire()
-    life = lock._life
+    life = lock.acquisition.life
     stop_and_wait(server.process.pid)
     assert lock.check() is True
     wait_for(lambda: not lock.check(), timeout=life + 10)

@@ -68,11 +68,11 @@ def test_good_expires_accepted(any_store, expire):
     if ttl is None:
         # memcached's clock ticks once a second: a lock it is sure to keep for
         # less than one may be gone already (and only such a lock).
-        assert lock._life < 1
+        assert lock.acquisition.life < 1
     else:
         # memcached counts whole seconds and rounds a fraction up.
         assert 0 < ttl <= math.ceil(expire)
-    if lock._life >= 1:
+    if lock.acquisition.life >= 1:
         assert lock.release()
     else:
         # A lock memcached is sure to keep for less than a second (its clock

@@ -97,11 +97,11 @@ def test_locks_moved_by_the_slab_rebalancer_stay_their_holders(
     # reused: the locks' class is the one that grew.)
     cls = max(grew, key=lambda c: grew[c])
     client = caches["default"]._cache
-    before = {lock.lock_id: client.gets(lock._key)[1] for lock in locks}
+    before = {lock.lock_id: client.gets(lock.acquisition.key)[1] for lock in locks}
 
     def changed():
         """The locks still held under a new CAS id: moved, not evicted."""
-        now = {lock.lock_id: client.gets(lock._key) for lock in locks}
+        now = {lock.lock_id: client.gets(lock.acquisition.key) for lock in locks}
         return [
             lock
             for lock in locks
@@ -114,7 +114,7 @@ def test_locks_moved_by_the_slab_rebalancer_stay_their_holders(
     assert moved, "no lock was moved: the test proves nothing"
     # A page moved with no free chunk to rescue its items into evicts them:
     # those locks are gone, and rightly found lost.
-    gone = [lock for lock in locks if client.get(lock._key) is None]
+    gone = [lock for lock in locks if client.get(lock.acquisition.key) is None]
     kept = [lock for lock in locks if lock not in gone]
     thirds = len(moved) // 3
     for lock in moved[:thirds]:

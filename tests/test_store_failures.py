@@ -199,10 +199,10 @@ def test_restart_reusing_cas_id_spares_new_holder(settings, own_memcached, proto
     key = backend.keys_for("restart")[0]
     assert not backend.locked(key)  # (a new connection, the old one dropped)
     backend.restarted_at(key)
-    fill_until(own_memcached, old._hold.cas - 1)
+    fill_until(own_memcached, old.acquisition.hold.cas - 1)
     new = Lock("restart", expire=60)
     assert new.acquire()
-    assert new._hold.cas == old._hold.cas, "the case this test exists for"
+    assert new.acquisition.hold.cas == old.acquisition.hold.cas, "the case this test exists for"
     assert old.extend(600) is False
     assert old.release() is False
     assert new.owned()

@@ -326,7 +326,7 @@ def hold_and_restart_busiest(
     valid_until: dict[str, float] = {}
     for lock in locks:
         assert lock.acquire()
-        valid_until[lock.lock_id] = lock._valid_until  # type: ignore[assignment]
+        valid_until[lock.lock_id] = lock.acquisition.valid_until  # type: ignore[assignment]
     backend = backend_for(alias)
     port_of = {i: backend._client(backend.key_for(i)).server[1] for i in ids}  # type: ignore[attr-defined]
     victim = max(servers, key=lambda s: list(port_of.values()).count(s.port))
@@ -415,7 +415,7 @@ def restart_under_holders(
     def settled(locks: list[Any]) -> None:
         # The holders' liveness thread has read their locks since they were
         # taken (its connections are old ones when the server restarts).
-        record = locks[0]._record
+        record = locks[0].acquisition.record
         assert record is not None, "taken without a liveness record"
         beats = record.beats
         wait_until(lambda: record.beats >= beats + 2, 30)

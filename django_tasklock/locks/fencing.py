@@ -11,34 +11,36 @@ from typing import TYPE_CHECKING
 
 from ..exceptions import LockLost
 from ..tokens import fence_counter
-from .loss import held_time, report_lost
+from .loss import report_lost
 
 if TYPE_CHECKING:
-    from .reads import StoreReads
+    from .acquisition import Acquisition
 
 __all__ = ["draw_fence"]
 
 
-def draw_fence(lock: StoreReads) -> int | None:
-    """``lock``'s fencing token, drawn now if it was not yet (one round trip)."""
+def draw_fence(acq: Acquisition) -> int | None:
+    """The fencing token of the hold ``acq``, drawn now if it was not yet (one
+    round trip)."""
+    lock = acq.lock
     with lock._guard:
-        if lock._fence is not None:
-            return lock._fence
-        if lock._hold is None:
-            if lock._reported:
-                raise LockLost(lock.lock_id, held_time(lock))
+        if acq.fence is not None:
+            return acq.fence
+        hold = acq.hold
+        if hold is None:
+            if acq.reported:
+                raise LockLost(lock.lock_id, acq.held_for())
             return None
         backend, key = lock._backend()
-        assert lock.token is not None
-        counter = fence_counter(backend.keys_for(lock.lock_id)[1], lock._held_expire)
+        counter = fence_counter(backend.keys_for(lock.lock_id)[1], acq.expire)
         try:
-            drawn = backend.draw_fence(key, lock._hold, lock.token, counter)
+            drawn = backend.draw_fence(key, hold, acq.token, counter)
         except backend.errors as exc:
             raise lock._store_error(
                 backend, key, "draw the fencing token", exc
             ) from exc
         if drawn is None:
-            report_lost(lock, "fence")
-            raise LockLost(lock.lock_id, held_time(lock))
-        lock._fence = drawn
+            report_lost(acq, "fence")
+            raise LockLost(lock.lock_id, acq.held_for())
+        acq.fence = drawn
         return drawn

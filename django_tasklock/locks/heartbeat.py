@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 
 from ..backends import close_thread_connections
 from ..exceptions import LockBackendError
+from .holds import extend_hold
 from .loss import report_lost, unextended
 
 if TYPE_CHECKING:
-    from .reads import StoreReads
+    from .acquisition import Acquisition
 
 __all__ = ["Heartbeat"]
 
@@ -27,14 +28,16 @@ logger = logging.getLogger("django_tasklock.locks")
 
 
 class Heartbeat:
-    """Extends ``lock`` every ``interval`` seconds until stopped."""
+    """Extends the hold ``acq`` every ``interval`` seconds until stopped."""
 
-    def __init__(self, lock: StoreReads, interval: float) -> None:
-        self.lock = lock
+    def __init__(self, acq: Acquisition, interval: float) -> None:
+        self.acq = acq
         self.interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, name=f"tasklock-renew {lock.lock_id[:60]}", daemon=True
+            target=self._run,
+            name=f"tasklock-renew {acq.lock.lock_id[:60]}",
+            daemon=True,
         )
 
     @property
@@ -45,8 +48,9 @@ class Heartbeat:
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    def start(self) -> None:
+    def start(self) -> Heartbeat:
         self._thread.start()
+        return self
 
     def stop(self) -> None:
         """Ask the heartbeat to end; it never extends the lock after this returns
@@ -67,16 +71,15 @@ class Heartbeat:
     def beat(self) -> float | None:
         """Extend the lock once; the pause before the next beat, or None when
         renewal should stop."""
-        lock = self.lock
+        acq = self.acq
+        lock = acq.lock
         with lock._guard:
-            if self.stopped or lock._hold is None or lock._reported:
+            if self.stopped or acq.hold is None or acq.reported:
                 return None
-            last = (
-                lock._deadline is not None
-                and lock._deadline - time.monotonic() <= lock._held_expire
-            )
+            deadline = acq.deadline
+            last = deadline is not None and deadline - time.monotonic() <= acq.expire
             try:
-                renewed = lock._extend(None, "renew")
+                renewed = extend_hold(acq, None, "renew")
             except LockBackendError as exc:
                 return self._failed(exc)
             if renewed and last:
@@ -85,31 +88,30 @@ class Heartbeat:
                     "still runs; renewal stops and the lock expires then.",
                     lock.lock_id,
                     lock.max_hold,
-                    max(0.0, (lock._deadline or 0.0) - time.monotonic()),
+                    max(0.0, (deadline or 0.0) - time.monotonic()),
                 )
                 return None
             return self.interval if renewed else None
 
     def _failed(self, exc: LockBackendError) -> float | None:
         """The store could not be reached: when to try again, if ever."""
-        lock = self.lock
-        if exc.__cause__ is not None and lock._backend()[0].lost_with_store(
-            exc.__cause__
-        ):
+        acq = self.acq
+        cause = exc.__cause__
+        if cause is not None and acq.lock._backend()[0].lost_with_store(cause):
             report_lost(
-                lock, "renew", f"the store stopped and the lock went with it ({exc})"
+                acq, "renew", f"the store stopped and the lock went with it ({exc})"
             )
             return None
         # The lock keeps its current expiry: try again, and at the latest when
         # the store may drop it; past that, it is lost.
-        left = (lock._valid_until or 0.0) - time.monotonic()
+        left = acq.valid_until - time.monotonic()
         if left <= 0:
             report_lost(
-                lock,
+                acq,
                 "renew",
-                unextended(lock, f"the store could not be reached ({exc})"),
+                unextended(acq, f"the store could not be reached ({exc})"),
                 clear=False,
             )
             return None
-        logger.warning("Could not renew lock %r: %s", lock.lock_id, exc)
+        logger.warning("Could not renew lock %r: %s", acq.lock.lock_id, exc)
         return min(self.interval, left)

@@ -33,7 +33,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 from django.core.cache import close_caches
 from django.core.signals import setting_changed
@@ -41,12 +41,14 @@ from django.core.signals import setting_changed
 from ..backends import backend_for, close_thread_connections
 from ..conf import settings
 from ..tokens import new_live_token, new_token, this_process
+from .loss import report_lost
 from .roster import Entry, Roster
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..backends import Hold, LockBackend
+    from ..backends import LockBackend
+    from .acquisition import Acquisition
 
 __all__ = [
     "RECORD_PREFIX",
@@ -63,23 +65,6 @@ __all__ = [
 logger = logging.getLogger("django_tasklock.locks")
 
 RECORD_PREFIX: Final = "tasklock-alive:"
-
-
-class Held(Protocol):
-    """What a record knows of a lock it was taken with (a ``Lock``)."""
-
-    lock_id: str
-    token: str | None
-    acquired_at: float | None
-    _hold: Hold | None
-    _key: str | None
-    _lost: bool
-    _valid_until: float | None
-    _guard: Any
-
-    def _report_lost(self, doing: str) -> None: ...
-
-    def release_quietly(self) -> None: ...
 
 
 def record_id(host: str, process: str) -> str:
@@ -121,9 +106,9 @@ class Records:
         return record
 
     @property
-    def held(self) -> dict[int, Held]:
+    def held(self) -> dict[int, Acquisition]:
         """Every lock taken with one of these records, by object id."""
-        merged: dict[int, Held] = {}
+        merged: dict[int, Acquisition] = {}
         for record in list(self.at.values()):
             merged.update(record.held)
         return merged
@@ -182,7 +167,7 @@ class Record:
         self._backend: LockBackend | None = None
         #: The locks taken with this record, by id: put back after a restart
         #: (``reassert``); those no longer held are dropped at the next beat.
-        self.held: dict[int, Held] = {}
+        self.held: dict[int, Acquisition] = {}
         self.roster = records.roster
 
     def write(self, backend: LockBackend) -> None:
@@ -349,14 +334,14 @@ def reassert(record: Record, backend: LockBackend) -> None:
     taken) is left alone: its holder learns of it at its next renewal or
     release. One read of the held keys per beat (per server holding them);
     raises ``backend.errors``."""
-    locks, keys = [], []
-    for ident, lock in list(record.held.items()):
-        if lock._hold is None or lock._lost or lock._key is None:
+    held, keys = [], []
+    for ident, acq in list(record.held.items()):
+        if acq.hold is None or acq.lost:
             record.held.pop(ident, None)
         else:
-            locks.append(lock)
-            keys.append(lock._key)
-    if not locks:
+            held.append(acq)
+            keys.append(acq.key)
+    if not held:
         return
     # Read every beat: a restarted server's dead connection fails here, and
     # the next beat's connection learns the server's new run.
@@ -365,24 +350,23 @@ def reassert(record: Record, backend: LockBackend) -> None:
         return
     restarts = [backend.restarted_at(key) for key in keys]
     now = time.monotonic()
-    for lock, key, restarted, here in zip(locks, keys, restarts, present, strict=True):
-        if here or restarted is None or lock.acquired_at is None:
+    for acq, key, restarted, here in zip(held, keys, restarts, present, strict=True):
+        if here or restarted is None:
             continue
-        if restarted < lock.acquired_at - _RUN_SLACK:
+        if restarted < acq.acquired_at - _RUN_SLACK:
             continue  # taken on the new run, and gone since: not the restart's doing
-        with lock._guard:
-            left = (lock._valid_until or 0.0) - now
-            token = lock.token
-            if lock._hold is None or left <= 0 or token is None:
+        with acq.lock._guard:
+            left = acq.valid_until - now
+            if acq.hold is None or left <= 0:
                 continue
-            hold = backend.reassert(key, token, left)
+            hold = backend.reassert(key, acq.token, left)
             if hold is None:
-                lock._report_lost("put back after a restart")
+                report_lost(acq, "put back after a restart")
                 continue
-            lock._hold = hold
+            acq.hold = hold
         logger.info(
             "Put lock %r back on its restarted memcached server (%.0fs left)",
-            lock.lock_id,
+            acq.lock.lock_id,
             left,
         )
 
@@ -447,10 +431,10 @@ def leave() -> int:
     records, so that nobody waits for them. Returns how many were released."""
     released = 0
     for records in list(_records.values()):
-        for lock in list(records.held.values()):
-            if lock._hold is not None and not lock._lost:
-                lock.release_quietly()
-                released += lock._hold is None
+        for acq in list(records.held.values()):
+            if acq.hold is not None and not acq.lost:
+                acq.lock.release_quietly()
+                released += acq.hold is None
     forget_records(delete=True)
     if released:
         logger.info("Released %d lock(s) on the way out of this process", released)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import _thread
 import logging
 import socket
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -19,16 +18,17 @@ from ..conf import (
 )
 from ..exceptions import LockBackendError, LockLost
 from ..keys import check_lock_id
-from ..signals import lock_acquired, lock_contended, lock_released
+from ..signals import lock_acquired, lock_contended
+from .acquisition import Acquisition
 from .fencing import draw_fence
 from .heartbeat import Heartbeat
 from .holding import Holding
-from .liveness import Record, kept_record
+from .holds import extend_hold, hand_over_hold, release_hold
+from .liveness import kept_record
 from .loss import (
     held_time,
     lapsed,
     lapsed_why,
-    release_failed,
     report_lost,
     take_failed,
 )
@@ -48,7 +48,7 @@ from .waiting import POLL_MIN, backoff
 if TYPE_CHECKING:
     from django.dispatch import Signal
 
-    from ..backends import Hold, LockBackend
+    from ..backends import LockBackend
 
 __all__ = ["Lock"]
 
@@ -159,24 +159,7 @@ class Lock(StoreReads, Holding):
     on_lost: OnLost = "warn"
     #: Who this holder is, as written at the start of its tokens.
     owner: str = _HOSTNAME
-    _hold: Hold | None = None
-    _alias: str | None = None
-    _key: str | None = None
-    _held_backend: LockBackend | None = None
-    _holder_thread: int | None = None
-    _held_fork = -1
-    # When the store may drop the lock unless renewed before (monotonic).
-    _valid_until: float | None = None
-    _life = 0.0
     _heartbeat: Heartbeat | None = None
-    # This process's liveness record beside the lock (None: records off).
-    _record: Record | None = None
-    _deadline: float | None = None
-    _held_expire: float = 0.0
-    token: str | None = None
-    _fence: int | None = None
-    acquired_at: float | None = None
-    _lost = _reported = False
 
     #: The task id of the call holding it, written into its tokens.
     call_id: str | None = None
@@ -190,8 +173,26 @@ class Lock(StoreReads, Holding):
     _take_over: str | None = None
 
     def __repr__(self) -> str:
-        state = "lost" if self.lost else "held" if self._hold is not None else "free"
+        state = "lost" if self.lost else "held" if self.held else "free"
         return f"<Lock {self.lock_id!r} {state}>"
+
+    @property
+    def acquisition(self) -> Acquisition | None:
+        """This lock's hold (``locks.acquisition.Acquisition``): the current
+        one, else the last (released or lost); None before the first acquire."""
+        return self._acq
+
+    @property
+    def token(self) -> str | None:
+        """The token stored by the last acquisition (None before the first)."""
+        acq = self._acq
+        return None if acq is None else acq.token
+
+    @property
+    def acquired_at(self) -> float | None:
+        """When (``time.monotonic()``) the last acquisition took the lock."""
+        acq = self._acq
+        return None if acq is None else acq.acquired_at
 
     @property
     def fence(self) -> int | None:
@@ -206,21 +207,23 @@ class Lock(StoreReads, Holding):
         write must not go out unfenced then), and ``LockBackendError`` if the
         store cannot be reached.
         """
-        fence = self._fence
-        return fence if fence is not None else draw_fence(self)
+        acq = self._acq
+        if acq is None:
+            return None
+        fence = acq.fence
+        return fence if fence is not None else draw_fence(acq)
 
     @property
     def lost(self) -> bool:
         """True once the lock is known lost: the heartbeat, a release or an extend
         found it gone or someone else's, or the least time the store keeps it ran
         out with no extension since (the store unreachable, or no renewal)."""
-        if not self._reported and lapsed(self):
-            report_lost(self, "check", lapsed_why(self), clear=False)
-        return self._lost
-
-    def _forked(self) -> bool:
-        """True in a process forked while this object held the lock."""
-        return self._held_fork != fork_generation[0]
+        acq = self._acq
+        if acq is None:
+            return False
+        if not acq.reported and lapsed(acq):
+            report_lost(acq, "check", lapsed_why(acq), clear=False)
+        return acq.lost
 
     # -- settings read on every use -----------------------------------------------
 
@@ -232,19 +235,14 @@ class Lock(StoreReads, Holding):
     @property
     def held(self) -> bool:
         """True while this object holds the lock (and has not found it lost)."""
-        return self._hold is not None
+        acq = self._acq
+        return acq is not None and acq.hold is not None
 
     @property
     def renewing(self) -> bool:
         """True while a heartbeat keeps this lock alive."""
         heartbeat = self._heartbeat
         return heartbeat is not None and heartbeat.running
-
-    def _capped(self, seconds: float) -> float:
-        """``seconds``, shortened so the lock ends by the max_hold deadline."""
-        if self._deadline is None:
-            return seconds
-        return max(min(seconds, self._deadline - time.monotonic()), 0.001)
 
     # -- acquire -----------------------------------------------------------------
 
@@ -256,8 +254,8 @@ class Lock(StoreReads, Holding):
         ``LockBackendError`` when the store cannot be reached: the caller must not
         run the protected code then.
         """
-        if self._hold is not None or (timeout is not None and not blocking):
-            raise misuse(self)
+        if self.held or (timeout is not None and not blocking):
+            raise misuse(self.lock_id, self.held)
         default_expire, default_alias, protocol, default_renew, liveness = (
             settings.lock_defaults()
         )
@@ -269,11 +267,10 @@ class Lock(StoreReads, Holding):
         backend = backend_for(alias, protocol=protocol)
         key = backend.keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
-        started = time.monotonic()
+        tried_at = started = time.monotonic()
         record, make_token = kept_record(alias, liveness, backend, started, key)
         deadline = None if timeout is None else started + timeout
         pause = POLL_MIN
-        tried_at = started
         while True:
             token = make_token(self.owner)
             try:
@@ -284,29 +281,19 @@ class Lock(StoreReads, Holding):
                 # Refused: look at its holder when due (the test is here, not
                 # in the call, as it fails on all but one refusal in many).
                 if hold is None and backend.looks.get(key, 0.0) <= tried_at:
-                    hold = take_from_dead(self, backend, key, token, expire)
+                    hold = take_from_dead(self.lock_id, backend, key, token, expire)
             except backend.errors as exc:
-                raise take_failed(self, backend, key, token, exc) from exc
+                raise take_failed(self, alias, backend, key, token, exc) from exc
             if hold is not None:
-                now = time.monotonic()
-                self._hold, self._fence = hold, None
-                self._alias, self._key, self.token = alias, key, token
-                # Release and extend in this thread reuse this backend (the same
-                # connection); another thread looks its own up.
-                self._held_backend, self._holder_thread = backend, threading.get_ident()
-                self._held_fork, self._record = fork_generation[0], record
-                if record is not None:
-                    record.held[id(self)] = self
-                self.acquired_at, self._held_expire = now, expire
-                self._lost = self._reported = False
-                self._life = backend.shortest_life(expire)
-                self._valid_until = tried_at + self._life
-                self._deadline = None if self.max_hold is None else now + self.max_hold
+                acq = Acquisition(
+                    self, backend, alias, key, token, hold, expire, tried_at, record
+                )
+                self._acq = acq
                 if renew:
-                    self._heartbeat = Heartbeat(self, beat)
-                    self._heartbeat.start()
+                    self._heartbeat = Heartbeat(acq, beat).start()
                 if lock_acquired.receivers:
-                    self._send(lock_acquired, token, fence=None, waited=now - started)
+                    waited = acq.acquired_at - started
+                    self._send(lock_acquired, token, fence=None, waited=waited)
                 return True
             now = time.monotonic()
             next_pause = backoff(pause, deadline, now) if blocking else None
@@ -324,27 +311,9 @@ class Lock(StoreReads, Holding):
         ``LockBackendError`` if the store cannot be reached (the lock is then
         kept, and released as usual).
         """
-        require_hold(self, "hand_over()")
+        acq = require_hold(self.lock_id, self._acq, "hand_over()")
         self._stop_heartbeat()
-        with self._guard:
-            if self._hold is None:
-                return False
-            backend, key = self._backend()
-            assert self.token is not None
-            try:
-                replaced = backend.replace(key, self._hold, self.token, value, expire)
-            except backend.errors as exc:
-                raise self._store_error(
-                    backend, key, "hand the lock over", exc
-                ) from exc
-            self._hold = None
-            if replaced is None:
-                report_lost(self, "hand over")
-                return False
-        return True
-
-    def _report_lost(self, doing: str) -> None:
-        report_lost(self, doing)
+        return hand_over_hold(acq, value, expire)
 
     def _send_contended(self, backend: LockBackend, key: str, waited: float) -> None:
         try:
@@ -375,32 +344,12 @@ class Lock(StoreReads, Holding):
         have overlapped), and False is returned. Raises ``LockBackendError`` if
         the store cannot be reached; the lock then stays until it expires.
         """
-        if self._hold is None or self._held_fork != fork_generation[0]:
-            require_hold(self, "release()")
+        acq = self._acq
+        if acq is None or acq.hold is None or acq.fork != fork_generation[0]:
+            acq = require_hold(self.lock_id, acq, "release()")
         if self._heartbeat is not None:
             self._stop_heartbeat()
-        with self._guard:
-            if self._hold is None:  # lost earlier, and reported then
-                return False
-            backend, key = self._backend()
-            hold, token = self._hold, self.token
-            assert token is not None
-            try:
-                released = backend.release(key, hold, token)
-            except backend.errors as exc:
-                self._hold = None
-                raise self._store_error(
-                    backend, key, release_failed(self, backend, key, token, exc), exc
-                ) from exc
-            if not released:
-                report_lost(self, "release")
-                return False
-            self._hold = None
-            if self._record is not None:  # forgotten now, not at the next beat
-                self._record.held.pop(id(self), None)
-        if lock_released.receivers:
-            self._send(lock_released, token, fence=self._fence, held=held_time(self))
-        return True
+        return release_hold(acq)
 
     def extend(self, seconds: float | None = None) -> bool:
         """Reset the lock's expiry to ``seconds`` from now (default: ``expire``),
@@ -409,30 +358,11 @@ class Lock(StoreReads, Holding):
         Acts only while this object owns the lock: True if extended, False (and a
         WARNING and ``lock_lost``) if the lock was lost.
         """
-        require_hold(self, "extend()")
+        acq = require_hold(self.lock_id, self._acq, "extend()")
         if seconds is not None:
             validate_expire(seconds, name="seconds")
         with self._guard:
-            return self._extend(seconds, "extend")
-
-    def _extend(self, seconds: float | None, doing: str) -> bool:
-        if self._hold is None:
-            return False
-        expire = self._capped(self._held_expire if seconds is None else seconds)
-        backend, key = self._backend()
-        assert self.token is not None
-        sent_at = time.monotonic()
-        try:
-            hold = backend.extend(key, self._hold, self.token, expire)
-        except backend.errors as exc:
-            raise self._store_error(backend, key, "extend the lock", exc) from exc
-        if hold is None:
-            report_lost(self, doing)
-            return False
-        self._hold = hold
-        self._life = backend.shortest_life(expire)
-        self._valid_until = sent_at + self._life
-        return True
+            return extend_hold(acq, seconds, "extend")
 
     def check(self) -> bool:
         """True while the lock is not known to be lost. Costs no round trip.
@@ -447,7 +377,8 @@ class Lock(StoreReads, Holding):
         if not self.lost:
             return True
         if self.on_lost == "raise":
-            raise LockLost(self.lock_id, held_time(self))
+            assert self._acq is not None
+            raise LockLost(self.lock_id, held_time(self._acq))
         return False
 
     # -- context manager -----------------------------------------------------------
@@ -459,10 +390,11 @@ class Lock(StoreReads, Holding):
         code's own result or exception. In a forked child it leaves the lock to
         the parent that holds it.
         """
-        if self._hold is None:
+        acq = self._acq
+        if acq is None or acq.hold is None:
             self._stop_heartbeat()
             return
-        if self._held_fork != fork_generation[0]:  # self._forked(), inlined
+        if acq.fork != fork_generation[0]:
             logger.debug(
                 "Lock %r is left to the process that holds it (this is a fork)",
                 self.lock_id,

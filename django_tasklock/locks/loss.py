@@ -16,13 +16,12 @@ import time
 from typing import TYPE_CHECKING
 
 from .. import pending
-from ..conf import settings
 from ..signals import lock_lost
 
 if TYPE_CHECKING:
     from ..backends import LockBackend
     from ..exceptions import LockBackendError
-    from .reads import StoreReads
+    from .acquisition import Acquisition, Holder
 
 __all__ = [
     "FORCED",
@@ -51,45 +50,43 @@ def _new_report_guard() -> None:
 os.register_at_fork(after_in_child=_new_report_guard)
 
 
-def unextended(lock: StoreReads, cause: str = "no extension reached the store") -> str:
+def unextended(acq: Acquisition, cause: str = "no extension reached the store") -> str:
     """Why a lock whose sure life ran out is lost, and what to do."""
-    if lock._life < 1:
+    if acq.life < 1:
         return (
             f"{cause} in time: the store may drop a lock stored for "
-            f"{lock._held_expire}s at any moment (memcached counts whole "
+            f"{acq.expire}s at any moment (memcached counts whole "
             "seconds, so it keeps it for less than a second for sure). Use "
             "an expire of 2 seconds or more, with renew=True for long work"
         )
     return (
-        f"{cause} within the {lock._life:.0f}s the store is sure to keep the "
+        f"{cause} within the {acq.life:.0f}s the store is sure to keep the "
         "lock. Use a longer expire, or renew=True for long work"
     )
 
 
-def lapsed(lock: StoreReads) -> bool:
+def lapsed(acq: Acquisition) -> bool:
     """Whether a held lock's sure life, or its holder's liveness record, may
     have run out (judged by the clock here: no round trip)."""
-    valid_until = lock._valid_until
-    if valid_until is None or lock._hold is None:
+    if acq.hold is None:
         return False
     now = time.monotonic()
-    record = lock._record
+    record = acq.record
     if record is None:
-        return now >= valid_until
+        return now >= acq.valid_until
     return (
-        now >= valid_until
+        now >= acq.valid_until
         or now >= record.valid_until
-        or record.lapsed_at >= (lock.acquired_at or 0.0)
+        or record.lapsed_at >= acq.acquired_at
     )
 
 
-def lapsed_why(lock: StoreReads) -> str:
+def lapsed_why(acq: Acquisition) -> str:
     """Why a lock whose sure life, or whose holder's liveness record, ran out
     is lost."""
-    record = lock._record
+    record = acq.record
     if record is not None and (
-        time.monotonic() >= record.valid_until
-        or record.lapsed_at >= (lock.acquired_at or 0.0)
+        time.monotonic() >= record.valid_until or record.lapsed_at >= acq.acquired_at
     ):
         return (
             f"this process's liveness record may have lapsed (not renewed for "
@@ -97,24 +94,25 @@ def lapsed_why(lock: StoreReads) -> str:
             "starved, or the store unreachable), so a contender on another host "
             "may have taken the lock"
         )
-    return unextended(lock)
+    return unextended(acq)
 
 
 def report_lost(
-    lock: StoreReads, doing: str, reason: str = FORCED, *, clear: bool = True
+    acq: Acquisition, doing: str, reason: str = FORCED, *, clear: bool = True
 ) -> None:
-    """Mark ``lock`` lost and tell (WARNING, ``lock_lost``) once per hold.
+    """Mark the hold ``acq`` lost and tell (WARNING, ``lock_lost``) once.
 
     ``clear``: forget the hold (the store no longer has it). A loss judged by
     the clock keeps it, so a release still removes the lock if it survived.
     """
     with _REPORT_GUARD:
         if clear:
-            lock._hold = None
-        if lock._reported:
+            acq.hold = None
+        if acq.reported:
             return
-        lock._reported = True
-    held_for = held_time(lock)
+        acq.reported = True
+    lock = acq.lock
+    held_for = acq.held_for()
     logger.warning(
         "Lock %r was no longer held by this owner at %s, %.1fs after it was taken "
         "with an expiry of %ss: %s, and another owner may have taken it. "
@@ -123,17 +121,17 @@ def report_lost(
         lock.lock_id,
         doing,
         held_for,
-        lock._held_expire,
+        acq.expire,
         reason,
-        lock._fence,
+        acq.fence,
     )
     # Only now: whoever sees ``lost`` also finds the WARNING logged.
-    lock._lost = True
+    acq.lost = True
     if lock_lost.receivers:
         lock._send(
             lock_lost,
-            lock.token,
-            fence=lock._fence,
+            acq.token,
+            fence=acq.fence,
             held=held_for,
             during=doing,
             reason=reason,
@@ -141,30 +139,33 @@ def report_lost(
 
 
 def take_failed(
-    lock: StoreReads, backend: LockBackend, key: str, token: str, exc: BaseException
+    lock: Holder,
+    alias: str,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    exc: BaseException,
 ) -> LockBackendError:
     """The error for an acquire whose command failed with ``exc``. Sent,
     perhaps carried out, reply unknown: the token may be stored with no holder,
     so it is removed in the background once the store answers."""
     if not backend.lost_with_store(exc):
-        alias = lock._cache or settings.CACHE
         pending.watch(lock.lock_id, alias, backend.protocol, key, token)
     return lock._store_error(backend, key, "take the lock", exc)
 
 
 def release_failed(
-    lock: StoreReads, backend: LockBackend, key: str, token: str, exc: BaseException
+    acq: Acquisition, backend: LockBackend, key: str, exc: BaseException
 ) -> str:
-    """What became of ``lock`` after its release failed with ``exc``."""
+    """What became of the hold ``acq`` after its release failed with ``exc``."""
     if backend.lost_with_store(exc):
         return (
             "release the lock: the server is not running, and the lock went "
             "with it (a stopped memcached keeps nothing)"
         )
-    assert lock._alias is not None
     # The release may still be carried out, or not: removed once it answers.
-    pending.watch(lock.lock_id, lock._alias, backend.protocol, key, token)
-    left = max(0.0, (lock._valid_until or 0.0) - time.monotonic()) + 1
+    pending.watch(acq.lock.lock_id, acq.alias, backend.protocol, key, acq.token)
+    left = max(0.0, acq.valid_until - time.monotonic()) + 1
     return (
         "release the lock: it is removed in the background as soon as the "
         f"store answers again, and expires by itself within {left:.0f}s at the "
@@ -172,6 +173,6 @@ def release_failed(
     )
 
 
-def held_time(lock: StoreReads) -> float:
-    """Seconds since ``lock`` was taken (0 if it never was)."""
-    return time.monotonic() - (lock.acquired_at or time.monotonic())
+def held_time(acq: Acquisition | None) -> float:
+    """Seconds since the hold ``acq`` was taken (0 if there was none)."""
+    return 0.0 if acq is None else acq.held_for()

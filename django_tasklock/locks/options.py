@@ -11,7 +11,7 @@ from ..tokens import token_owner
 
 if TYPE_CHECKING:
     from ..backends import LockBackend
-    from .reads import StoreReads
+    from .acquisition import Acquisition
 
 __all__ = [
     "MAX_OID",
@@ -86,30 +86,31 @@ def beat_for(backend: LockBackend, expire: float) -> float:
     return beat
 
 
-def misuse(lock: StoreReads) -> LockUsageError:
+def misuse(lock_id: str, held: bool) -> LockUsageError:
     """The error for an acquire() the Lock cannot do as asked."""
-    if lock._hold is not None:
+    if held:
         return LockUsageError(
-            f"Lock {lock.lock_id!r} is already held by this object; release() it "
+            f"Lock {lock_id!r} is already held by this object; release() it "
             "first, or make a new Lock for a second holder."
         )
     return LockUsageError("timeout= needs blocking=True.")
 
 
-def require_hold(lock: StoreReads, doing: str) -> None:
-    """Refuse ``doing`` (release, extend, hand over) on a Lock that does not
-    hold its lock, or in a process forked while it held it."""
-    if lock._hold is None and not lock._reported:
+def require_hold(lock_id: str, acq: Acquisition | None, doing: str) -> Acquisition:
+    """The hold ``doing`` (release, extend, hand over) acts on; refused on a
+    Lock that does not hold its lock, or in a process forked while it held it."""
+    if acq is None or (acq.hold is None and not acq.reported):
         raise LockUsageError(
-            f"{doing} called on Lock {lock.lock_id!r}, which this object does not "
+            f"{doing} called on Lock {lock_id!r}, which this object does not "
             "hold; call acquire() first."
         )
-    if lock._held_fork != fork_generation[0]:
-        owner = token_owner(lock.token)
+    if acq.fork != fork_generation[0]:
+        owner = token_owner(acq.token)
         holder = "(unknown)" if owner is None else str(owner[1])
         raise LockUsageError(
-            f"{doing} called on Lock {lock.lock_id!r} in process {os.getpid()}, "
+            f"{doing} called on Lock {lock_id!r} in process {os.getpid()}, "
             f"a fork of process {holder} that holds it. A forked "
             "child is not the lock's owner and may not release or extend it; do "
             "that in the parent (the child may read owned(), ttl() and fence)."
         )
+    return acq

@@ -8,7 +8,7 @@ failure into ``LockBackendError``, naming the lock id and the store.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..backends import backend_for, fork_generation
 from ..conf import settings
@@ -16,64 +16,31 @@ from ..exceptions import LockBackendError
 from ..signals import lock_store_failed
 
 if TYPE_CHECKING:
-    from django.dispatch import Signal
-
-    from ..backends import Hold, LockBackend, Peek
-    from .liveness import Record
+    from ..backends import LockBackend, Peek
+    from .acquisition import Acquisition
 
 __all__ = ["StoreReads"]
 
 
 class StoreReads:
-    """The store reads of a Lock, and the state of a Lock its collaborators
-    (``loss``, ``fencing``, ``heartbeat``) work on, declared here so that they
-    need not import ``lock``, which imports them."""
+    """The store reads of a Lock, owned or not."""
 
     lock_id: str
-    token: str | None
-    _hold: Hold | None
-    _cache: str | None
-    _alias: str | None
-    _key: str | None
-    _held_backend: LockBackend | None
-    _holder_thread: int | None
-    _held_fork: int
-    # Serialises the heartbeat's extend with the holder's release and extend.
-    _guard: Any
-    acquired_at: float | None
-    max_hold: float | None
-    _held_expire: float
-    _life: float
-    _valid_until: float | None
-    _record: Record | None
-    _deadline: float | None
-    _fence: int | None
-    _lost: bool
-    _reported: bool
-
-    def _extend(self, seconds: float | None, doing: str) -> bool:
-        raise NotImplementedError
-
-    def _report_lost(self, doing: str) -> None:
-        """Report the lock lost, found so while ``doing``."""
-        raise NotImplementedError
-
-    def _send(self, signal: Signal, owner: object, **details: object) -> None:
-        raise NotImplementedError
+    _cache: str | None = None
+    # The current hold, else the last one; None before the first acquire.
+    _acq: Acquisition | None = None
 
     def _backend(self) -> tuple[LockBackend, str]:
         """This thread's backend and the store key, for the alias of the hold."""
-        if (
-            self._holder_thread == threading.get_ident()
-            and self._held_backend
-            and self._held_fork == fork_generation[0]
-        ):
-            return self._held_backend, self._key  # type: ignore[return-value]
-        alias = self._alias or self._cache or settings.CACHE
-        backend = backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL)
-        key = self._key if self._alias is not None else backend.key_for(self.lock_id)
-        assert key is not None
-        return backend, key
+        acq = self._acq
+        if acq is not None:
+            if acq.thread == threading.get_ident() and acq.fork == fork_generation[0]:
+                return acq.backend, acq.key
+            return backend_for(acq.alias, protocol=settings.MEMCACHED_PROTOCOL), acq.key
+        backend = backend_for(
+            self._cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL
+        )
+        return backend, backend.key_for(self.lock_id)
 
     def _store_error(
         self, backend: LockBackend, key: str, doing: str, exc: BaseException
@@ -91,12 +58,12 @@ class StoreReads:
 
     def owned(self) -> bool:
         """True if this object holds the lock and the store agrees."""
-        if self._hold is None:
+        acq = self._acq
+        if acq is None or acq.hold is None:
             return False
         backend, key = self._backend()
-        assert self.token is not None
         try:
-            return backend.owned(key, self._hold, self.token)
+            return backend.owned(key, acq.hold, acq.token)
         except backend.errors as exc:
             raise self._store_error(backend, key, "read the lock", exc) from exc
 

@@ -38,7 +38,6 @@ from .liveness import record_id
 
 if TYPE_CHECKING:
     from ..backends import Hold, LockBackend
-    from .reads import StoreReads
 
 __all__ = ["LOOK_EVERY", "judge", "replaceable", "take_from_dead"]
 
@@ -114,7 +113,7 @@ def replaceable(
 
 
 def take_from_dead(
-    lock: StoreReads, backend: LockBackend, key: str, token: str, expire: float
+    lock_id: str, backend: LockBackend, key: str, token: str, expire: float
 ) -> Hold | None:
     """After an acquire was refused: the lock, taken for ``token``, if its
     holder is dead; None if it lives, cannot be judged, or was looked at less
@@ -138,7 +137,7 @@ def take_from_dead(
         del looks[key]
         logger.warning(
             "Took lock %r from a dead holder: %s. Its token was %r.",
-            lock.lock_id,
+            lock_id,
             why,
             peek.value,
         )

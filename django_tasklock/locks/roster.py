@@ -142,17 +142,18 @@ def note_run(lock: Any, run: Any) -> None:
     it). Neither the run nor the lock is kept (a kept Lock would cost every
     later call new allocations), nor an attribute added to the Lock (a dict of
     its own): one tuple, one dict store."""
-    record = getattr(lock, "_record", None)
-    if record is not None:
-        record.roster.runs[id(lock)] = (lock.token, run_about(run))
+    acq = getattr(lock, "_acq", None)
+    if acq is not None and acq.record is not None:
+        acq.record.roster.runs[id(lock)] = (acq.token, run_about(run))
 
 
-def entry_of(lock: Any, wall_offset: float, runs: dict[int, Any]) -> Entry:
-    """The roster entry of a lock this process holds."""
+def entry_of(acq: Any, wall_offset: float, runs: dict[int, Any]) -> Entry:
+    """The roster entry of a hold (``acquisition.Acquisition``) of this process."""
+    lock = acq.lock
     about = lock.about
     if about is None:
         noted = runs.get(id(lock))
-        if noted is not None and noted[0] == lock.token:
+        if noted is not None and noted[0] == acq.token:
             about = noted[1]
     task, args = _describe(about)
     slot = getattr(lock, "slot_of", None)
@@ -163,7 +164,7 @@ def entry_of(lock: Any, wall_offset: float, runs: dict[int, Any]) -> Entry:
         args=args,
         # (A semaphore's slot names no call in its token: its run does.)
         call_id=getattr(lock, "call_id", None) or getattr(about, "call_id", None),
-        since=(lock.acquired_at or 0.0) + wall_offset,
+        since=acq.acquired_at + wall_offset,
         renews=getattr(lock, "_heartbeat", None) is not None,
     )
 
@@ -219,7 +220,7 @@ class Roster:
         wall = time.time()
         # Tokens, not objects: one Lock object may be taken again, and a new
         # one may be made where a released one was.
-        tokens = {ident: lock.token for ident, lock in list(held.items())}
+        tokens = {ident: acq.token for ident, acq in list(held.items())}
         runs = self.runs
         for ident in [ident for ident in runs if ident not in tokens]:
             runs.pop(ident, None)
@@ -236,14 +237,12 @@ class Roster:
             self.slot = self._claim(backend)
         if self.slot < 0:
             return
-        locks = list(held.values())
+        holds = list(held.values())
         offset = wall - now
-        entries = [
-            entry_of(lock, offset, runs) for lock in locks if lock._hold is not None
-        ]
+        entries = [entry_of(acq, offset, runs) for acq in holds if acq.hold is not None]
         entries += [mark.entry for mark in marks.values()]
         # As long as any lock it lists may live, at least three records' worth.
-        lives = [(lock._valid_until or now) - now + 1 for lock in locks]
+        lives = [acq.valid_until - now + 1 for acq in holds]
         lives += [mark.until - now for mark in marks.values()]
         timeout = math.ceil(max([3 * record.bound, *lives]) + record.bound)
         self._write(backend, entries, timeout)

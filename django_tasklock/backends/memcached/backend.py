@@ -46,9 +46,8 @@ from ...values import unique_value
 from .fencing import draw
 from .reads import MemcachedReads
 from .restarts import NodeRestarted, Restarts, _refused
-from .rewrite import rewrite
+from .rewrite import delete_if, rewrite
 from .wire import (
-    _PAST,
     _TEXT_FLAG,
     MemcachedHold,
     ServerRefused,
@@ -92,11 +91,11 @@ class MemcachedBackend(MemcachedReads):
         self._hash_client: Any = django_cache._class(
             django_cache.client_servers, **django_cache._options
         )
-        # Per server client, the connection whose server run was learnt.
-        self._learnt: dict[Any, Any] = {}
         hash_client = self._hash_client
         self._only_client: Any = only_client(hash_client)
         self.restarts = Restarts(hash_client, self.errors)
+        # Per server client, the connection whose server run was learnt.
+        self._learnt = self.restarts.learnt
 
     def close(self) -> None:
         self._hash_client.close()
@@ -166,13 +165,8 @@ class MemcachedBackend(MemcachedReads):
         def attempt() -> MemcachedHold | None:
             nonlocal tries
             tries += 1
-            sock = getattr(client, "sock", False)
-            if sock is not False and (
-                sock is None or self._learnt.get(client) is not sock
-            ):
-                # A new connection: learn which run of the server answers it.
-                self.restarts.learn(client)
-                self._learnt[client] = client.sock
+            # A new connection: learn which run of the server answers it.
+            self.restarts.known(client)
             if _refused:
                 self.restarts.refuse_if_restarted(client)
             hold = self._acquire(client, key, token, ttl)
@@ -217,10 +211,7 @@ class MemcachedBackend(MemcachedReads):
 
     def restarted_at(self, key: str) -> float | None:
         client = self._client(key)
-        sock = getattr(client, "sock", False)
-        if sock is not False and (sock is None or self._learnt.get(client) is not sock):
-            self.restarts.learn(client)
-            self._learnt[client] = client.sock
+        self.restarts.known(client)
         return _refused.get(client.server)
 
     def reassert(self, key: str, token: str, expire: float) -> Hold | None:
@@ -280,19 +271,7 @@ class MemcachedBackend(MemcachedReads):
         cas = self.wire.owner_cas(client, key, hold, token)
         if cas is None:
             return False
-        return self._delete(client, key, token, cas)
-
-    def _delete(self, client: Any, key: str, token: object, cas: int) -> bool:
-        """Delete the item at ``key`` only while its CAS id is ``cas``."""
-        if self.wire.meta(client):
-            reply = self.wire.command(
-                client, b"md %s C%d" % (_wire_key(client, key), cas)
-            )
-            if reply is not None:
-                return self.wire.deleted(reply)
-        # cas() answers True (STORED), False (EXISTS: another owner's) or None
-        # (NOT_FOUND); an expiry in the past makes the stored item expire at once.
-        return bool(client.cas(key, token, cas, expire=_PAST, noreply=False))
+        return delete_if(self.wire, client, key, token, cas)
 
     def discard(self, key: str, token: str) -> bool:
         client = self._client(key)
@@ -301,7 +280,7 @@ class MemcachedBackend(MemcachedReads):
             value, cas = client.gets(key)
             if value != token or cas is None:
                 return False
-            return self._delete(client, key, token, int(cas))
+            return delete_if(self.wire, client, key, token, int(cas))
 
         return self.wire.once_more(client, attempt)
 

@@ -107,6 +107,16 @@ class Restarts:
     ) -> None:
         self.hash_client = hash_client
         self.errors = errors
+        #: Per server client, the connection whose server run was learnt.
+        self.learnt: dict[Any, Any] = {}
+
+    def known(self, client: Any) -> None:
+        """Learn the run of the server ``client`` reaches, unless its
+        connection's was learnt already (``learn``)."""
+        sock = getattr(client, "sock", False)
+        if sock is not False and (sock is None or self.learnt.get(client) is not sock):
+            self.learn(client)
+            self.learnt[client] = client.sock
 
     def learn(self, client: Any) -> None:
         """Read which run of the server this new connection reaches, and refuse

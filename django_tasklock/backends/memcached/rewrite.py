@@ -8,9 +8,9 @@ from typing import Any
 
 from pymemcache.exceptions import MemcacheError
 
-from .wire import _TEXT_FLAG, MemcachedHold, Wire, _flag, _wire_key
+from .wire import _PAST, _TEXT_FLAG, MemcachedHold, Wire, _flag, _wire_key
 
-__all__ = ["rewrite"]
+__all__ = ["delete_if", "rewrite"]
 
 
 def rewrite(
@@ -57,3 +57,15 @@ def rewrite(
         return None
     value, new_cas = client.gets(key)
     return wire.hold(client, new_cas, meta=False) if value == new else None
+
+
+def delete_if(wire: Wire, client: Any, key: str, token: object, cas: int) -> bool:
+    """Delete the item at ``key`` only while its CAS id is ``cas``; True if
+    it did."""
+    if wire.meta(client):
+        reply = wire.command(client, b"md %s C%d" % (_wire_key(client, key), cas))
+        if reply is not None:
+            return wire.deleted(reply)
+    # cas() answers True (STORED), False (EXISTS: another owner's) or None
+    # (NOT_FOUND); an expiry in the past makes the stored item expire at once.
+    return bool(client.cas(key, token, cas, expire=_PAST, noreply=False))

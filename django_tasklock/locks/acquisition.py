@@ -1,0 +1,128 @@
+"""One hold of a lock: what ``Lock.acquire`` took, in one small object.
+
+``acquire`` makes an ``Acquisition`` when the store gives it the lock; renewal
+(``heartbeat``), loss (``loss``), fencing (``fencing``) and liveness
+(``liveness``, ``roster``) work on it, never on the ``Lock``'s options. The
+``Lock`` keeps its last one (``Lock.acquisition``) after a release or a loss,
+for what callers still read then: its token, fence, and how long it was held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..backends import fork_generation
+
+if TYPE_CHECKING:
+    from django.dispatch import Signal
+
+    from ..backends import Hold, LockBackend
+    from ..exceptions import LockBackendError
+
+__all__ = ["Acquisition", "Holder", "Kept"]
+
+
+class Kept(Protocol):
+    """What a hold reads of its holder's liveness record (``liveness.Record``)."""
+
+    #: monotonic: until when contenders find the record (renewed in time).
+    valid_until: float
+    #: monotonic: when a renewal last came too late (the record may have lapsed).
+    lapsed_at: float
+    #: ``TASKLOCK['LIVENESS']``.
+    bound: float
+    #: The holds taken with it, by the id of their Lock.
+    held: dict[int, Acquisition]
+
+
+class Holder(Protocol):
+    """What an acquisition needs of the lock it is a hold of (``Lock``)."""
+
+    lock_id: str
+    max_hold: float | None
+    # Serialises the heartbeat's extend with the holder's release and extend.
+    _guard: Any
+
+    def _backend(self) -> tuple[LockBackend, str]: ...
+
+    def _store_error(
+        self, backend: LockBackend, key: str, doing: str, exc: BaseException
+    ) -> LockBackendError: ...
+
+    def _send(self, signal: Signal, owner: object, **details: object) -> None: ...
+
+    def release_quietly(self) -> None: ...
+
+
+class Acquisition:
+    """One hold of ``lock``: taken at ``key`` in ``alias``'s store through
+    ``backend`` (this thread's connection: the holder's release and extend
+    reuse it), for ``expire`` seconds, with ``token``.
+
+    ``hold`` is the store's handle on it (None once released or found gone);
+    ``valid_until`` (monotonic) when the store may drop it unless extended
+    before; ``deadline`` when ``max_hold`` ends it; ``record`` the holder's
+    liveness record beside it (None: records off); ``fence`` its fencing token
+    once drawn; ``lost`` once known lost, ``reported`` once told (WARNING,
+    ``lock_lost``).
+    """
+
+    __slots__ = (
+        "acquired_at",
+        "alias",
+        "backend",
+        "deadline",
+        "expire",
+        "fence",
+        "fork",
+        "hold",
+        "key",
+        "life",
+        "lock",
+        "lost",
+        "record",
+        "reported",
+        "thread",
+        "token",
+        "valid_until",
+    )
+
+    def __init__(
+        self,
+        lock: Holder,
+        backend: LockBackend,
+        alias: str,
+        key: str,
+        token: str,
+        hold: Hold,
+        expire: float,
+        sent_at: float,
+        record: Kept | None,
+    ) -> None:
+        now = time.monotonic()
+        self.lock = lock
+        self.backend, self.alias, self.key = backend, alias, key
+        self.token, self.hold, self.expire = token, hold, expire
+        self.thread, self.fork = threading.get_ident(), fork_generation[0]
+        self.acquired_at, self.record = now, record
+        self.life = backend.shortest_life(expire)
+        # From when the command was sent: the store's clock started no later.
+        self.valid_until = sent_at + self.life
+        max_hold = lock.max_hold
+        self.deadline = None if max_hold is None else now + max_hold
+        self.fence: int | None = None
+        self.lost = self.reported = False
+        if record is not None:  # put back after a restart, listed in the roster
+            record.held[id(lock)] = self
+
+    def held_for(self) -> float:
+        """Seconds since it was taken."""
+        return time.monotonic() - self.acquired_at
+
+    def capped(self, seconds: float) -> float:
+        """``seconds``, shortened so the lock ends by the max_hold deadline."""
+        if self.deadline is None:
+            return seconds
+        return max(min(seconds, self.deadline - time.monotonic()), 0.001)
