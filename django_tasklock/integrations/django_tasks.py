@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 import uuid
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final
 
-from ..calls import call_of, queue_life, queued, store, store_error
-from ..exceptions import AlreadyQueued, LockUsageError
-from ..locks.recovery import replaceable
+from .. import pending
+from ..calls import queue_life, queued, store, store_error
+from ..conf import settings
+from ..exceptions import AlreadyQueued, LockBackendError, LockUsageError
 from ..modes import MODES
+from ..modes.publishing import WAIT, claim
 from ..policies import DUPLICATES
 from ..runs import Host
 from ..signals import call_deduplicated
@@ -30,7 +31,7 @@ from .redelivery import verdict
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..backends import LockBackend
+    from ..backends import LockBackend, Peek
     from ..locks import Lock
     from ..runs import Run
     from ..semaphores import Semaphore
@@ -74,7 +75,7 @@ def install_enqueue() -> None:
         spec = spec_of(self)
         if spec is None:
             return original(self, *args, **kwargs)
-        return _enqueue_django(original, self, spec, args, kwargs)
+        return _Enqueue(original, self, spec, args, kwargs).send()
 
     async def aenqueue(self: Any, *args: Any, **kwargs: Any) -> Any:
         from asgiref.sync import sync_to_async
@@ -117,93 +118,89 @@ def _on_finished(sender: Any = None, task_result: Any = None, **_: Any) -> None:
     _running_result.set(None)
 
 
-def _enqueue_django(
-    original: Callable[..., Any],
-    task: Any,
-    spec: Spec,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    options = spec.options
-    if DUPLICATES[options.on_duplicate].needs_revoke:
-        raise LockUsageError(
-            f"on_duplicate='replace' needs Celery's revoke; {spec.name} is a "
-            "django.tasks task. Use 'join' or 'raise'."
-        )
-    lock_id = spec.lock_id(spec.name, spec.bound, args, kwargs)
-    queue_id = MODES[options.mode].on_publish(lock_id)
-    backend, _alias = store(options.cache)
-    key = backend.keys_for(queue_id)[0]
-    life = queue_life(options.queue_expire)
-    placeholder = queued(_ENQUEUING_PREFIX + str(uuid.uuid4()))
-    waited_since = None
-    while True:
-        try:
-            claimed = backend.acquire(key, placeholder, life) is not None
-            peek = None if claimed else backend.peek(key)
-        except backend.errors as exc:
-            raise store_error(backend, queue_id, "take the call's lock", exc) from exc
-        if claimed:
-            return _enqueue_claimed(
-                original, task, backend, key, placeholder, life, args, kwargs
+class _Enqueue:
+    """One ``enqueue`` of a task with an enqueue-time mode: what the claim
+    loop (``modes.publishing``) asks of a django.tasks call. Its mark names a
+    placeholder until the backend names the result (``task_enqueued``)."""
+
+    def __init__(
+        self,
+        original: Callable[..., Any],
+        task: Any,
+        spec: Spec,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        options = spec.options
+        if DUPLICATES[options.on_duplicate].needs_revoke:
+            raise LockUsageError(
+                f"on_duplicate='replace' needs Celery's revoke; {spec.name} is a "
+                "django.tasks task. Use 'join' or 'raise'."
             )
-        holder = None if peek is None else call_of(peek.value)
-        if peek is None:
-            continue
-        if replaceable(holder, peek.value, backend, key):
-            if backend.replace(key, peek.hold, peek.value, placeholder, life):
-                return _enqueue_claimed(
-                    original, task, backend, key, placeholder, life, args, kwargs
-                )
-            continue
-        if holder is not None and holder[1].startswith(_ENQUEUING_PREFIX):
-            # Another thread's enqueue, whose result id is not known yet.
-            now = time.monotonic()
-            waited_since = waited_since or now
-            if now - waited_since < _ENQUEUING_WAIT:
-                time.sleep(0.005)
-                continue
-        duplicate = _Duplicate(task, spec, queue_id)
-        if holder is None:
-            return duplicate.refuse(None)
-        policy = DUPLICATES[options.on_duplicate]
-        return policy.resolve(duplicate, holder[1], holder[0] == "queued", peek)
+        self.original, self.task, self.spec = original, task, spec
+        self.args, self.kwargs = args, kwargs
+        self.on_duplicate: str = options.on_duplicate
+        self.mode = MODES[options.mode]
+        lock_id = spec.lock_id(spec.name, spec.bound, args, kwargs)
+        self.queue_id = self.mode.on_publish(lock_id)
+        self.backend, self.alias = store(options.cache)
+        self.key = self.backend.keys_for(self.queue_id)[0]
+        self.life = queue_life(options.queue_expire)
+        self.value = queued(_ENQUEUING_PREFIX + str(uuid.uuid4()))
 
+    def send(self) -> Any:
+        return claim(self.mode, self)
 
-def _enqueue_claimed(
-    original: Callable[..., Any],
-    task: Any,
-    backend: LockBackend,
-    key: str,
-    placeholder: str,
-    life: float,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    reset = _enqueuing.set((backend, key, placeholder, life))
-    try:
-        result = original(task, *args, **kwargs)
-    except BaseException:
-        _enqueuing.reset(reset)
-        backend.discard(key, placeholder)
-        raise
-    _enqueuing.reset(reset)
-    # A backend that sent no task_enqueued: name the result now. One that ran
-    # the task already (ImmediateBackend) left nothing to name.
-    peek = backend.peek(key)
-    if peek is not None and peek.value == placeholder:
-        if result.is_finished:
+    def unknown_fate(self, exc: BaseException) -> LockBackendError:
+        # The placeholder may have been stored: removed once the store answers.
+        if not self.backend.lost_with_store(exc):
+            pending.watch(
+                self.queue_id,
+                self.alias,
+                settings.MEMCACHED_PROTOCOL,
+                self.key,
+                self.value,
+            )
+        return store_error(self.backend, self.queue_id, "take the call's lock", exc)
+
+    def mine(self, holder: tuple[str, str] | None, peek: Peek, waited: float) -> Any:
+        if (
+            holder is not None
+            and holder[1].startswith(_ENQUEUING_PREFIX)
+            and waited < _ENQUEUING_WAIT
+        ):
+            return WAIT  # another thread's enqueue, whose result id is not known yet
+        return None
+
+    def unmerged(self, holder: tuple[str, str] | None) -> Any:
+        return None
+
+    def unattached(self, peek: Peek) -> Any:
+        return self.refuse(None)
+
+    def claimed(self, restore: Peek | None = None) -> Any:
+        backend, key, placeholder = self.backend, self.key, self.value
+        reset = _enqueuing.set((backend, key, placeholder, self.life))
+        try:
+            result = self.original(self.task, *self.args, **self.kwargs)
+        except BaseException:
+            _enqueuing.reset(reset)
             backend.discard(key, placeholder)
-        else:
-            backend.replace(key, peek.hold, peek.value, queued(result.id), life)
-    return result
+            raise
+        _enqueuing.reset(reset)
+        # A backend that sent no task_enqueued: name the result now. One that
+        # ran the task already (ImmediateBackend) left nothing to name.
+        peek = backend.peek(key)
+        if peek is not None and peek.value == placeholder:
+            if result.is_finished:
+                backend.discard(key, placeholder)
+            else:
+                backend.replace(
+                    key, peek.hold, peek.value, queued(result.id), self.life
+                )
+        return result
 
-
-class _Duplicate:
-    """What a duplicate enqueue gets, as ``policies.duplicates`` chooses."""
-
-    def __init__(self, task: Any, spec: Spec, queue_id: str) -> None:
-        self.task, self.spec, self.queue_id = task, spec, queue_id
+    # -- what the duplicate policies do (see policies.duplicates) ---------------------
 
     def join(self, holder_id: str) -> Any:
         try:
@@ -211,7 +208,7 @@ class _Duplicate:
         except Exception:
             return self.refuse(holder_id)
         self._announce(holder_id, "joined")
-        return result
+        return lambda: result
 
     def refuse(self, holder_id: str | None) -> Any:
         self._announce(holder_id, "raised")

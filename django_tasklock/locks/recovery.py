@@ -39,7 +39,7 @@ from .liveness import record_id
 if TYPE_CHECKING:
     from ..backends import Hold, LockBackend
 
-__all__ = ["LOOK_EVERY", "judge", "replaceable", "take_from_dead"]
+__all__ = ["LOOK_EVERY", "judge", "take_from_dead"]
 
 logger = logging.getLogger("django_tasklock.locks")
 
@@ -88,28 +88,6 @@ def judge(value: object, backend: LockBackend, key: str) -> tuple[bool | None, s
     except (TypeError, ValueError):
         ago = "recently"
     return True, f"process {pid} on {host} renewed its liveness record {ago}"
-
-
-def replaceable(
-    holder: tuple[str, str] | None, value: object, backend: LockBackend, key: str
-) -> bool:
-    """Whether a call being published may replace the mark or run ``value``
-    holding its lock (``holder``: ``calls.call_of(value)``): a call that has
-    started (``until_started``), or a run whose process is dead. Raises
-    ``backend.errors``."""
-    if holder is None:
-        return False
-    if holder[0] == "started":
-        return True
-    if holder[0] != "running":
-        return False
-    alive, why = judge(value, backend, key)
-    if alive is False:
-        logger.warning(
-            "A new call replaces call %s, whose run is dead: %s.", holder[1], why
-        )
-        return True
-    return False
 
 
 def take_from_dead(

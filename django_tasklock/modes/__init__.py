@@ -1,8 +1,10 @@
 """The modes of ``@single_instance``, one small class each, chosen by name.
 
-Each mode says what happens when a call is published (``on_publish``: the lock
-id its pending call is held under, if it publishes at all) and what happens when
-it runs (``on_run``). A new mode is one module here and one entry in ``MODES``.
+Each mode owns its whole life. Published: the lock id its pending call is held
+under (``on_publish``), which holder a new call may replace (``may_replace``),
+the lock ids a call of it holds for status and clean-up (``lock_ids``,
+``left_by``); the claim loop both publishers run is ``publishing.claim``. Run:
+``on_run``. A new mode is one module here and one entry in ``MODES``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .while_running import WhileRunning
 if TYPE_CHECKING:
     from ..options import Options
 
-__all__ = ["LIMITED", "MODES", "Mode", "mode_for", "queue_lock_id"]
+__all__ = ["LIMITED", "MODES", "Mode", "mode_for"]
 
 #: The modes by the name ``mode=`` takes.
 MODES: Final[dict[str, Mode]] = {
@@ -35,8 +37,3 @@ def mode_for(options: Options) -> Mode:
     if options.limit is not None and options.limit != 1:
         return LIMITED
     return MODES[options.mode]
-
-
-def queue_lock_id(lock_id: str, mode: str) -> str:
-    """The lock id a pending call of ``mode`` is held under."""
-    return MODES[mode].on_publish(lock_id)

@@ -3,19 +3,25 @@ and what happens when it runs, over the primitive (``Lock``)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ..conf import settings
 from ..locks import Lock
+from ..locks.recovery import judge
 from ..locks.roster import note_run
 from ..policies import CONTENTION, ContentionPolicy
 from ..runs import DEFER, DROP, FREED, held, retry_unbound
 
 if TYPE_CHECKING:
+    from ..backends import LockBackend
     from ..runs import Run
     from ..semaphores import Semaphore
 
 __all__ = ["Mode"]
+
+# Named as before the reshape, so that logging configurations keep working.
+logger = logging.getLogger("django_tasklock.locks")
 
 
 class Mode:
@@ -41,8 +47,44 @@ class Mode:
 
     def on_publish(self, lock_id: str) -> str:
         """The lock id a published call of this mode is held under until it
-        starts (the integrations' publish hooks claim it)."""
+        starts (the integrations' publish hooks claim it, ``publishing``)."""
         return lock_id + self.queue_suffix
+
+    def lock_ids(self, lock_id: str) -> tuple[str, ...]:
+        """Every lock id a call of this mode holds, for status and clean-up:
+        its run's, then its pending call's where that is another."""
+        queue_id = self.on_publish(lock_id)
+        return (lock_id,) if queue_id == lock_id else (lock_id, queue_id)
+
+    def left_by(self, lock_id: str, *, running: bool) -> tuple[str, ...]:
+        """The lock ids that may still name a call which ended without
+        finishing: its pending call's, and with ``running`` (its run's
+        process gone) its run's, where that is another."""
+        queue_id = self.on_publish(lock_id)
+        if running and queue_id != lock_id:
+            return (queue_id, lock_id)
+        return (queue_id,)
+
+    def may_replace(
+        self,
+        holder: tuple[str, str] | None,
+        value: object,
+        backend: LockBackend,
+        key: str,
+    ) -> bool:
+        """Whether a call being published may take its lock from ``holder``
+        (``calls.call_of`` of the stored ``value``): a run whose process is
+        dead (``locks.recovery.judge``; "could not tell" is never dead).
+        Raises ``backend.errors``."""
+        if holder is None or holder[0] != "running":
+            return False
+        alive, why = judge(value, backend, key)
+        if alive is False:
+            logger.warning(
+                "A new call replaces call %s, whose run is dead: %s.", holder[1], why
+            )
+            return True
+        return False
 
     # -- when a call runs -----------------------------------------------------------
 

@@ -20,6 +20,7 @@ from ..runs import DEFER, DROP, FREED, held
 from .base import Mode
 
 if TYPE_CHECKING:
+    from ..backends import LockBackend
     from ..runs import Run
 
 __all__ = ["UntilStarted"]
@@ -30,6 +31,18 @@ logger = logging.getLogger("django_tasklock.decorator")
 
 class UntilStarted(Mode):
     name = "until_started"
+
+    def may_replace(
+        self,
+        holder: tuple[str, str] | None,
+        value: object,
+        backend: LockBackend,
+        key: str,
+    ) -> bool:
+        # A call that has started does not count: a new one may be queued.
+        if holder is not None and holder[0] == "started":
+            return True
+        return super().may_replace(holder, value, backend, key)
 
     def on_run(self, run: Run) -> Any:
         call_id = run.call_id

@@ -17,15 +17,14 @@ import uuid
 from typing import TYPE_CHECKING, Any, Final
 
 from ... import pending
-from ...calls import call_of, queue_life, queued, store, store_error
+from ...calls import queue_life, queued, store, store_error
 from ...conf import settings
 from ...exceptions import AlreadyQueued, LockBackendError
 from ...locks import Lock
 from ...locks.liveness import note_queued
-from ...locks.recovery import replaceable
 from ...locks.roster import Entry, describe_call
 from ...modes import MODES
-from ...policies import DUPLICATES
+from ...modes.publishing import AGAIN, claim
 from ...runs import held
 from ...signals import call_deduplicated
 from ...targets import Spec, spec_of
@@ -44,8 +43,6 @@ logger = logging.getLogger("django_tasklock.calls")
 # Options that make a message part of a canvas: its links belong to it, so it
 # is never merged into another call.
 _CANVAS: Final = ("link", "link_error", "chord", "group_id", "chain")
-# How often a publish looks again when the lock changes hands under it.
-_TRIES: Final = 5
 # The call being sent again runs in another thread or process.
 _ELSEWHERE: Final = object()
 
@@ -80,6 +77,7 @@ class _Publish:
         self.args, self.kwargs, self.countdown, self.eta, self.given_id = call
         self.options = options
         self.mode: str = spec.options.mode
+        self.on_duplicate: str = spec.options.on_duplicate
         self.lock_id = spec.lock_id(
             spec.name, spec.bound, tuple(self.args or ()), dict(self.kwargs or {})
         )
@@ -93,21 +91,9 @@ class _Publish:
         )
 
     def send(self) -> Any:
-        for _ in range(_TRIES):
-            try:
-                outcome = self._claim()
-            except self.backend.errors as exc:
-                raise self._unknown_fate(exc) from exc
-            if outcome is not None:
-                return outcome()
-        raise LockBackendError(
-            f"The lock changed hands {_TRIES} times while this call was being sent; "
-            "nothing was sent. Send it again",
-            lock_id=self.queue_id,
-            store=self.backend.describe(self.key),
-        )
+        return claim(MODES[self.mode], self)
 
-    def _unknown_fate(self, exc: BaseException) -> LockBackendError:
+    def unknown_fate(self, exc: BaseException) -> LockBackendError:
         """The error for a store call that failed while writing this call's
         mark. The write may still be carried out (a store paused past the
         client's timeout, a reply lost): the mark would then name a call no
@@ -123,44 +109,48 @@ class _Publish:
             )
         return store_error(self.backend, self.queue_id, "take the call's lock", exc)
 
-    def _claim(self) -> Callable[[], Any] | None:
-        """What to do, once the store has been asked; None: ask again."""
-        backend, key, value = self.backend, self.key, self.value
-        if backend.acquire(key, value, self.life) is not None:
-            return self._publish
-        peek = backend.peek(key)
-        if peek is None:
-            return None  # released in between
-        holder = call_of(peek.value)
-        if holder is not None and holder[1] == self.task_id:
-            # The same call sent again: its own retry, or a re-publish.
-            handed = self._hand_over(peek, running=holder[0] == "running")
-            if handed is _ELSEWHERE:
-                # Sent again while it runs in another thread or process: that
-                # run keeps its lock, and this copy is dropped when it starts.
-                return self._publish_unclaimed
-            if handed is None:
-                return None
-            return self._publish
-        if replaceable(holder, peek.value, backend, key):
-            # until_started: a call that has started does not count; nor does
-            # a run whose process is dead (locks.recovery).
-            if backend.replace(key, peek.hold, peek.value, value, self.life) is None:
-                return None
-            return self._publish
-        if self.given_id is not None or any(self.options.get(o) for o in _CANVAS):
-            logger.info(
-                "Sent %s[%s] although call %s holds lock %r: a call with a task id "
-                "of its own or with canvas links is never merged into another; it "
-                "takes the lock when it starts.",
-                self.name,
-                self.task_id,
-                holder[1] if holder else "(unknown)",
-                self.queue_id,
-            )
+    # -- what the claim loop asks of a Celery call (modes.publishing) -----------------
+
+    def mine(self, holder: tuple[str, str] | None, peek: Peek, waited: float) -> Any:
+        if holder is None or holder[1] != self.task_id:
+            return None
+        # The same call sent again: its own retry, or a re-publish.
+        handed = self._hand_over(peek, running=holder[0] == "running")
+        if handed is _ELSEWHERE:
+            # Sent again while it runs in another thread or process: that run
+            # keeps its lock, and this copy is dropped when it starts.
             return self._publish_unclaimed
-        outcome: Callable[[], Any] = self._duplicate(holder, peek)
-        return outcome
+        return AGAIN if handed is None else self.claimed
+
+    def unmerged(self, holder: tuple[str, str] | None) -> Any:
+        if self.given_id is None and not any(self.options.get(o) for o in _CANVAS):
+            return None
+        logger.info(
+            "Sent %s[%s] although call %s holds lock %r: a call with a task id "
+            "of its own or with canvas links is never merged into another; it "
+            "takes the lock when it starts.",
+            self.name,
+            self.task_id,
+            holder[1] if holder else "(unknown)",
+            self.queue_id,
+        )
+        return self._publish_unclaimed
+
+    def unattached(self, peek: Peek) -> Any:
+        # Held by a run outside any worker (a direct call), or by other code:
+        # there is no call to join.
+        if self.on_duplicate == "raise":
+            self._announce(None, "raised")
+            raise AlreadyQueued(None, self.queue_id)
+        logger.info(
+            "Sent %s[%s]: lock %r is held outside a task call (%r), so there "
+            "is no pending call to join; it takes the lock when it starts.",
+            self.name,
+            self.task_id,
+            self.queue_id,
+            peek.value,
+        )
+        return self._publish_unclaimed
 
     def _hand_over(self, peek: Peek, *, running: bool) -> object:
         """Make the lock this message's: the new hold, None if it changed in
@@ -196,7 +186,7 @@ class _Publish:
     def _publish_unclaimed(self) -> Any:
         return self._call_original()
 
-    def _publish(self, restore: Peek | None = None) -> Any:
+    def claimed(self, restore: Peek | None = None) -> Any:
         # Made before the send: nothing that may raise (an argument's repr()
         # is user code) runs once the message is out and cannot be undone.
         entry = Entry(
@@ -232,26 +222,7 @@ class _Publish:
                     return
             backend.discard(self.key, self.value)
         except backend.errors as exc:
-            self._unknown_fate(exc)
-
-    def _duplicate(self, holder: tuple[str, str] | None, peek: Peek) -> Any:
-        if holder is None:
-            # Held by a run outside any worker (a direct call), or by other
-            # code: there is no call to join.
-            if self.spec.options.on_duplicate == "raise":
-                self._announce(None, "raised")
-                raise AlreadyQueued(None, self.queue_id)
-            logger.info(
-                "Sent %s[%s]: lock %r is held outside a task call (%r), so there "
-                "is no pending call to join; it takes the lock when it starts.",
-                self.name,
-                self.task_id,
-                self.queue_id,
-                peek.value,
-            )
-            return self._publish_unclaimed
-        policy = DUPLICATES[self.spec.options.on_duplicate]
-        return policy.resolve(self, holder[1], holder[0] == "queued", peek)
+            self.unknown_fate(exc)
 
     # -- what the duplicate policies do (see policies.duplicates) ---------------------
 
@@ -274,10 +245,10 @@ class _Publish:
                 self.key, peek.hold, peek.value, self.value, self.life
             )
         except backend.errors as exc:
-            raise self._unknown_fate(exc) from exc
+            raise self.unknown_fate(exc) from exc
         if replaced is None:
             return self.send()  # it changed meanwhile: look again
-        result = self._publish(restore=peek)
+        result = self.claimed(restore=peek)
         # Only once this call is out. Should the revoke not reach a worker, the
         # pending call meets the newer call's lock when it starts, and its
         # on_contention decides (skipped by default).

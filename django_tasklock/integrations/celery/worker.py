@@ -12,7 +12,7 @@ from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from ...calls import call_of, store
 from ...locks.liveness import leave
 from ...locks.recovery import judge
-from ...modes import queue_lock_id
+from ...modes import MODES
 from ...semaphores import slot_id
 from ...targets import spec_of
 
@@ -72,12 +72,8 @@ def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 def free_call(lock_id: str, options: Options, task_id: str, *, running: bool) -> None:
     """Remove the locks that still name call ``task_id``: the pending one, and
     with ``running`` the run's (its process is gone, a terminated revoke)."""
-    mode: str = options.mode
-    ids = [queue_lock_id(lock_id, mode)]
-    if running and mode == "coalesce":
-        ids.append(lock_id)
     backend, _alias = store(options.cache)
-    for the_id in ids:
+    for the_id in MODES[options.mode].left_by(lock_id, running=running):
         key = backend.keys_for(the_id)[0]
         try:
             peek = backend.peek(key)
@@ -125,7 +121,7 @@ def on_failure(
     except (TypeError, ValueError):
         return
     options = spec.options
-    ids = {lock_id, queue_lock_id(lock_id, options.mode)}
+    ids = set(MODES[options.mode].lock_ids(lock_id))
     if options.limit:
         ids.update(slot_id(lock_id, slot) for slot in range(options.limit))
     backend, _alias = store(options.cache)

@@ -26,7 +26,7 @@ from django.utils.module_loading import import_string
 
 from ...exceptions import LockBackendError, LockConfigurationError
 from ...integrations.celery.lookup import registered_task, registered_tasks
-from ...modes import queue_lock_id
+from ...modes import MODES
 from ...status import (
     LockStatus,
     expiry_text,
@@ -145,15 +145,15 @@ class Command(BaseCommand):
                     lock_id, options["limit"], cache, options["json"]
                 )
             elif action == "status":
-                status = lock_status(lock_id, cache=cache)
-                self._status(status, options["json"])
-                held = status.held
-                if self._mode == "coalesce":  # its pending call's lock too
-                    self.stdout.write("")
-                    queue_id = queue_lock_id(lock_id, "coalesce")
-                    pending = lock_status(queue_id, cache=cache)
-                    self._status(pending, options["json"])
-                    held = held or pending.held
+                # Every lock a call of its mode holds (coalesce: its pending
+                # call's too).
+                held = False
+                for number, the_id in enumerate(MODES[self._mode].lock_ids(lock_id)):
+                    if number:
+                        self.stdout.write("")
+                    status = lock_status(the_id, cache=cache)
+                    self._status(status, options["json"])
+                    held = held or status.held
             else:
                 self._release(lock_id, cache, options["force"])
                 return
