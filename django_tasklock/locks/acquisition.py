@@ -77,10 +77,12 @@ class Acquisition:
         "expire",
         "fence",
         "fork",
+        "guard",
         "hold",
         "key",
         "life",
         "lock",
+        "lock_id",
         "lost",
         "record",
         "reported",
@@ -102,7 +104,11 @@ class Acquisition:
         record: Kept | None,
     ) -> None:
         now = time.monotonic()
-        self.lock = lock
+        #: The Lock it is a hold of; None once released (a released hold
+        #: keeps no reference to its Lock, which keeps it: the two are no
+        #: reference cycle the garbage collector must find, per lock taken).
+        self.lock: Holder | None = lock
+        self.lock_id, self.guard = lock.lock_id, lock._guard
         self.backend, self.alias, self.key = backend, alias, key
         self.token, self.hold, self.expire = token, hold, expire
         self.thread, self.fork = threading.get_ident(), fork_generation[0]

@@ -22,14 +22,13 @@ __all__ = ["draw_fence"]
 def draw_fence(acq: Acquisition) -> int | None:
     """The fencing token of the hold ``acq``, drawn now if it was not yet (one
     round trip)."""
-    lock = acq.lock
-    with lock._guard:
+    with acq.guard:
         if acq.fence is not None:
             return acq.fence
-        hold = acq.hold
-        if hold is None:
+        hold, lock = acq.hold, acq.lock
+        if hold is None or lock is None:
             if acq.reported:
-                raise LockLost(lock.lock_id, acq.held_for())
+                raise LockLost(acq.lock_id, acq.held_for())
             return None
         backend, key = lock._backend()
         counter = fence_counter(backend.keys_for(lock.lock_id)[1], acq.expire)

@@ -36,7 +36,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
-            name=f"tasklock-renew {acq.lock.lock_id[:60]}",
+            name=f"tasklock-renew {acq.lock_id[:60]}",
             daemon=True,
         )
 
@@ -72,8 +72,7 @@ class Heartbeat:
         """Extend the lock once; the pause before the next beat, or None when
         renewal should stop."""
         acq = self.acq
-        lock = acq.lock
-        with lock._guard:
+        with acq.guard:
             if self.stopped or acq.hold is None or acq.reported:
                 return None
             deadline = acq.deadline
@@ -86,8 +85,8 @@ class Heartbeat:
                 logger.warning(
                     "Lock %r reaches its max_hold of %ss in %.1fs while its holder "
                     "still runs; renewal stops and the lock expires then.",
-                    lock.lock_id,
-                    lock.max_hold,
+                    acq.lock_id,
+                    getattr(acq.lock, "max_hold", None),
                     max(0.0, (deadline or 0.0) - time.monotonic()),
                 )
                 return None
@@ -97,7 +96,7 @@ class Heartbeat:
         """The store could not be reached: when to try again, if ever."""
         acq = self.acq
         cause = exc.__cause__
-        if cause is not None and acq.lock._backend()[0].lost_with_store(cause):
+        if cause is not None and acq.backend.lost_with_store(cause):
             report_lost(
                 acq, "renew", f"the store stopped and the lock went with it ({exc})"
             )
@@ -113,5 +112,5 @@ class Heartbeat:
                 clear=False,
             )
             return None
-        logger.warning("Could not renew lock %r: %s", acq.lock.lock_id, exc)
+        logger.warning("Could not renew lock %r: %s", acq.lock_id, exc)
         return min(self.interval, left)

@@ -24,11 +24,10 @@ def extend_hold(acq: Acquisition, seconds: float | None, doing: str) -> bool:
     expiry) from now, never past its max_hold; False (and reported lost) if the
     store no longer has it. The caller holds the lock's guard; raises
     ``LockBackendError``."""
-    hold = acq.hold
-    if hold is None:
+    hold, lock = acq.hold, acq.lock
+    if hold is None or lock is None:
         return False
     expire = acq.capped(acq.expire if seconds is None else seconds)
-    lock = acq.lock
     backend, key = lock._backend()
     sent_at = time.monotonic()
     try:
@@ -47,10 +46,9 @@ def extend_hold(acq: Acquisition, seconds: float | None, doing: str) -> bool:
 def release_hold(acq: Acquisition) -> bool:
     """Remove the lock if the store still has this hold; True if it did.
     Raises ``LockBackendError`` (the lock then stays until it expires)."""
-    lock = acq.lock
-    with lock._guard:
-        hold = acq.hold
-        if hold is None:  # lost earlier, and reported then
+    with acq.guard:
+        hold, lock = acq.hold, acq.lock
+        if hold is None or lock is None:  # lost earlier, and reported then
             return False
         backend, key = lock._backend()
         token = acq.token
@@ -64,7 +62,7 @@ def release_hold(acq: Acquisition) -> bool:
         if not released:
             report_lost(acq, "release")
             return False
-        acq.hold = None
+        acq.hold = acq.lock = None
         if acq.record is not None:  # forgotten now, not at the next beat
             acq.record.held.pop(id(lock), None)
     if lock_released.receivers:
@@ -76,10 +74,9 @@ def hand_over_hold(acq: Acquisition, value: str, expire: float) -> bool:
     """Store ``value`` in place of this hold's token, in one conditional
     write, and stop holding; True if the store had the hold and now has
     ``value``. Raises ``LockBackendError`` (the hold is then kept)."""
-    lock = acq.lock
-    with lock._guard:
-        hold = acq.hold
-        if hold is None:
+    with acq.guard:
+        hold, lock = acq.hold, acq.lock
+        if hold is None or lock is None:
             return False
         backend, key = lock._backend()
         try:

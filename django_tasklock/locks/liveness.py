@@ -355,7 +355,7 @@ def reassert(record: Record, backend: LockBackend) -> None:
             continue
         if restarted < acq.acquired_at - _RUN_SLACK:
             continue  # taken on the new run, and gone since: not the restart's doing
-        with acq.lock._guard:
+        with acq.guard:
             left = acq.valid_until - now
             if acq.hold is None or left <= 0:
                 continue
@@ -366,7 +366,7 @@ def reassert(record: Record, backend: LockBackend) -> None:
             acq.hold = hold
         logger.info(
             "Put lock %r back on its restarted memcached server (%.0fs left)",
-            acq.lock.lock_id,
+            acq.lock_id,
             left,
         )
 
@@ -432,8 +432,9 @@ def leave() -> int:
     released = 0
     for records in list(_records.values()):
         for acq in list(records.held.values()):
-            if acq.hold is not None and not acq.lost:
-                acq.lock.release_quietly()
+            lock = acq.lock
+            if acq.hold is not None and not acq.lost and lock is not None:
+                lock.release_quietly()
                 released += acq.hold is None
     forget_records(delete=True)
     if released:

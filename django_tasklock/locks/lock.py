@@ -254,23 +254,24 @@ class Lock(StoreReads, Holding):
         ``LockBackendError`` when the store cannot be reached: the caller must not
         run the protected code then.
         """
-        if self.held or (timeout is not None and not blocking):
+        acq = self._acq
+        if (acq is not None and acq.hold is not None) or (
+            timeout is not None and not blocking
+        ):
             raise misuse(self.lock_id, self.held)
-        default_expire, default_alias, protocol, default_renew, liveness = (
-            settings.lock_defaults()
-        )
-        expire = self._expire if self._expire is not None else default_expire
+        # LOCK_EXPIRE, CACHE, MEMCACHED_PROTOCOL, RENEW, LIVENESS
+        defaults = settings.lock_defaults()
+        expire = self._expire if self._expire is not None else defaults[0]
         if self.max_hold is not None:
             expire = min(expire, self.max_hold)
-        renew = self._renew_option if self._renew_option is not None else default_renew
-        alias = self._cache or default_alias
-        backend = backend_for(alias, protocol=protocol)
+        renew = self._renew_option if self._renew_option is not None else defaults[3]
+        alias = self._cache or defaults[1]
+        backend = backend_for(alias, protocol=defaults[2])
         key = backend.keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
         tried_at = started = time.monotonic()
-        record, make_token = kept_record(alias, liveness, backend, started, key)
-        deadline = None if timeout is None else started + timeout
-        pause = POLL_MIN
+        record, make_token = kept_record(alias, defaults[4], backend, started, key)
+        deadline, pause = None if timeout is None else started + timeout, POLL_MIN
         while True:
             token = make_token(self.owner)
             try:

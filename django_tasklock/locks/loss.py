@@ -111,14 +111,13 @@ def report_lost(
         if acq.reported:
             return
         acq.reported = True
-    lock = acq.lock
     held_for = acq.held_for()
     logger.warning(
         "Lock %r was no longer held by this owner at %s, %.1fs after it was taken "
         "with an expiry of %ss: %s, and another owner may have taken it. "
         "The protected work may have overlapped; fenced writes (fence %s) are "
         "refused once a newer holder has written.",
-        lock.lock_id,
+        acq.lock_id,
         doing,
         held_for,
         acq.expire,
@@ -127,7 +126,8 @@ def report_lost(
     )
     # Only now: whoever sees ``lost`` also finds the WARNING logged.
     acq.lost = True
-    if lock_lost.receivers:
+    lock = acq.lock
+    if lock is not None and lock_lost.receivers:
         lock._send(
             lock_lost,
             acq.token,
@@ -164,7 +164,7 @@ def release_failed(
             "with it (a stopped memcached keeps nothing)"
         )
     # The release may still be carried out, or not: removed once it answers.
-    pending.watch(acq.lock.lock_id, acq.alias, backend.protocol, key, acq.token)
+    pending.watch(acq.lock_id, acq.alias, backend.protocol, key, acq.token)
     left = max(0.0, acq.valid_until - time.monotonic()) + 1
     return (
         "release the lock: it is removed in the background as soon as the "

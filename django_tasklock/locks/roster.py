@@ -149,8 +149,8 @@ def note_run(lock: Any, run: Any) -> None:
 
 def entry_of(acq: Any, wall_offset: float, runs: dict[int, Any]) -> Entry:
     """The roster entry of a hold (``acquisition.Acquisition``) of this process."""
-    lock = acq.lock
-    about = lock.about
+    lock = acq.lock  # (None once released, meanwhile: listed without its call)
+    about = getattr(lock, "about", None)
     if about is None:
         noted = runs.get(id(lock))
         if noted is not None and noted[0] == acq.token:
@@ -158,9 +158,9 @@ def entry_of(acq: Any, wall_offset: float, runs: dict[int, Any]) -> Entry:
     task, args = _describe(about)
     slot = getattr(lock, "slot_of", None)
     return Entry(
-        lock_id=lock.lock_id,
+        lock_id=acq.lock_id,
         kind="lock" if slot is None else "slot",
-        task=task or (slot or lock.lock_id),
+        task=task or (slot or acq.lock_id),
         args=args,
         # (A semaphore's slot names no call in its token: its run does.)
         call_id=getattr(lock, "call_id", None) or getattr(about, "call_id", None),
