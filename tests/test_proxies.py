@@ -124,7 +124,9 @@ def test_server_restarted_behind_the_proxy_is_not_released_by_the_old_holder(
     server.restart()
     new = Lock("restarted")
     take(new)
-    assert new.acquisition.hold.cas == old.acquisition.hold.cas, "the case needs equal CAS ids"
+    assert new.acquisition.hold.cas == old.acquisition.hold.cas, (
+        "the case needs equal CAS ids"
+    )
     assert old.release() is False
     assert new.owned()
     assert new.release() is True

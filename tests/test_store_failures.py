@@ -202,7 +202,9 @@ def test_restart_reusing_cas_id_spares_new_holder(settings, own_memcached, proto
     fill_until(own_memcached, old.acquisition.hold.cas - 1)
     new = Lock("restart", expire=60)
     assert new.acquire()
-    assert new.acquisition.hold.cas == old.acquisition.hold.cas, "the case this test exists for"
+    assert new.acquisition.hold.cas == old.acquisition.hold.cas, (
+        "the case this test exists for"
+    )
     assert old.extend(600) is False
     assert old.release() is False
     assert new.owned()
