@@ -36,6 +36,19 @@ if TYPE_CHECKING:
 
 __all__ = ["KINDS", "LUA_NOW", "Kind", "Smooth", "Turns", "Verdict", "Window"]
 
+
+def rounding(burst: int, interval: float) -> float:
+    """The ms a smooth limit allows over its tolerance for its stored times'
+    rounding. They are kept to a thousandth of a ms, each admission rounding
+    its theoretical arrival time by up to half of one: a burst within one
+    millisecond (the clock's own step) found its last call over by the
+    rounding and refused it ("3/20s" admitted 2 of 3). A burst's worth of
+    half-thousandths is allowed (``burst`` / 2 microseconds, far below the
+    clock's millisecond), never half an interval or more (the Lua script says
+    the same)."""
+    return min(burst * 0.0005, interval / 2)
+
+
 #: Lua: ``now``, the store's clock in whole milliseconds, by which every
 #: script of a limit judges.
 LUA_NOW: Final = """local clock = redis.call("time")
@@ -195,7 +208,7 @@ class Smooth(Kind):
         """
 local count, period, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local interval = period / count
-local tolerance = (burst - 1) * interval
+local tolerance = (burst - 1) * interval + math.min(burst * 0.0005, interval / 2)
 """
         + LUA_NOW
         + """local state = redis.call("get", KEYS[1])
@@ -234,7 +247,7 @@ return {1, now, 0, 0}
         if paused > now:
             return Verdict(False, now, (paused - now) / 1000, None, 0, True)
         interval = self.period / self.rate.count
-        tolerance = (self.burst - 1) * interval
+        tolerance = (self.burst - 1) * interval + rounding(self.burst, interval)
         tat = max(tat, now)
         if tat - now > tolerance:
             return Verdict(False, now, math.ceil(tat - tolerance - now) / 1000, None, 0)
@@ -251,7 +264,7 @@ return {1, now, 0, 0}
         paused, numbers = (0, []) if state is None else self.parse(state)
         interval = self.period / self.rate.count
         tat = max(numbers[0] if numbers else now, now)
-        tolerance = (self.burst - 1) * interval
+        tolerance = (self.burst - 1) * interval + rounding(self.burst, interval)
         room = math.floor((tolerance - (tat - now)) / interval) + 1
         return {
             "burst left": max(min(room, self.burst), 0),
