@@ -62,9 +62,9 @@ from .backends import (
     unsupported_reason,
 )
 from .backends.memcached import meta_support
-from .backends.registry import recommended_paths
+from .backends.supported import recommended_paths
 from .conf import DEFAULTS, setting_problems, suggested_key
-from .registry import import_task_modules, named_aliases
+from .declared import import_task_modules, named_aliases
 
 __all__ = ["check_settings"]
 

@@ -236,9 +236,9 @@ def rate_limits() -> list[LimitRow]:
     """The named limits (``TASKLOCK["RATE_LIMITS"]``) and every
     ``@rate_limited`` of the installed apps' ``tasks`` modules (imported once,
     as the checks do), each read from its store: one read per limit."""
+    from .declared import import_task_modules
     from .limits.decorator import DECLARED
     from .limits.limiter import RateLimiter
-    from .registry import import_task_modules
 
     if not _tasks_imported[0]:
         _tasks_imported[0] = True

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from .arguments import KeySpec, binder, call_digest, check_key
+from .declared import name_alias
 from .integrations import install, starter
 from .modes import mode_for
-from .options import Mode, OnDuplicate, Options, Policy
-from .registry import name_alias
+from .options import ModeName, OnContention, OnDuplicate, Options
 from .runs import current_lock, retry_unbound
 from .targets import lock_id_for
 
@@ -39,7 +39,7 @@ def single_instance(
     *,
     key: KeySpec = None,
     expire: float | None = None,
-    on_contention: Policy | None = None,
+    on_contention: OnContention | None = None,
     timeout: float | None = None,
     on_timeout: Literal["skip", "raise"] = "skip",
     countdown: float | None = None,
@@ -48,7 +48,7 @@ def single_instance(
     max_hold: float | None = None,
     on_lost: OnLost = "warn",
     limit: int | None = None,
-    mode: Mode = "while_running",
+    mode: ModeName = "while_running",
     on_duplicate: OnDuplicate = "join",
     queue_expire: float | None = None,
 ) -> Callable[[F], F]: ...
@@ -60,7 +60,7 @@ def single_instance(
     *,
     key: KeySpec = None,
     expire: float | None = None,
-    on_contention: Policy | None = None,
+    on_contention: OnContention | None = None,
     timeout: float | None = None,
     on_timeout: Literal["skip", "raise"] = "skip",
     countdown: float | None = None,
@@ -69,7 +69,7 @@ def single_instance(
     max_hold: float | None = None,
     on_lost: OnLost = "warn",
     limit: int | None = None,
-    mode: Mode = "while_running",
+    mode: ModeName = "while_running",
     on_duplicate: OnDuplicate = "join",
     queue_expire: float | None = None,
 ) -> F | Callable[[F], F]:

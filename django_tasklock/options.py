@@ -19,15 +19,15 @@ from .semaphores import validate_limit
 if TYPE_CHECKING:
     from .arguments import KeySpec
 
-__all__ = ["Mode", "OnDuplicate", "Options", "Policy"]
+__all__ = ["ModeName", "OnContention", "OnDuplicate", "Options"]
 
-Policy = Literal["skip", "raise", "retry", "wait"]
-Mode = Literal["while_running", "until_finished", "until_started", "coalesce"]
+OnContention = Literal["skip", "raise", "retry", "wait"]
+ModeName = Literal["while_running", "until_finished", "until_started", "coalesce"]
 OnDuplicate = Literal["join", "raise", "replace"]
 #: The names ``mode=`` and ``on_duplicate=`` take, from the types above (the
 #: tables in ``modes`` and ``policies.duplicates`` hold what each does; a test
 #: keeps them in step). Not read from those tables: they sit above this module.
-MODE_NAMES: tuple[str, ...] = get_args(Mode)
+MODE_NAMES: tuple[str, ...] = get_args(ModeName)
 DUPLICATE_NAMES: tuple[str, ...] = get_args(OnDuplicate)
 
 
@@ -37,7 +37,7 @@ class Options:
 
     key: KeySpec = None
     expire: float | None = None
-    on_contention: Policy | None = None
+    on_contention: OnContention | None = None
     timeout: float | None = None
     on_timeout: str = "skip"
     countdown: float | None = None

@@ -313,7 +313,7 @@ def publish_timed_out(tries: int) -> Row:
     """memcached paused (SIGSTOP) at ``.delay()`` past the client's timeout,
     then resumed: the mark's write lands for a call no broker saw. It must be
     removed once the store answers, and the same call sent again published."""
-    from django_tasklock import LockBackendError, lock_id_for, pending
+    from django_tasklock import LockBackendError, lock_id_for, orphans
     from django_tasklock.status import lock_status
     from reliability.faults import use_cache
     from tests import tasks
@@ -329,7 +329,7 @@ def publish_timed_out(tries: int) -> Row:
                 attempts += 1
                 key = f"paused-publish-{attempt}"
                 lock_id = lock_id_for(tasks.finish_once, key)
-                before = pending.removed_count()
+                before = orphans.removed_count()
                 stop_and_wait(server.process.pid)  # type: ignore[union-attr]
                 try:
                     tasks.finish_once.apply_async((key,), queue="fault-paused")
@@ -339,7 +339,7 @@ def publish_timed_out(tries: int) -> Row:
                     server.process.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
                 resumed = time.monotonic()
                 try:
-                    wait_until(lambda b=before: pending.removed_count() > b, 10)
+                    wait_until(lambda b=before: orphans.removed_count() > b, 10)
                     wait_until(lambda i=lock_id: not lock_status(i).held, 10)
                 except AssertionError:
                     continue

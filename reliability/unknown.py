@@ -124,7 +124,7 @@ def paused_store(memcached_factory: type[Memcached], tries: int) -> Row:
     """memcached is SIGSTOPped while an acquire waits on it; the caller times out
     and is told; the store resumes and carries the acquire out: how long does that
     lock with no holder live?"""
-    from django_tasklock import Lock, LockBackendError, pending
+    from django_tasklock import Lock, LockBackendError, orphans
 
     attempts = overlapping = wrong = removed_by_watch = 0
     survived: list[float] = []
@@ -138,7 +138,7 @@ def paused_store(memcached_factory: type[Memcached], tries: int) -> Row:
                 assert warm.release()
                 lock_id = f"fault-paused-{attempt}"
                 key = warm.acquisition.key.replace("fault-warm-up", lock_id)  # type: ignore[union-attr]
-                removed = pending.removed_count()
+                removed = orphans.removed_count()
                 assert server.process is not None
                 stop_and_wait(server.process.pid)
                 try:
@@ -154,13 +154,13 @@ def paused_store(memcached_factory: type[Memcached], tries: int) -> Row:
                 # removes it: its life is at most the time until the removal.
                 deadline = resumed + 10
                 while (
-                    pending.removed_count() == removed and time.monotonic() < deadline
+                    orphans.removed_count() == removed and time.monotonic() < deadline
                 ):
                     time.sleep(0.001)
                 survived.append(time.monotonic() - resumed)
-                while pending.pending_count() and time.monotonic() < deadline:
+                while orphans.watched_count() and time.monotonic() < deadline:
                     time.sleep(0.01)
-                found = pending.removed_count() - removed
+                found = orphans.removed_count() - removed
                 wrong += server.raw(b"mg " + key.encode() + b" v").startswith(b"VA")
                 removed_by_watch += found
                 wrong += found != 1 or survived[-1] >= 1.0

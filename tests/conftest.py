@@ -96,14 +96,14 @@ def _forget_liveness_records() -> Iterator[None]:
     for removal: the stores and settings they were written to go with the
     test."""
     yield
-    from django_tasklock import pending
+    from django_tasklock import orphans
     from django_tasklock.locks.liveness import forget_records
 
     forget_records()
     # Tokens of unknown fate a test left watched (its stores are gone, or
     # stopped for good) would keep a later test's wait for an empty watch
     # waiting: the stores and settings they were taken in go with the test.
-    pending.forget()
+    orphans.forget()
     # What this process learnt of memcached servers' runs: a later test's
     # server may get a port an earlier test's used, and would be taken for
     # that server restarted (new locks refused for the grace).

@@ -300,7 +300,7 @@ def test_a_publish_that_timed_out_on_a_paused_store_leaves_no_phantom_call(
     """The mark's write lands after the client gave up (SIGSTOP, then SIGCONT):
     nothing was sent, so the mark is removed once the store answers, and the
     same call made again is published instead of joining a call no broker saw."""
-    from django_tasklock import pending
+    from django_tasklock import orphans
     from tests.services import Memcached, stop_and_wait
 
     server = Memcached().start() if kind == "memcached" else Redis().start()
@@ -321,7 +321,7 @@ def test_a_publish_that_timed_out_on_a_paused_store_leaves_no_phantom_call(
     lock_id = lock_id_for(tasks.finish_once, "phantom")
     try:
         warm = tasks.finish_once.delay("warm-up")  # connected, scripts loaded
-        removed = pending.removed_count()
+        removed = orphans.removed_count()
         stop_and_wait(server.process.pid)
         try:
             with pytest.raises(LockBackendError, match="take the call's lock"):
@@ -329,7 +329,7 @@ def test_a_publish_that_timed_out_on_a_paused_store_leaves_no_phantom_call(
         finally:
             server.process.send_signal(signal.SIGCONT)
         assert published(broker) == [warm.id]
-        wait_until(lambda: pending.removed_count() > removed, 10)
+        wait_until(lambda: orphans.removed_count() > removed, 10)
         assert not lock_status(lock_id).held
         again = tasks.finish_once.delay("phantom")
         assert published(broker) == [warm.id, again.id]

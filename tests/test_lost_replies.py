@@ -15,7 +15,7 @@ import pytest
 import redis
 from django.core.cache import caches
 
-from django_tasklock import Lock, LockBackendError, pending
+from django_tasklock import Lock, LockBackendError, orphans
 from django_tasklock.backends.redis import _ACQUIRE, _RELEASE, _SHA
 from tests.conftest import wait_until
 from tests.faultproxy import FaultProxy
@@ -36,7 +36,7 @@ def watch_state() -> str:
     import sys
     import traceback
 
-    threads = list(pending._thread)
+    threads = list(orphans._thread)
     frames = sys._current_frames()
     where = [
         "".join(traceback.format_stack(frames[t.ident])[-6:])
@@ -45,15 +45,16 @@ def watch_state() -> str:
     ]
     return (
         f"thread {threads} alive {[t.is_alive() for t in threads]}, "
-        f"{pending.pending_count()} watched, {pending.removed_count()} removed, "
-        f"last look {time.monotonic() - pending._progress[0]:.1f}s ago; at {where}"
+        f"{orphans.watched_count()} watched {orphans.failing()}, "
+        f"{orphans.removed_count()} removed, "
+        f"last look {time.monotonic() - orphans._progress[0]:.1f}s ago; at {where}"
     )
 
 
 def wait_for_pending_watch(before: int) -> None:
     """Until the background watch has dealt with every token handed to it."""
-    wait_until(lambda: pending.pending_count() == 0, about=watch_state)
-    assert pending.removed_count() >= before
+    wait_until(lambda: orphans.watched_count() == 0, about=watch_state)
+    assert orphans.removed_count() >= before
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ def test_redis_replies_lost_until_the_caller_fails_leave_no_lock(own_redis, prox
     proxy = proxied
     warm = Lock("warm-up")
     assert warm.acquire() and warm.release()
-    removed = pending.removed_count()
+    removed = orphans.removed_count()
     # Every acquire runs and loses its reply; every owner-checked removal is kept
     # from the store, so the orphan stays in place until the network heals.
     proxy.drop_replies(_SHA[_ACQUIRE].encode(), times=1000)
@@ -148,7 +149,7 @@ def test_acquire_timed_out_on_a_paused_store_leaves_no_orphan(settings, kind):
     use_cache(settings, config, alias="paused")
     try:
         assert Lock("warm-up").acquire()  # connected, scripts loaded
-        removed = pending.removed_count()
+        removed = orphans.removed_count()
         stop_and_wait(server.process.pid)
         try:
             with pytest.raises(LockBackendError):
@@ -159,7 +160,7 @@ def test_acquire_timed_out_on_a_paused_store_leaves_no_orphan(settings, kind):
         key = caches["paused"].make_key("paused-lock")
         # The resumed store takes the lock for nobody; the watch removes it.
         wait_until(
-            lambda: pending.removed_count() > removed, limit=10, about=watch_state
+            lambda: orphans.removed_count() > removed, limit=10, about=watch_state
         )
         assert time.monotonic() - resumed < 10
         wait_for_pending_watch(removed + 1)
@@ -209,7 +210,7 @@ def test_a_store_that_never_answers_holds_back_no_other_removal(
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # the kernel accepts; nothing ever answers
-    monkeypatch.setattr(pending, "STUCK", 1.0)
+    monkeypatch.setattr(orphans, "STUCK", 1.0)
     settings.CACHES = {
         **settings.CACHES,
         "silent": {
@@ -219,22 +220,26 @@ def test_a_store_that_never_answers_holds_back_no_other_removal(
     }
     use_cache(settings, {"BACKEND": REDIS, "LOCATION": own_redis.url})
     try:
-        pending.watch("lost-there", "silent", "auto", ":1:lost-there", "a-token")
-        stuck = pending._thread[0]
+        orphans.watch("lost-there", "silent", "auto", ":1:lost-there", "a-token")
+        stuck = orphans._thread[0]
         # The look waits on the silent store's reply: nothing moves.
-        time_stuck = wait_until(lambda: time.monotonic() - pending._progress[0] > 1)
-        assert stuck.is_alive() and pending.pending_count() == 1, time_stuck
+        time_stuck = wait_until(lambda: time.monotonic() - orphans._progress[0] > 1)
+        assert stuck.is_alive() and orphans.watched_count() == 1, time_stuck
         orphan = Lock("orphan")  # a token of unknown fate on a store that answers
         assert orphan.acquire()
-        removed = pending.removed_count()
-        pending.watch("orphan", "lossy", "auto", ":1:orphan", orphan.token or "")
+        removed = orphans.removed_count()
+        orphans.watch("orphan", "lossy", "auto", ":1:orphan", orphan.token or "")
+        # Gone from the store, and counted (just after the removal returns).
         wait_until(
-            lambda: direct(own_redis).exists(":1:orphan") == 0,
+            lambda: (
+                direct(own_redis).exists(":1:orphan") == 0
+                and orphans.removed_count() > removed
+            ),
             limit=10,
             about=watch_state,
         )
-        assert pending.removed_count() == removed + 1
-        assert pending._thread[0] is not stuck
+        assert orphans.removed_count() == removed + 1
+        assert orphans._thread[0] is not stuck
     finally:
         silent.close()  # the stuck look fails, and its thread ends
-        pending.forget()
+        orphans.forget()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from django.core.checks import run_checks
 
-from django_tasklock import Lock, LockConfigurationError, registry, single_instance
+from django_tasklock import Lock, LockConfigurationError, declared, single_instance
 from django_tasklock.checks import check_settings
-from django_tasklock.registry import named_aliases
+from django_tasklock.declared import named_aliases
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,7 +131,7 @@ def test_misspelt_key_check_names_the_key_meant_in_its_hint(settings):
 
 
 def test_check_covers_every_alias_a_decorated_task_names(settings, monkeypatch):
-    monkeypatch.setattr(registry, "_aliases", {})  # this test's tasks only
+    monkeypatch.setattr(declared, "_aliases", {})  # this test's tasks only
 
     @single_instance(cache="nowhere")
     def missing(x):

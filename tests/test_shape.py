@@ -14,9 +14,9 @@ from django_tasklock.modes import MODES
 from django_tasklock.options import (
     DUPLICATE_NAMES,
     MODE_NAMES,
-    Mode,
+    ModeName,
+    OnContention,
     OnDuplicate,
-    Policy,
 )
 from django_tasklock.policies import CONTENTION, DUPLICATES
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_mode_name_has_a_mode_and_every_mode_a_name():
-    assert tuple(MODES) == MODE_NAMES == get_args(Mode)
+    assert tuple(MODES) == MODE_NAMES == get_args(ModeName)
     assert all(mode.name == name for name, mode in MODES.items())
 
 
@@ -32,7 +32,7 @@ def test_every_policy_name_has_a_policy():
     assert tuple(CONTENTION) == CONTENTION_POLICIES
     assert set(TIMEOUT_POLICIES) <= set(CONTENTION)
     assert tuple(DUPLICATES) == DUPLICATE_NAMES == get_args(OnDuplicate)
-    assert tuple(CONTENTION) == get_args(Policy)
+    assert tuple(CONTENTION) == get_args(OnContention)
 
 
 def test_no_class_or_function_over_its_limit_and_no_import_circle():

@@ -16,7 +16,7 @@ from django.dispatch import receiver
 from ..exceptions import LockConfigurationError
 from .base import FenceCounter, Hold, LockBackend, Peek
 from .redis import DjangoRedisBackend
-from .registry import UNSUPPORTED, recommended_paths, supported_for, supported_names
+from .supported import UNSUPPORTED, recommended_paths, supported_for, supported_names
 
 __all__ = [
     "IMPLICIT_CACHES",

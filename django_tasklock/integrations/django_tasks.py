@@ -16,7 +16,7 @@ import uuid
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final
 
-from .. import pending
+from .. import orphans
 from ..calls import queue_life, queued, store, store_error
 from ..conf import settings
 from ..exceptions import AlreadyQueued, LockBackendError, LockUsageError
@@ -154,7 +154,7 @@ class _Enqueue:
     def unknown_fate(self, exc: BaseException) -> LockBackendError:
         # The placeholder may have been stored: removed once the store answers.
         if not self.backend.lost_with_store(exc):
-            pending.watch(
+            orphans.watch(
                 self.queue_id,
                 self.alias,
                 settings.MEMCACHED_PROTOCOL,

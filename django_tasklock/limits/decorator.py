@@ -92,7 +92,9 @@ def rate_limited(
             if policy == "retry" and _task_of(args) is None:
                 # The setting's default, on a function that cannot be sent again.
                 raise RateLimited(limiter.limit_id, admission.retry_after)
-            return POLICIES[policy](limiter, admission, args, timeout, func, kwargs)
+            return ON_LIMIT_POLICIES[policy](
+                limiter, admission, args, timeout, func, kwargs
+            )
 
         wrapper.__signature__ = signature  # type: ignore[attr-defined]
         wrapper._tasklock_rate_limit = limiter_for  # type: ignore[attr-defined]
@@ -241,7 +243,7 @@ class _Limits:
         )
 
 
-Policy = Callable[
+OnLimitPolicy = Callable[
     [
         RateLimiter,
         Admission,
@@ -339,7 +341,7 @@ def _note_retry(task: Any, request: Any, reason: RateLimited) -> None:
 
 
 #: What a run over the limit does, by ``on_limit``.
-POLICIES: Final[dict[str, Policy]] = {
+ON_LIMIT_POLICIES: Final[dict[str, OnLimitPolicy]] = {
     "retry": _retry,
     "raise": _raise,
     "wait": _wait,

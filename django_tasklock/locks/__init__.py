@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from .holding import Holding
 from .lock import Lock
-from .options import MIN_BEAT, ON_LOST_POLICIES, OnLost, check_oid
 from .recipe import memcache_lock
+from .validation import MIN_BEAT, ON_LOST_POLICIES, OnLost, check_oid
 from .waiting import POLL_MAX, POLL_MIN, backoff
 
 __all__ = [

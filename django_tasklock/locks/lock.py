@@ -32,7 +32,9 @@ from .loss import (
     report_lost,
     take_failed,
 )
-from .options import (
+from .reads import StoreReads
+from .recovery import take_from_dead
+from .validation import (
     ON_LOST_POLICIES,
     OnLost,
     beat_for,
@@ -41,8 +43,6 @@ from .options import (
     owner_for,
     require_hold,
 )
-from .reads import StoreReads
-from .recovery import take_from_dead
 from .waiting import POLL_MIN, backoff
 
 if TYPE_CHECKING:

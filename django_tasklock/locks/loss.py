@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .. import pending
+from .. import orphans
 from ..signals import lock_lost
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def take_failed(
     perhaps carried out, reply unknown: the token may be stored with no holder,
     so it is removed in the background once the store answers."""
     if not backend.lost_with_store(exc):
-        pending.watch(lock.lock_id, alias, backend.protocol, key, token)
+        orphans.watch(lock.lock_id, alias, backend.protocol, key, token)
     return lock._store_error(backend, key, "take the lock", exc)
 
 
@@ -164,7 +164,7 @@ def release_failed(
             "with it (a stopped memcached keeps nothing)"
         )
     # The release may still be carried out, or not: removed once it answers.
-    pending.watch(acq.lock_id, acq.alias, backend.protocol, key, acq.token)
+    orphans.watch(acq.lock_id, acq.alias, backend.protocol, key, acq.token)
     left = max(0.0, acq.valid_until - time.monotonic()) + 1
     return (
         "release the lock: it is removed in the background as soon as the "

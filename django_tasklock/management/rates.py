@@ -58,8 +58,8 @@ def _declared(limit_id: str) -> RateLimiter | None:
     """The limiter a ``@rate_limited`` of the installed apps declares under
     ``limit_id`` (its name, or a keyed limit's ``<name>-<digest>``), with the
     declared rate; None if none does."""
+    from ..declared import import_task_modules
     from ..limits.decorator import declared_limit
-    from ..registry import import_task_modules
 
     import_task_modules()
     limits = declared_limit(limit_id)

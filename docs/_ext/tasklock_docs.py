@@ -1,6 +1,6 @@
 """Sphinx directives that print tables from the code, so the docs cannot drift:
 
-- ``.. tasklock-caches::``: the supported caches, from ``backends.registry``;
+- ``.. tasklock-caches::``: the supported caches, from ``backends.supported``;
 - ``.. tasklock-modes::``: the modes and policies, from their tables.
 """
 
@@ -33,10 +33,10 @@ class _Generated(SphinxDirective):
 
 
 class CachesTable(_Generated):
-    """The supported caches (``backends.registry.SUPPORTED``)."""
+    """The supported caches (``backends.supported.SUPPORTED``)."""
 
     def rows(self) -> list[str]:
-        from django_tasklock.backends.registry import SUPPORTED, UNSUPPORTED
+        from django_tasklock.backends.supported import SUPPORTED, UNSUPPORTED
 
         supported = [
             [

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
-from ... import pending
+from ... import orphans
 from ...calls import queue_life, queued, store, store_error
 from ...conf import settings
 from ...exceptions import AlreadyQueued, LockBackendError
@@ -100,7 +100,7 @@ class _Publish:
         broker ever saw, and identical calls would join it. Nothing was sent,
         so it is removed, owner-checked, as soon as the store answers."""
         if not self.backend.lost_with_store(exc):
-            pending.watch(
+            orphans.watch(
                 self.queue_id,
                 self.alias,
                 settings.MEMCACHED_PROTOCOL,

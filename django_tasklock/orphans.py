@@ -28,7 +28,7 @@ from typing import Final
 from .backends import backend_for, close_thread_connections
 from .exceptions import LockConfigurationError
 
-__all__ = ["GRACE", "forget", "pending_count", "removed_count", "watch"]
+__all__ = ["GRACE", "failing", "forget", "removed_count", "watch", "watched_count"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class _Watched:
     key: str
     token: str
     answered_at: float | None = None
+    #: What the last look that could not tell raised (for diagnostics).
+    failing: str = ""
 
 
 _watched: list[_Watched] = []
@@ -108,10 +110,17 @@ def forget() -> None:
         _watched.clear()
 
 
-def pending_count() -> int:
+def watched_count() -> int:
     """How many tokens are still watched in this process."""
     with _mutex:
         return len(_watched)
+
+
+def failing() -> list[str]:
+    """Why each token still watched could not be removed yet ("" while its
+    store answered), for diagnostics."""
+    with _mutex:
+        return [f"{item.lock_id}: {item.failing}" for item in _watched]
 
 
 def removed_count() -> int:
@@ -132,11 +141,13 @@ def _look(item: _Watched) -> bool:
         return True
     try:
         removed = backend.discard(item.key, item.token)
-    except backend.errors:
+    except backend.errors as exc:
+        item.failing = f"{type(exc).__name__}: {exc} ({backend.describe(item.key)})"
         return False
     now = time.monotonic()
     if removed:
-        _removed[0] += 1
+        with _mutex:  # (two threads may count: a stuck one's look ends late)
+            _removed[0] += 1
         logger.warning(
             "Removed lock %r from %s: a call whose outcome was unknown (the store "
             "timed out or the connection dropped) had left it held with no holder.",
