@@ -18,7 +18,6 @@ its look does.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -27,10 +26,12 @@ from typing import Final
 
 from .backends import backend_for, close_thread_connections
 from .exceptions import LockConfigurationError
+from .logs import module_logger
 
 __all__ = ["GRACE", "failing", "forget", "removed_count", "watch", "watched_count"]
 
-logger = logging.getLogger(__name__)
+# Logged under "django_tasklock.pending" before: that name keeps working (logs).
+logger = module_logger(__name__, "django_tasklock.pending")
 
 #: Seconds a token is still looked for after the store first answered.
 GRACE: Final = 1.0

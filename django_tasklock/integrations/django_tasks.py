@@ -10,7 +10,6 @@ turns into the result id's mark. The run learns its result id from its
 
 from __future__ import annotations
 
-import logging
 import sys
 import uuid
 from contextvars import ContextVar
@@ -20,6 +19,7 @@ from .. import orphans
 from ..calls import queue_life, queued, store, store_error
 from ..conf import settings
 from ..exceptions import AlreadyQueued, LockBackendError, LockUsageError
+from ..logs import module_logger
 from ..modes import MODES
 from ..modes.publishing import WAIT, claim
 from ..policies import DUPLICATES
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DJANGO_TASKS", "install_enqueue", "is_context", "running_result_id"]
 
-# Named as before the reshape, so that logging configurations keep working.
-logger = logging.getLogger("django_tasklock.calls")
+# Logged under 'django_tasklock.calls' before: that name keeps working (see logs).
+logger = module_logger(__name__, "django_tasklock.calls")
 
 
 #: The pending mark of the enqueue in progress in this thread: (backend, key,

@@ -13,7 +13,6 @@ and ``django.tasks`` hosts.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from ..calls import call_of, store
@@ -21,6 +20,7 @@ from ..conf import settings
 from ..exceptions import LockBackendError
 from ..locks import Lock
 from ..locks.recovery import judge
+from ..logs import module_logger
 from ..runs import DEFER, DROP, FREED
 
 if TYPE_CHECKING:
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_DEFER", "defer_for", "verdict"]
 
-# Named as before the reshape, so that logging configurations keep working.
-logger = logging.getLogger("django_tasklock.decorator")
+# Logged under 'django_tasklock.decorator' before: that name keeps working (see logs).
+logger = module_logger(__name__, "django_tasklock.decorator")
 
 #: The longest a copy whose run's host cannot be asked is put back for.
 MAX_DEFER = 3600.0

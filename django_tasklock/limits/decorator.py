@@ -27,7 +27,7 @@ from .limiter import Admission, RateLimiter, make_kind
 
 __all__ = ["current_admission", "rate_limited"]
 
-logger = logging.getLogger("django_tasklock.limits")
+logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 OnLimit = Literal["retry", "raise", "wait", "skip"]

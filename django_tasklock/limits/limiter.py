@@ -17,7 +17,7 @@ from .kinds import KINDS, Kind, Turns
 
 __all__ = ["Admission", "RateLimiter", "make_kind"]
 
-logger = logging.getLogger("django_tasklock.limits")
+logger = logging.getLogger(__name__)
 
 
 class Admission(NamedTuple):

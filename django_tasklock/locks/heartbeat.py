@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Heartbeat"]
 
-logger = logging.getLogger("django_tasklock.locks")
+logger = logging.getLogger(__name__)
 
 
 class Heartbeat:

@@ -62,7 +62,7 @@ __all__ = [
     "record_id",
 ]
 
-logger = logging.getLogger("django_tasklock.locks")
+logger = logging.getLogger(__name__)
 
 RECORD_PREFIX: Final = "tasklock-alive:"
 

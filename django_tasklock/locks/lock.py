@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Lock"]
 
-logger = logging.getLogger("django_tasklock.locks")
+logger = logging.getLogger(__name__)
 
 _HOSTNAME = socket.gethostname()
 

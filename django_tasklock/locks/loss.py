@@ -32,7 +32,7 @@ __all__ = [
     "unextended",
 ]
 
-logger = logging.getLogger("django_tasklock.locks")
+logger = logging.getLogger(__name__)
 
 #: Why a lock the store no longer has for its holder was lost.
 FORCED = "it expired, was evicted, flushed, released by force or lost in a restart"

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LOOK_EVERY", "judge", "take_from_dead"]
 
-logger = logging.getLogger("django_tasklock.locks")
+logger = logging.getLogger(__name__)
 
 #: The least time between two looks at the holder of one lock id, per thread.
 LOOK_EVERY: Final = 0.5

@@ -63,7 +63,7 @@ __all__ = [
     "slot_key",
 ]
 
-logger = logging.getLogger("django_tasklock.locks")
+logger = logging.getLogger(__name__)
 
 ROSTER_PREFIX: Final = "tasklock-roster:"
 #: How many processes one store's roster lists.

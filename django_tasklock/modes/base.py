@@ -3,13 +3,13 @@ and what happens when it runs, over the primitive (``Lock``)."""
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from ..conf import settings
 from ..locks import Lock
 from ..locks.recovery import judge
 from ..locks.roster import note_run
+from ..logs import module_logger
 from ..policies import CONTENTION, ContentionPolicy
 from ..runs import DEFER, DROP, FREED, held, retry_unbound
 
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Mode"]
 
-# Named as before the reshape, so that logging configurations keep working.
-logger = logging.getLogger("django_tasklock.locks")
+# Logged under 'django_tasklock.locks' before: that name keeps working (see logs).
+logger = module_logger(__name__, "django_tasklock.locks")
 
 
 class Mode:

@@ -10,10 +10,10 @@ goes back to the broker with the same task id instead of being lost.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from ..calls import QUEUE_SUFFIX, Marks, queued
+from ..logs import module_logger
 from ..policies.contention import retry_countdown
 from .base import Mode
 
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Coalesce"]
 
-# Named as before the reshape, so that logging configurations keep working.
-logger = logging.getLogger("django_tasklock.decorator")
+# Logged under 'django_tasklock.decorator' before: that name keeps working (see logs).
+logger = module_logger(__name__, "django_tasklock.decorator")
 
 
 class Coalesce(Mode):

@@ -10,12 +10,12 @@ message (which a newer call's mark no longer shows) meets it and is dropped.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from ..calls import Marks
 from ..conf import settings
 from ..locks.roster import note_run
+from ..logs import module_logger
 from ..runs import DEFER, DROP, FREED, held
 from .base import Mode
 
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["UntilStarted"]
 
-# Named as before the reshape, so that logging configurations keep working.
-logger = logging.getLogger("django_tasklock.decorator")
+# Logged under 'django_tasklock.decorator' before: that name keeps working (see logs).
+logger = module_logger(__name__, "django_tasklock.decorator")
 
 
 class UntilStarted(Mode):

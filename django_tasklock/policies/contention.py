@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Final
 
 from ..conf import settings
 from ..exceptions import LockNotAcquired
+from ..logs import module_logger
 
 if TYPE_CHECKING:
     from ..locks import Lock
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CONTENTION", "ContentionPolicy", "retry_countdown"]
 
-# Named as before the reshape, so that logging configurations keep working.
-logger = logging.getLogger("django_tasklock.decorator")
+# Logged under 'django_tasklock.decorator' before: that name keeps working (see logs).
+logger = module_logger(__name__, "django_tasklock.decorator")
 
 
 class ContentionPolicy:

@@ -40,7 +40,7 @@ from .wire import ServerRefused, _read_stats, _server_name
 
 __all__ = ["NodeRestarted", "Restarts"]
 
-logger = logging.getLogger("django_tasklock.backends.memcached")
+logger = logging.getLogger(__name__)
 
 
 class NodeRestarted(MemcacheError):  # type: ignore[misc]

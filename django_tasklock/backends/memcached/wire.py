@@ -43,7 +43,7 @@ _classic_servers: set[Any] = set()
 # the written item expires at once. Unlike -1, proxies pass it on.
 _PAST = 2592001
 
-logger = logging.getLogger("django_tasklock.backends.memcached")
+logger = logging.getLogger(__name__)
 
 
 #: The longest expiry memcached reads as seconds from now (protocol.txt,

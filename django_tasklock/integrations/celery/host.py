@@ -8,13 +8,13 @@ task are looked up in ``sys.modules``.
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ...calls import queue_life, queued
 from ...exceptions import LockBackendError, LockNotAcquired
 from ...locks import Lock
+from ...logs import module_logger
 from ...runs import Host, held
 from ..redelivery import defer_for, verdict
 from .worker import handed_to_autoretry
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CELERY", "CeleryHost", "current_task", "task_class"]
 
-# Named as before the reshape, so that logging configurations keep working.
-logger = logging.getLogger("django_tasklock.decorator")
+# Logged under 'django_tasklock.decorator' before: that name keeps working (see logs).
+logger = module_logger(__name__, "django_tasklock.decorator")
 
 #: Seconds a lock capped by a Celery time limit lasts beyond that limit.
 TIME_LIMIT_MARGIN = 1.0

@@ -11,7 +11,6 @@ message goes out, and given back if the message cannot be sent.
 from __future__ import annotations
 
 import datetime
-import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
@@ -23,6 +22,7 @@ from ...exceptions import AlreadyQueued, LockBackendError
 from ...locks import Lock
 from ...locks.liveness import note_queued
 from ...locks.roster import Entry, describe_call
+from ...logs import module_logger
 from ...modes import MODES
 from ...modes.publishing import AGAIN, claim
 from ...runs import held
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["install_publish"]
 
-# Named as before the reshape, so that logging configurations keep working.
-logger = logging.getLogger("django_tasklock.calls")
+# Logged under 'django_tasklock.calls' before: that name keeps working (see logs).
+logger = module_logger(__name__, "django_tasklock.calls")
 
 # Options that make a message part of a canvas: its links belong to it, so it
 # is never merged into another call.

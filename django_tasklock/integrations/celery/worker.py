@@ -4,7 +4,6 @@ call whose pool process died)."""
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
@@ -12,6 +11,7 @@ from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from ...calls import call_of, store
 from ...locks.liveness import leave
 from ...locks.recovery import judge
+from ...logs import module_logger
 from ...modes import MODES
 from ...semaphores import slot_id
 from ...targets import spec_of
@@ -28,8 +28,8 @@ __all__ = [
     "on_shutdown",
 ]
 
-# Named as before the reshape, so that logging configurations keep working.
-logger = logging.getLogger("django_tasklock.calls")
+# Logged under 'django_tasklock.calls' before: that name keeps working (see logs).
+logger = module_logger(__name__, "django_tasklock.calls")
 
 
 # Calls whose lock a failing run handed over to the retry Celery's autoretry_for
