@@ -13,14 +13,14 @@ from pathlib import Path
 
 from reliability import recovery
 from reliability.faults import Row
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.services import Redis
 from tests.workers import overlaps, start_workers, stop_workers
 
 
 def _broker(redis: Redis) -> dict[str, str]:
     from tests.celery_app import app
-    from tests.conftest import use_redis_broker
+    from tests.helpers import use_redis_broker
 
     os.environ["TASKLOCK_TEST_REDIS"] = redis.url
     return {**use_redis_broker(app, redis.url), "TASKLOCK_TEST_REDIS": redis.url}
@@ -155,7 +155,7 @@ def publish_fails(tries: int) -> Row:
     from django_tasklock import lock_id_for
     from tests import tasks
     from tests.celery_app import app
-    from tests.conftest import reset_publisher
+    from tests.helpers import reset_publisher
 
     attempts = raised = left = 0
     dead = Redis().start()

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reliability.faults import ROOT, Row
-from tests.conftest import wait_until
 from tests.faultproxy import FaultProxy
+from tests.helpers import wait_until
 from tests.services import Memcached, Redis, free_port, stop_and_wait
 from tests.workers import Holder
 
@@ -476,7 +476,7 @@ def unprintable_argument(beats: int = 10) -> Outcome:
         release.wait(30)
 
     def run_it() -> None:
-        from tests.conftest import close_connections
+        from tests.helpers import close_connections
 
         try:
             held_until(Unprintable("bad"))

@@ -9,7 +9,7 @@ import signal
 import socket
 
 from reliability.faults import Row, use_cache
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.services import Memcached
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from reliability.faults import ROOT, Row
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.services import Memcached, stop_and_wait
 from tests.workers import Holder, overlaps, started_runs
 

@@ -20,7 +20,7 @@ from django_tasklock.signals import call_deduplicated
 from django_tasklock.status import lock_status
 from tests import tasks
 from tests.celery_app import app
-from tests.conftest import reset_publisher, wait_until
+from tests.helpers import reset_publisher, wait_until
 from tests.services import Redis
 
 pytestmark = pytest.mark.usefixtures("memcached_locks")
@@ -185,7 +185,7 @@ def test_a_store_that_is_down_sends_nothing(broker, memcached, settings):
         memcached.start()
         # This thread's connections went with the old process: the next use
         # of the session's memcached (a later test's) must not meet them.
-        from tests.conftest import close_connections
+        from tests.helpers import close_connections
 
         close_connections()
     assert published(broker) == []
@@ -335,7 +335,7 @@ def test_a_publish_that_timed_out_on_a_paused_store_leaves_no_phantom_call(
         assert published(broker) == [warm.id, again.id]
         assert holder(lock_id) == ("queued", again.id)
     finally:
-        from tests.conftest import close_connections
+        from tests.helpers import close_connections
 
         close_connections()
         server.stop()

@@ -16,7 +16,7 @@ from django_tasklock import lock_id_for
 from django_tasklock.calls import call_of
 from django_tasklock.status import lock_status
 from tests import tasks
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.test_celery_workers import broker  # noqa: F401
 from tests.workers import start_workers, stop_workers
 

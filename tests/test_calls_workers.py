@@ -23,7 +23,7 @@ from django_tasklock.signals import call_deduplicated
 from django_tasklock.status import lock_status
 from tests import tasks
 from tests.celery_app import app
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.test_celery_workers import broker, intervals, storm  # noqa: F401
 from tests.workers import (
     overlaps,

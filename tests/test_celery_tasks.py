@@ -10,7 +10,7 @@ from celery.exceptions import MaxRetriesExceededError
 
 from django_tasklock import Lock, LockLost, LockNotAcquired, current_lock, lock_id_for
 from tests import tasks
-from tests.conftest import background
+from tests.helpers import background
 
 pytestmark = pytest.mark.usefixtures("memcached_locks")
 

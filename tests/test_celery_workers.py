@@ -17,7 +17,7 @@ from celery.contrib.testing.worker import start_worker
 from django_tasklock.backends import close_thread_connections
 from tests import tasks
 from tests.celery_app import app
-from tests.conftest import reset_publisher, use_redis_broker
+from tests.helpers import reset_publisher, use_redis_broker
 from tests.workers import overlaps, start_workers, stop_workers
 
 ROOT = Path(__file__).resolve().parent.parent

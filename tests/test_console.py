@@ -17,7 +17,7 @@ from django_tasklock.console import take_inventory
 from django_tasklock.locks.liveness import forget_records
 from django_tasklock.locks.roster import SLOTS, slot_key
 from django_tasklock.status import lock_status
-from tests.conftest import SHARED_STORES, wait_until
+from tests.helpers import SHARED_STORES, wait_until
 from tests.workers import Holder
 
 pytestmark = pytest.mark.django_db
@@ -202,7 +202,7 @@ def test_the_roster_is_read_in_two_round_trips_whatever_the_cache_holds(
 ):
     from django.core.cache import caches
 
-    from tests.conftest import close_connections, counted_cache
+    from tests.helpers import close_connections, counted_cache
 
     holder = Holder("default", "feeds-lock-counted", liveness=3)
     wait_until(lambda: listed("feeds-lock-counted"), 10)
@@ -378,7 +378,7 @@ def test_after_a_restart_held_locks_are_listed_again_within_a_beat(settings):
     liveness thread finds its slot gone at its next beat and writes it again
     (it used to wait until the slot neared its expiry, minutes later), and
     meanwhile the page says what it lists may be incomplete."""
-    from tests.conftest import close_connections
+    from tests.helpers import close_connections
     from tests.services import Memcached
 
     server = Memcached().start()
@@ -445,8 +445,8 @@ def test_a_forced_release_removes_only_the_item_it_judged(settings, memcached):
     from django.test import Client
     from pymemcache.client.base import Client as Memcache
 
-    from tests.conftest import background, close_connections
     from tests.faultproxy import FaultProxy
+    from tests.helpers import background, close_connections
 
     proxy = FaultProxy(memcached.port)
     settings.CACHES = {

@@ -23,7 +23,7 @@ from django_tasklock import (
     single_instance,
 )
 from django_tasklock.exceptions import InvalidLockExpire
-from tests.conftest import in_thread
+from tests.helpers import in_thread
 
 
 @single_instance

@@ -14,7 +14,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
 from django_tasklock import Lock, LockConfigurationError
-from tests.conftest import close_connections, wait_until
+from tests.helpers import close_connections, wait_until
 from tests.services import Redis, Sentinel
 
 DJANGO_REDIS = "django_redis.cache.RedisCache"

@@ -46,7 +46,7 @@ def namespace(redis_server, memcached):
     from celery.contrib.testing.worker import start_worker
 
     from tests.celery_app import app
-    from tests.conftest import reset_publisher, use_redis_broker
+    from tests.helpers import reset_publisher, use_redis_broker
 
     previous = current_app._get_current_object()
     app.set_current()

@@ -27,7 +27,7 @@ from example_project.feeds.importer import (
 )
 from example_project.feeds.models import Entry, Feed, ImportRun, TaskOutcome
 from example_project.feedserver import FeedServer
-from tests.conftest import forget_backend, wait_until
+from tests.helpers import forget_backend, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -316,7 +316,7 @@ def fetch_at_once(urls: list[str]) -> list[int]:
     from concurrent.futures import ThreadPoolExecutor
 
     from example_project.feeds.importer import fetch
-    from tests.conftest import close_connections
+    from tests.helpers import close_connections
 
     def fetch_in_thread(url):
         try:

@@ -12,7 +12,7 @@ from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, LockLost
 from django_tasklock.keys import fence_id
-from tests.conftest import in_thread
+from tests.helpers import in_thread
 from tests.services import Memcached
 from tests.test_store_failures import use_memcached
 from tests.workers import fenced_holds, storm

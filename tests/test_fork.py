@@ -144,7 +144,7 @@ def test_forked_child_gets_fresh_backends_from_the_forking_thread(store):
 @pytest.mark.parametrize("calls", [0, 3])
 def test_close_thread_connections_before_or_between_locks(store, calls):
     from django_tasklock.backends import close_thread_connections
-    from tests.conftest import in_thread
+    from tests.helpers import in_thread
 
     def job() -> list[bool]:
         results = []

@@ -516,7 +516,7 @@ def test_the_command_shows_pauses_and_resets_a_limit(any_store, settings):
 
 @pytest.mark.parametrize("kind", ["memcached", "redis"])
 def test_round_trips_per_admission(settings, memcached, redis_server, kind):
-    from tests.conftest import close_connections, counted_cache
+    from tests.helpers import close_connections, counted_cache
 
     proxy = counted_cache(settings, memcached, redis_server, kind)
     try:

@@ -8,7 +8,7 @@ import pytest
 
 from django_tasklock import RateLimiter
 from tests import tasks
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.limits_helpers import smooth_violations, window_violations
 from tests.test_celery_workers import broker  # noqa: F401
 from tests.workers import start_workers, stop_workers

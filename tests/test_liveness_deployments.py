@@ -18,7 +18,7 @@ from django_tasklock.backends import backend_for
 from django_tasklock.locks import liveness
 from reliability import deployments
 from reliability.deployments import LIVENESS, MEMCACHED, Memcached
-from tests.conftest import background, wait_until
+from tests.helpers import background, wait_until
 
 
 def assert_never_robbed(outcome: deployments.Outcome, least_tries: int) -> None:

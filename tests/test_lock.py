@@ -16,7 +16,7 @@ from django_tasklock import (
     LockUsageError,
     memcache_lock,
 )
-from tests.conftest import in_thread, wait_until
+from tests.helpers import in_thread, wait_until
 
 
 def test_acquire_second_owner_refused(any_store):
@@ -303,8 +303,8 @@ def test_another_thread_cannot_release_a_retaken_lock(any_store):
 def test_meta_replies_in_pieces_are_read_whole(settings, memcached):
     """A reply that reaches the client in two pieces (its first two bytes, then
     the rest) is read to its end, for each answer acquire and release get."""
-    from tests.conftest import close_connections
     from tests.faultproxy import FaultProxy
+    from tests.helpers import close_connections
 
     proxy = FaultProxy(memcached.port)
     settings.CACHES = {

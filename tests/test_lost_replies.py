@@ -17,8 +17,8 @@ from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, orphans
 from django_tasklock.backends.redis import _ACQUIRE, _RELEASE, _SHA
-from tests.conftest import wait_until
 from tests.faultproxy import FaultProxy
+from tests.helpers import wait_until
 from tests.services import Memcached, Redis, stop_and_wait
 
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
@@ -69,7 +69,7 @@ def proxy(own_redis):
     fault = FaultProxy(own_redis.port)
     yield fault
     fault.close()
-    from tests.conftest import close_connections
+    from tests.helpers import close_connections
 
     close_connections()
 
@@ -169,7 +169,7 @@ def test_acquire_timed_out_on_a_paused_store_leaves_no_orphan(settings, kind):
         assert again.acquire() and again.release()
     finally:
         server.stop()
-        from tests.conftest import close_connections
+        from tests.helpers import close_connections
 
         close_connections()
 

@@ -13,8 +13,8 @@ import pytest
 from django_tasklock import Lock, LockBackendError
 from django_tasklock.backends import memcached as memcached_backend
 from django_tasklock.checks import check_settings
-from tests.conftest import close_connections, wait_until
 from tests.faultproxy import FaultProxy
+from tests.helpers import close_connections, wait_until
 from tests.services import Memcached
 
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"

@@ -14,7 +14,7 @@ from django_tasklock import Lock
 from django_tasklock.metrics import LockMetrics, metrics_view, task_label
 from django_tasklock.status import force_release
 from tests import tasks
-from tests.conftest import close_connections
+from tests.helpers import close_connections
 from tests.test_celery_workers import broker  # noqa: F401
 from tests.workers import start_workers, stop_workers
 

@@ -19,7 +19,7 @@ from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError
 from django_tasklock.backends import backend_for
-from tests.conftest import close_connections
+from tests.helpers import close_connections
 from tests.services import Memcached
 from tests.workers import hold_and_restart_busiest, setup_django, take_until_all
 

@@ -18,7 +18,7 @@ from django.core.management.base import SystemCheckError
 
 from django_tasklock import Lock, LockBackendError
 from django_tasklock.backends import memcached as memcached_backend
-from tests.conftest import close_connections
+from tests.helpers import close_connections
 from tests.services import Memcached, Nutcracker
 from tests.workers import hammer, overlaps, storm
 

@@ -25,7 +25,7 @@ from django_tasklock.tokens import (
     token_process,
 )
 from reliability.recovery import SLACK
-from tests.conftest import background, wait_until
+from tests.helpers import background, wait_until
 from tests.services import stop_and_wait
 from tests.workers import Holder
 

@@ -20,7 +20,7 @@ from django_tasklock import (
     current_lock,
 )
 from django_tasklock.signals import lock_lost
-from tests.conftest import in_thread
+from tests.helpers import in_thread
 from tests.services import stop_and_wait
 from tests.workers import renewing_holder, setup_django
 
@@ -248,7 +248,7 @@ def private_store(request, settings):
     if server.process is not None:
         server.process.send_signal(signal.SIGCONT)
     server.stop()
-    from tests.conftest import close_connections
+    from tests.helpers import close_connections
 
     close_connections()
 

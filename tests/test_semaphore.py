@@ -20,7 +20,7 @@ from django_tasklock import (
     single_instance,
 )
 from django_tasklock.semaphores import slot_id
-from tests.conftest import in_thread
+from tests.helpers import in_thread
 from tests.workers import (
     hammer,
     most_at_once,
@@ -241,7 +241,7 @@ def test_semaphore_in_a_thread_closes_nothing_of_others(any_store):
 
 @pytest.mark.parametrize("kind", ["memcached", "redis"])
 def test_round_trips_per_acquire_and_release(settings, memcached, redis_server, kind):
-    from tests.conftest import counted_cache
+    from tests.helpers import counted_cache
 
     proxy = counted_cache(settings, memcached, redis_server, kind)
     try:
@@ -266,6 +266,6 @@ def test_round_trips_per_acquire_and_release(settings, memcached, redis_server, 
             holder.release()
     finally:
         proxy.close()
-        from tests.conftest import close_connections
+        from tests.helpers import close_connections
 
         close_connections()

@@ -14,7 +14,7 @@ import pytest
 from django.core.cache import caches
 
 from django_tasklock import Lock
-from tests.conftest import close_connections
+from tests.helpers import close_connections
 from tests.services import Memcached
 
 

@@ -42,7 +42,7 @@ def flaky(request, settings):
     settings.TASKLOCK = {"CACHE": "flaky"}
     yield server
     server.stop()
-    from tests.conftest import close_connections
+    from tests.helpers import close_connections
 
     close_connections()
 
@@ -263,7 +263,7 @@ def test_server_without_meta_commands_falls_back_to_gets_cas(settings, own_memca
         from django_tasklock.backends import memcached as memcached_backend
 
         memcached_backend._classic_servers.discard(("127.0.0.1", proxy.port))
-        from tests.conftest import close_connections
+        from tests.helpers import close_connections
 
         close_connections()
         proxy.stop()

@@ -410,7 +410,7 @@ def restart_under_holders(
     lock afterwards.
     """
     from django_tasklock.backends import backend_for
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     def settled(locks: list[Any]) -> None:
         # The holders' liveness thread has read their locks since they were
@@ -467,7 +467,7 @@ def kill_then_run_again(task: Any, key: str, *args: Any) -> tuple[float, int]:
     pid."""
     from django_tasklock.tokens import process_alive
     from tests import tasks
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     before = len(started_runs(key))
     task.delay(key, *args)

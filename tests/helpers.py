@@ -1,0 +1,204 @@
+"""The suite's helpers, one copy each: waits, threads, connections, stores,
+Celery apps. Fixtures and hooks stay in conftest.py."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from django.core.cache import caches, close_caches
+
+__all__ = [
+    "SHARED_STORES",
+    "Store",
+    "background",
+    "close_connections",
+    "close_result_backends",
+    "counted_cache",
+    "forget_backend",
+    "in_thread",
+    "reset_publisher",
+    "use_redis_broker",
+    "wait_until",
+]
+
+
+def wait_until(condition, limit: float = 30.0, about=None) -> float:
+    """Seconds until ``condition()`` held, polling every 5 ms; ``about()``
+    says what the failure message should show of the state then."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > limit:
+            shown = f": {about()}" if about is not None else ""
+            raise AssertionError(f"not within {limit}s{shown}")
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+def close_connections() -> None:
+    """Close this thread's cache connections, Redis pools included.
+
+    Django's RedisCache.close() leaves its connection pools open, so a thread that
+    ends would drop them unclosed (a ResourceWarning, an error in this suite).
+    """
+    from django_tasklock.backends import close_thread_connections
+
+    close_caches()
+    close_thread_connections()
+    for pool in getattr(caches["redis"]._cache, "_pools", {}).values():
+        pool.disconnect()
+
+
+@dataclass
+class Store:
+    """One way of storing locks, as the tests see it."""
+
+    name: str
+    alias: str
+    protocol: str = "auto"
+
+    @property
+    def is_redis(self) -> bool:
+        return self.alias in ("redis", "django_redis")
+
+    @property
+    def tasklock(self) -> dict[str, object]:
+        return {
+            "LOCK_EXPIRE": 60,
+            "CACHE": self.alias,
+            "MEMCACHED_PROTOCOL": self.protocol,
+        }
+
+
+SHARED_STORES = [
+    Store("memcached-meta", "default", "meta"),
+    Store("memcached-classic", "default", "classic"),
+    Store("redis", "redis"),
+    Store("django-redis", "django_redis"),
+    Store("pylibmc", "pylibmc"),
+]
+
+
+def counted_cache(settings, memcached, redis_server, kind: str):
+    """A CACHES alias ``counted`` on memcached or Redis through a FaultProxy,
+    which counts the requests that reach the store (round trips), as
+    TASKLOCK's cache; the proxy (close it when done)."""
+    from tests.faultproxy import FaultProxy
+
+    upstream = memcached.port if kind == "memcached" else redis_server.port
+    proxy = FaultProxy(upstream)
+    if kind == "memcached":
+        config = {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": proxy.address,
+        }
+    else:
+        config = {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": f"redis://{proxy.address}/0",
+        }
+    settings.CACHES = {**settings.CACHES, "counted": config}
+    settings.TASKLOCK = {"CACHE": "counted", "MEMCACHED_PROTOCOL": "meta"}
+    return proxy
+
+
+def background(function, *args):
+    """Start ``function`` in a new thread; return the thread and a dict that gets
+    its ``result`` or ``error`` when it ends.
+
+    Django's caches and database connections are per thread; the thread closes
+    its own before it ends, as a Celery thread pool or a request handler would.
+    """
+    import threading
+
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        from django.db import connections
+
+        try:
+            outcome["result"] = function(*args)
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            close_connections()
+            # A request it made opened this thread's database connection
+            # (Python 3.13 warns of one left for the garbage collector).
+            # Django keeps an in-memory SQLite database's open on close(), the
+            # test database here: its other connections keep the data.
+            for connection in connections.all(initialized_only=True):
+                raw = connection.connection
+                connection.close()
+                if raw is not None and connection.connection is not None:
+                    raw.close()
+                    connection.connection = None
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def in_thread(function, *args):
+    """Run ``function`` in a new thread and return its result (or raise its error)."""
+    thread, outcome = background(function, *args)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["result"]
+
+
+def forget_backend(celery_app):
+    """Celery keeps a result backend per thread once asked for one; earlier tests
+    in this thread may have met the app before its backend was configured."""
+    celery_app._local.__dict__.pop("backend", None)
+
+
+def reset_publisher(celery_app) -> None:
+    """Close the app's broker connections and forget them, so that the next
+    publish connects anew (to the broker_url configured by then)."""
+    from kombu import pools
+
+    pools.reset()
+    celery_app._pool = None
+    celery_app.amqp._producer_pool = None
+    close_result_backends()
+    forget_backend(celery_app)
+
+
+def close_result_backends() -> None:
+    """Close every Celery Redis result backend of this process, those of
+    threads that ended (an in-process worker's) included, before the garbage
+    collector finds their sockets open."""
+    import gc
+
+    from celery.backends.redis import RedisBackend
+
+    # Not gc.collect() first: objects already unreachable are still listed
+    # here, and must be closed before they are collected.
+    # type(), not isinstance(): that would read __class__, which evaluates
+    # Django's lazy objects.
+    backends = [o for o in gc.get_objects() if issubclass(type(o), RedisBackend)]
+    for backend in backends:
+        consumer = backend.__dict__.get("result_consumer")
+        if consumer is not None:
+            consumer.stop()
+            # A result that outlives it must not reconnect to unsubscribe.
+            consumer.cancel_for = lambda task_id: None
+        client = backend.__dict__.get("client")  # a cached_property
+        if client is not None:
+            client.connection_pool.disconnect()
+
+
+def use_redis_broker(celery_app, redis_url: str) -> dict[str, str]:
+    """Point ``celery_app`` (and worker processes started after, through the
+    environment) at a private Redis: broker db 3, results db 4."""
+    base = redis_url[:-2]
+    env = {"TASKLOCK_TEST_BROKER": f"{base}/3", "TASKLOCK_TEST_RESULTS": f"{base}/4"}
+    os.environ.update(env)
+    celery_app.conf.update(
+        broker_url=env["TASKLOCK_TEST_BROKER"],
+        result_backend=env["TASKLOCK_TEST_RESULTS"],
+    )
+    reset_publisher(celery_app)
+    return env
