@@ -78,3 +78,11 @@ def test_the_shape_script_finds_a_circle_an_oversized_function_and_a_layer_broke
         "django_tasklock.b (bottom) imports django_tasklock.a, a layer above (top)"
         in result.stdout
     ), result.stdout
+
+
+def test_every_rate_kind_name_has_a_kind():
+    from django_tasklock.conf import RATE_KINDS
+    from django_tasklock.limits.kinds import KINDS
+
+    assert tuple(KINDS) == RATE_KINDS
+    assert all(kind.name == name for name, kind in KINDS.items())

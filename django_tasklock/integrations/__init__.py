@@ -10,7 +10,13 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..runs import PLAIN, Run
-from .celery import CELERY, current_task, install_publish, task_class
+from .celery import (
+    CELERY,
+    current_task,
+    install_publish,
+    sender_over_limit,
+    task_class,
+)
 from .django_tasks import DJANGO_TASKS, install_enqueue, is_context
 
 if TYPE_CHECKING:
@@ -19,7 +25,7 @@ if TYPE_CHECKING:
     from ..options import Options
     from ..targets import LockIdMaker
 
-__all__ = ["install", "starter"]
+__all__ = ["install", "sender_over_limit", "starter"]
 
 #: Makes a Run without running an __init__ from C: begin() fills it in, on
 #: every call of a decorated function.

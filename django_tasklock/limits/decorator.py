@@ -15,13 +15,14 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any, Final, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
 from ..arguments import KeySpec, binder, call_digest, check_key
 from ..conf import LIMIT_POLICIES, settings
-from ..exceptions import RateLimited
+from ..integrations import sender_over_limit
+from ..policies.limits import ON_LIMIT, Over
 from ..rates import RateSpec, parse_rate
 from .limiter import Admission, RateLimiter, make_kind
 
@@ -83,24 +84,32 @@ def rate_limited(
             limiter = limiter_for(args, kwargs)
             admission = limiter.admit()
             if admission:
-                token = _admitted.set(admission)
-                try:
-                    return func(*args, **kwargs)
-                finally:
-                    _admitted.reset(token)
-            policy = on_limit or cast(OnLimit, settings.ON_LIMIT)
-            if policy == "retry" and _task_of(args) is None:
-                # The setting's default, on a function that cannot be sent again.
-                raise RateLimited(limiter.limit_id, admission.retry_after)
-            return ON_LIMIT_POLICIES[policy](
-                limiter, admission, args, timeout, func, kwargs
-            )
+                return _admitted_run(func, args, kwargs, admission)
+            # Over the limit: the policy chooses, the integration sends again.
+            policy = ON_LIMIT[on_limit or settings.ON_LIMIT]
+            proceed = functools.partial(_admitted_run, func, args, kwargs)
+            over = Over(limiter, admission, proceed, sender_over_limit(args), timeout)
+            return policy.over(over)
 
         wrapper.__signature__ = signature  # type: ignore[attr-defined]
         wrapper._tasklock_rate_limit = limiter_for  # type: ignore[attr-defined]
         return cast(F, wrapper)
 
     return decorate
+
+
+def _admitted_run(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    admission: Admission,
+) -> Any:
+    """Run ``func`` as admitted by ``admission`` (``current_admission()``)."""
+    token = _admitted.set(admission)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _admitted.reset(token)
 
 
 def _declare(
@@ -241,109 +250,3 @@ class _Limits:
             burst=burst if burst is not None else named.get("burst"),
             cache=cache or named.get("cache"),
         )
-
-
-OnLimitPolicy = Callable[
-    [
-        RateLimiter,
-        Admission,
-        tuple[Any, ...],
-        "float | None",
-        Callable[..., Any],
-        dict[str, Any],
-    ],
-    Any,
-]
-
-
-def _raise(limiter: RateLimiter, admission: Admission, *_: Any) -> Any:
-    raise RateLimited(limiter.limit_id, admission.retry_after)
-
-
-def _skip(limiter: RateLimiter, admission: Admission, *_: Any) -> Any:
-    logger.info(
-        "Skipped a call under rate limit %r: over the limit, next admission in %.2fs",
-        limiter.limit_id,
-        admission.retry_after,
-    )
-    return None
-
-
-def _wait(
-    limiter: RateLimiter,
-    admission: Admission,
-    args: tuple[Any, ...],
-    timeout: float | None,
-    func: Callable[..., Any],
-    kwargs: dict[str, Any],
-) -> Any:
-    waited = limiter.wait(settings.WAIT_TIMEOUT if timeout is None else timeout)
-    if not waited:
-        raise RateLimited(limiter.limit_id, waited.retry_after)
-    token = _admitted.set(waited)
-    try:
-        return func(*args, **kwargs)
-    finally:
-        _admitted.reset(token)
-
-
-def _retry(
-    limiter: RateLimiter, admission: Admission, args: tuple[Any, ...], *_: Any
-) -> Any:
-    """Send the call again, for its own turn in the queue of refused calls
-    (``RateLimiter.turn``: a backlog is spread at the limit's pace, not all
-    sent for the moment the refusal named): a new message with the same task
-    id, arguments and retry count. The call's state is set to ``RETRY`` before
-    the message goes, and this run ends with Celery's ``Ignore``, which stores
-    nothing: the state a later run stores is never written over by this one's
-    (Celery's ``Retry`` would write ``RETRY`` after the message went, and a
-    run of it quick enough to have finished by then kept that state for
-    good)."""
-    task = args[0]
-    request = getattr(task, "request", None)
-    if request is None or request.called_directly or request.is_eager:
-        raise RateLimited(limiter.limit_id, admission.retry_after)
-    from celery.exceptions import Ignore
-
-    countdown = limiter.turn(admission.retry_after)
-    _note_retry(task, request, RateLimited(limiter.limit_id, countdown))
-    again = task.signature_from_request(
-        request, countdown=countdown, retries=request.retries
-    )
-    again.apply_async()
-    logger.info(
-        "Sent %s[%s] again to run in %.2fs: over rate limit %r",
-        getattr(task, "name", "?"),
-        request.id,
-        countdown,
-        limiter.limit_id,
-    )
-    raise Ignore()
-
-
-def _note_retry(task: Any, request: Any, reason: RateLimited) -> None:
-    """Store the ``RETRY`` state of a call about to be sent again, where the
-    task stores states (as Celery's own retry would); a result backend that
-    fails here is logged, and the call is sent again all the same."""
-    if getattr(task, "ignore_result", False) and not getattr(
-        task, "store_errors_even_if_ignored", False
-    ):
-        return
-    try:
-        task.backend.mark_as_retry(request.id, reason, request=request)
-    except Exception:
-        logger.warning(
-            "Could not store the RETRY state of %s[%s]; it is sent again anyway",
-            getattr(task, "name", "?"),
-            request.id,
-            exc_info=True,
-        )
-
-
-#: What a run over the limit does, by ``on_limit``.
-ON_LIMIT_POLICIES: Final[dict[str, OnLimitPolicy]] = {
-    "retry": _retry,
-    "raise": _raise,
-    "wait": _wait,
-    "skip": _skip,
-}

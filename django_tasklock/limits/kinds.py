@@ -336,4 +336,4 @@ return {1, turn, math.ceil(turn - now), 0}
 
 
 #: The kinds by name: ``kind=`` and ``TASKLOCK["RATE_KIND"]``.
-KINDS: Final[dict[str, type[Kind]]] = {"window": Window, "smooth": Smooth}
+KINDS: Final[dict[str, type[Kind]]] = {kind.name: kind for kind in (Window, Smooth)}

@@ -18,7 +18,7 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from ..conf import settings
+from ..conf import RATE_KINDS, settings
 from ..exceptions import LockBackendError, LockConfigurationError
 from ..limits.limiter import RateLimiter
 
@@ -38,7 +38,7 @@ def add_rate_parser(actions: Any) -> None:
         "--rate",
         help='Its rate ("10/m"), unless declared (RATE_LIMITS, @rate_limited).',
     )
-    rate.add_argument("--kind", choices=("window", "smooth"))
+    rate.add_argument("--kind", choices=RATE_KINDS)
     rate.add_argument("--burst", type=int)
     rate.add_argument("--cache", help="The CACHES alias (default: TASKLOCK's).")
     rate.add_argument("--json", action="store_true", help="Print JSON.")

@@ -7,6 +7,14 @@ only when a task runs, a hook is installed or the command looks a task up."""
 from __future__ import annotations
 
 from .host import CELERY, CeleryHost, current_task, task_class
+from .limits import sender_over_limit
 from .publish import install_publish
 
-__all__ = ["CELERY", "CeleryHost", "current_task", "install_publish", "task_class"]
+__all__ = [
+    "CELERY",
+    "CeleryHost",
+    "current_task",
+    "install_publish",
+    "sender_over_limit",
+    "task_class",
+]
