@@ -297,7 +297,12 @@ class Settings:
         ) = None
 
     def _get(self, key: str) -> Any:
-        raw = getattr(django_settings, "TASKLOCK", None)
+        # As lock_defaults() reads it: from the cache Django's settings object
+        # keeps (a getattr() on it costs more than the rest of this read, in
+        # LazyObject.__getattribute__).
+        raw = _django_settings_cache.get("TASKLOCK", _UNSET)
+        if raw is _UNSET:
+            raw = getattr(django_settings, "TASKLOCK", None)
         if raw is None:
             return DEFAULTS[key]
         if not isinstance(raw, dict):

@@ -109,6 +109,10 @@ def forget() -> None:
     stores and settings go with them."""
     with _mutex:
         _watched.clear()
+        # And the thread: one still in a look at a forgotten store (paused,
+        # never answering) must not hold back the next token watched; it ends
+        # when its look returns.
+        _thread.clear()
 
 
 def watched_count() -> int:

@@ -131,3 +131,25 @@ def test_non_str_lock_id_is_rejected(bad):
 def test_empty_lock_id_is_rejected():
     with pytest.raises(ValueError, match="non-empty"):
         Lock("")
+
+
+@pytest.mark.parametrize("builtin", [True, False], ids=["_md5", "hashlib"])
+def test_the_digest_is_hashlibs_md5_whichever_makes_it(builtin, monkeypatch):
+    import hashlib
+    import importlib
+
+    from django_tasklock import arguments
+
+    if not builtin:  # a Python built without _md5: hashlib's
+        real = importlib.import_module
+
+        def no_md5(name, *args):
+            if name == "_md5":
+                raise ImportError(name)
+            return real(name, *args)
+
+        monkeypatch.setattr(importlib, "import_module", no_md5)
+    make = arguments._md5_maker()
+    for text in ["", "http://example.com/feed", "é€😀", "\udc80x", "x" * 5000]:
+        data = text.encode("utf-8", "surrogatepass")
+        assert make(data).hexdigest() == hashlib.md5(data).hexdigest()

@@ -6,6 +6,7 @@ import a framework before one is in use."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,6 @@ from .celery import (
     current_task,
     install_publish,
     sender_over_limit,
-    task_class,
 )
 from .django_tasks import DJANGO_TASKS, install_enqueue, is_context
 
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from ..targets import LockIdMaker
 
 __all__ = ["install", "sender_over_limit", "starter"]
+
+modules = sys.modules
+# Types a TaskContext never is: the first argument of most calls, told at once.
+_PLAIN = frozenset((str, int, float, bytes, dict, list, tuple, type(None)))
 
 #: Makes a Run without running an __init__ from C: begin() fills it in, on
 #: every call of a decorated function.
@@ -61,14 +65,16 @@ def starter(
     def begin(
         wrapper: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Run:
-        celery_task = task_class()
+        # task_class(), inlined: asked on every call.
+        module = modules.get("celery.app.task")
+        celery_task = None if module is None else getattr(module, "Task", None)
         bound = (
             celery_task is not None and bool(args) and isinstance(args[0], celery_task)
         )
         task = args[0] if bound else current_task(wrapper)
         if task is not None:
             name = task.name
-        elif args and is_context(args[0]):
+        elif args and type(args[0]) not in _PLAIN and is_context(args[0]):
             # Django's @task(takes_context=True) passes its TaskContext first.
             bound, name = True, args[0].task_result.task.module_path
         else:

@@ -1,4 +1,5 @@
-"""What a holder does with its hold: extend it, release it, hand it over.
+"""What a holder does with its hold besides releasing it (``Lock.release``):
+extend it, hand it over.
 
 Each acts on an ``Acquisition`` under its lock's guard (so a heartbeat's
 extend is never in flight across a release), owner-checked by the store, and
@@ -10,13 +11,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..signals import lock_released
-from .loss import release_failed, report_lost
+from .loss import report_lost
 
 if TYPE_CHECKING:
     from .acquisition import Acquisition
 
-__all__ = ["extend_hold", "hand_over_hold", "release_hold"]
+__all__ = ["extend_hold", "hand_over_hold"]
 
 
 def extend_hold(acq: Acquisition, seconds: float | None, doing: str) -> bool:
@@ -40,33 +40,6 @@ def extend_hold(acq: Acquisition, seconds: float | None, doing: str) -> bool:
     acq.hold = hold
     acq.life = backend.shortest_life(expire)
     acq.valid_until = sent_at + acq.life
-    return True
-
-
-def release_hold(acq: Acquisition) -> bool:
-    """Remove the lock if the store still has this hold; True if it did.
-    Raises ``LockBackendError`` (the lock then stays until it expires)."""
-    with acq.guard:
-        hold, lock = acq.hold, acq.lock
-        if hold is None or lock is None:  # lost earlier, and reported then
-            return False
-        backend, key = lock._backend()
-        token = acq.token
-        try:
-            released = backend.release(key, hold, token)
-        except backend.errors as exc:
-            acq.hold = None
-            raise lock._store_error(
-                backend, key, release_failed(acq, backend, key, exc), exc
-            ) from exc
-        if not released:
-            report_lost(acq, "release")
-            return False
-        acq.hold = acq.lock = None
-        if acq.record is not None:  # forgotten now, not at the next beat
-            acq.record.held.pop(id(lock), None)
-    if lock_released.receivers:
-        lock._send(lock_released, token, fence=acq.fence, held=acq.held_for())
     return True
 
 

@@ -17,18 +17,19 @@ from ..conf import (
     validate_seconds,
 )
 from ..exceptions import LockBackendError, LockLost
-from ..keys import check_lock_id
-from ..signals import lock_acquired, lock_contended
+from ..keys import FENCE_PREFIX, check_lock_id
+from ..signals import lock_acquired, lock_contended, lock_released
 from .acquisition import Acquisition
 from .fencing import draw_fence
 from .heartbeat import Heartbeat
 from .holding import Holding
-from .holds import extend_hold, hand_over_hold, release_hold
+from .holds import extend_hold, hand_over_hold
 from .liveness import kept_record
 from .loss import (
     held_time,
     lapsed,
     lapsed_why,
+    release_failed,
     report_lost,
     take_failed,
 )
@@ -48,7 +49,6 @@ from .waiting import POLL_MIN, backoff
 if TYPE_CHECKING:
     from django.dispatch import Signal
 
-    from ..backends import LockBackend
 
 __all__ = ["Lock"]
 
@@ -125,7 +125,11 @@ class Lock(StoreReads, Holding):
         call_id: str | None = None,
         take_over: str | None = None,
     ) -> None:
-        self.lock_id = check_lock_id(lock_id)
+        # check_lock_id()'s tests, inlined for the common id (a call each).
+        if type(lock_id) is str and lock_id and not lock_id.startswith(FENCE_PREFIX):
+            self.lock_id = lock_id
+        else:
+            self.lock_id = check_lock_id(lock_id)
         # Options left out keep the class's defaults below: a Lock is made for
         # every locked call, so it sets only what it was given.
         if expire is not None:
@@ -316,13 +320,6 @@ class Lock(StoreReads, Holding):
         self._stop_heartbeat()
         return hand_over_hold(acq, value, expire)
 
-    def _send_contended(self, backend: LockBackend, key: str, waited: float) -> None:
-        try:
-            peek = backend.peek(key)
-        except backend.errors:
-            peek = None
-        self._send(lock_contended, None if peek is None else peek.value, waited=waited)
-
     def _send(self, signal: Signal, owner: object, **details: object) -> None:
         """Send ``signal`` about this lock; a receiver that raises is logged by
         Django and never breaks the lock."""
@@ -350,7 +347,28 @@ class Lock(StoreReads, Holding):
             acq = require_hold(self.lock_id, acq, "release()")
         if self._heartbeat is not None:
             self._stop_heartbeat()
-        return release_hold(acq)
+        with acq.guard:
+            hold = acq.hold
+            if hold is None:  # lost earlier, and reported then
+                return False
+            backend, key = self._backend()
+            token = acq.token
+            try:
+                released = backend.release(key, hold, token)
+            except backend.errors as exc:
+                acq.hold = None
+                raise self._store_error(
+                    backend, key, release_failed(acq, backend, key, exc), exc
+                ) from exc
+            if not released:
+                report_lost(acq, "release")
+                return False
+            acq.hold = acq.lock = None  # no cycle left (see Acquisition.lock)
+            if acq.record is not None:  # forgotten now, not at the next beat
+                acq.record.held.pop(id(self), None)
+        if lock_released.receivers:
+            self._send(lock_released, token, fence=acq.fence, held=acq.held_for())
+        return True
 
     def extend(self, seconds: float | None = None) -> bool:
         """Reset the lock's expiry to ``seconds`` from now (default: ``expire``),

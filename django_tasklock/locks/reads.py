@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 from ..backends import backend_for, fork_generation
 from ..conf import settings
 from ..exceptions import LockBackendError
-from ..signals import lock_store_failed
+from ..signals import lock_contended, lock_store_failed
 
 if TYPE_CHECKING:
+    from django.dispatch import Signal
+
     from ..backends import LockBackend, Peek
     from .acquisition import Acquisition
 
@@ -41,6 +43,16 @@ class StoreReads:
             self._cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL
         )
         return backend, backend.key_for(self.lock_id)
+
+    def _send(self, signal: Signal, owner: object, **details: object) -> None:
+        raise NotImplementedError
+
+    def _send_contended(self, backend: LockBackend, key: str, waited: float) -> None:
+        try:
+            peek = backend.peek(key)
+        except backend.errors:
+            peek = None
+        self._send(lock_contended, None if peek is None else peek.value, waited=waited)
 
     def _store_error(
         self, backend: LockBackend, key: str, doing: str, exc: BaseException

@@ -48,6 +48,7 @@ from .reads import MemcachedReads
 from .restarts import NodeRestarted, Restarts, _refused
 from .rewrite import delete_if, rewrite
 from .wire import (
+    _RELATIVE_MOST,
     _TEXT_FLAG,
     MemcachedHold,
     ServerRefused,
@@ -120,7 +121,9 @@ class MemcachedBackend(MemcachedReads):
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         client = self._client(key)
-        ttl = exptime(expire)
+        ttl = math.ceil(expire)  # exptime(expire), up to 30 days
+        if ttl > _RELATIVE_MOST:
+            ttl = exptime(expire)
         sock: Any = getattr(client, "sock", None)
         wire = self.wire
         if (

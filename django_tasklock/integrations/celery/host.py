@@ -67,7 +67,12 @@ def _tasks_here(state: Any) -> bool:
 def current_task(wrapper: Callable[..., Any]) -> Any:
     """The Celery task whose run() is ``wrapper``, if one is executing it."""
     state = sys.modules.get("celery._state")
-    if state is None or not _tasks_here(state):
+    if state is None:
+        return None
+    if _stack:  # _tasks_here(), its answer once the stack is known, inlined
+        if _stack[1]() not in _stack[0]:
+            return None
+    elif not _tasks_here(state):
         return None
     task = state.get_current_task()
     run = getattr(task, "run", None)
