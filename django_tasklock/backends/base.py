@@ -56,6 +56,8 @@ class LockBackend(abc.ABC):
         #: key -> when this thread may next look at who holds that lock
         #: (``locks.recovery``; monotonic).
         self.looks: dict[str, float] = {}
+        #: expire -> ``shortest_life(expire)``, remembered (asked per acquire).
+        self.lives: dict[float, float] = {}
 
     def keys_for(self, lock_id: str) -> tuple[str, str]:
         """The store keys of ``lock_id`` and of its fencing counter, remembered:

@@ -113,9 +113,15 @@ class Acquisition:
         self.token, self.hold, self.expire = token, hold, expire
         self.thread, self.fork = threading.get_ident(), fork_generation[0]
         self.acquired_at, self.record = now, record
-        self.life = backend.shortest_life(expire)
+        life = backend.lives.get(expire)
+        if life is None:
+            lives = backend.lives
+            if len(lives) >= 64:
+                lives.clear()
+            life = lives[expire] = backend.shortest_life(expire)
+        self.life = life
         # From when the command was sent: the store's clock started no later.
-        self.valid_until = sent_at + self.life
+        self.valid_until = sent_at + life
         max_hold = lock.max_hold
         self.deadline = None if max_hold is None else now + max_hold
         self.fence: int | None = None

@@ -6,6 +6,7 @@ import _thread
 import logging
 import socket
 import time
+from _thread import get_ident
 from typing import TYPE_CHECKING
 
 from ..backends import backend_for, fork_generation
@@ -348,11 +349,11 @@ class Lock(StoreReads, Holding):
         if self._heartbeat is not None:
             self._stop_heartbeat()
         with acq.guard:
-            hold = acq.hold
+            hold, token = acq.hold, acq.token
             if hold is None:  # lost earlier, and reported then
                 return False
-            backend, key = self._backend()
-            token = acq.token
+            here = acq.thread == get_ident() and acq.fork == fork_generation[0]
+            backend, key = (acq.backend, acq.key) if here else self._backend()
             try:
                 released = backend.release(key, hold, token)
             except backend.errors as exc:
