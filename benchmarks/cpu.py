@@ -45,7 +45,7 @@ OPERATIONS: list[tuple[str, str, float | None]] = [
     ("cookbook recipe: cache.add + delete", "floor: raw add + delete", None),
     ("memcache_lock cycle", "floor: raw add + delete", 1.3),
     ("Lock cycle", "floor: raw add + delete", 1.3),
-    ("@single_instance call (one argument)", "floor: raw add + delete", 1.8),
+    ("@single_instance call (one argument)", "floor: raw add + delete", 1.6),
     ("floor: raw add, refused", "", None),
     ("Lock acquire, refused", "floor: raw add, refused", 1.3),
     ("Semaphore(limit=3) cycle", "floor: raw add + delete", None),
