@@ -15,10 +15,8 @@ import uuid
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final
 
-from .. import orphans
-from ..calls import queue_life, queued, store, store_error
-from ..conf import settings
-from ..exceptions import AlreadyQueued, LockBackendError, LockUsageError
+from ..calls import queue_life, queued, store
+from ..exceptions import AlreadyQueued, LockUsageError
 from ..logs import module_logger
 from ..modes import MODES
 from ..modes.publishing import WAIT, claim
@@ -150,18 +148,6 @@ class _Enqueue:
 
     def send(self) -> Any:
         return claim(self.mode, self)
-
-    def unknown_fate(self, exc: BaseException) -> LockBackendError:
-        # The placeholder may have been stored: removed once the store answers.
-        if not self.backend.lost_with_store(exc):
-            orphans.watch(
-                self.queue_id,
-                self.alias,
-                settings.MEMCACHED_PROTOCOL,
-                self.key,
-                self.value,
-            )
-        return store_error(self.backend, self.queue_id, "take the call's lock", exc)
 
     def mine(self, holder: tuple[str, str] | None, peek: Peek, waited: float) -> Any:
         if (

@@ -15,7 +15,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from ..calls import call_of
+from .. import orphans
+from ..calls import call_of, store_error
+from ..conf import settings
 from ..exceptions import LockBackendError
 from ..policies import DUPLICATES
 from ..policies.duplicates import Publisher
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from ..backends import LockBackend, Peek
     from .base import Mode
 
-__all__ = ["AGAIN", "TRIES", "WAIT", "Claimant", "claim"]
+__all__ = ["AGAIN", "TRIES", "WAIT", "Claimant", "claim", "unknown_fate"]
 
 #: An outcome: the lock changed hands under the look; look again.
 AGAIN: Final = object()
@@ -45,8 +47,10 @@ Outcome = Any
 class Claimant(Publisher, Protocol):
     """One published call, as the claim loop sees it."""
 
-    #: The store of the call's lock, and the key its lock id is held under.
+    #: The store of the call's lock (and its CACHES alias), and the key its
+    #: lock id is held under.
     backend: LockBackend
+    alias: str
     key: str
     #: The lock id the call is held under (``Mode.on_publish``).
     queue_id: str
@@ -73,11 +77,6 @@ class Claimant(Publisher, Protocol):
         """The outcome when the lock is held outside any call (a direct call's
         run, or other code's value)."""
 
-    def unknown_fate(self, exc: BaseException) -> LockBackendError:
-        """The error for a store call that failed while claiming (its write
-        may still be carried out: the mark is removed once the store
-        answers)."""
-
 
 def claim(mode: Mode, claimant: Claimant) -> Any:
     """Claim the call's lock for ``claimant`` and carry out what the look
@@ -91,7 +90,7 @@ def claim(mode: Mode, claimant: Claimant) -> Any:
         try:
             outcome = _look(mode, claimant, waited)
         except backend.errors as exc:
-            raise claimant.unknown_fate(exc) from exc
+            raise unknown_fate(claimant, exc) from exc
         if outcome is WAIT:
             waiting_since = waiting_since or time.monotonic()
             time.sleep(_WAIT_PAUSE)
@@ -106,6 +105,24 @@ def claim(mode: Mode, claimant: Claimant) -> Any:
         lock_id=claimant.queue_id,
         store=backend.describe(claimant.key),
     )
+
+
+def unknown_fate(claimant: Claimant, exc: BaseException) -> LockBackendError:
+    """The error for a store call that failed while writing ``claimant``'s
+    mark. The write may still be carried out (a store paused past the
+    client's timeout, a reply lost): the mark would then name a call no
+    broker ever saw, and identical calls would join it. Nothing was sent, so
+    it is removed, owner-checked, as soon as the store answers."""
+    backend = claimant.backend
+    if not backend.lost_with_store(exc):
+        orphans.watch(
+            claimant.queue_id,
+            claimant.alias,
+            settings.MEMCACHED_PROTOCOL,
+            claimant.key,
+            claimant.value,
+        )
+    return store_error(backend, claimant.queue_id, "take the call's lock", exc)
 
 
 def _look(mode: Mode, claimant: Claimant, waited: float) -> Outcome:

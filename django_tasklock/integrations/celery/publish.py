@@ -15,16 +15,14 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
-from ... import orphans
-from ...calls import queue_life, queued, store, store_error
-from ...conf import settings
-from ...exceptions import AlreadyQueued, LockBackendError
+from ...calls import queue_life, queued, store
+from ...exceptions import AlreadyQueued
 from ...locks import Lock
 from ...locks.liveness import note_queued
 from ...locks.roster import Entry, describe_call
 from ...logs import module_logger
 from ...modes import MODES
-from ...modes.publishing import AGAIN, claim
+from ...modes.publishing import AGAIN, claim, unknown_fate
 from ...runs import held
 from ...signals import call_deduplicated
 from ...targets import Spec, spec_of
@@ -92,22 +90,6 @@ class _Publish:
 
     def send(self) -> Any:
         return claim(MODES[self.mode], self)
-
-    def unknown_fate(self, exc: BaseException) -> LockBackendError:
-        """The error for a store call that failed while writing this call's
-        mark. The write may still be carried out (a store paused past the
-        client's timeout, a reply lost): the mark would then name a call no
-        broker ever saw, and identical calls would join it. Nothing was sent,
-        so it is removed, owner-checked, as soon as the store answers."""
-        if not self.backend.lost_with_store(exc):
-            orphans.watch(
-                self.queue_id,
-                self.alias,
-                settings.MEMCACHED_PROTOCOL,
-                self.key,
-                self.value,
-            )
-        return store_error(self.backend, self.queue_id, "take the call's lock", exc)
 
     # -- what the claim loop asks of a Celery call (modes.publishing) -----------------
 
@@ -222,7 +204,7 @@ class _Publish:
                     return
             backend.discard(self.key, self.value)
         except backend.errors as exc:
-            self.unknown_fate(exc)
+            unknown_fate(self, exc)
 
     # -- what the duplicate policies do (see policies.duplicates) ---------------------
 
@@ -245,7 +227,7 @@ class _Publish:
                 self.key, peek.hold, peek.value, self.value, self.life
             )
         except backend.errors as exc:
-            raise self.unknown_fate(exc) from exc
+            raise unknown_fate(self, exc) from exc
         if replaced is None:
             return self.send()  # it changed meanwhile: look again
         result = self.claimed(restore=peek)
