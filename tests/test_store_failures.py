@@ -10,7 +10,11 @@ import pytest
 from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, memcache_lock
-from django_tasklock.backends import backend_for
+from django_tasklock.backends import (
+    backend_for,
+    close_thread_connections,
+    thread_connections,
+)
 from tests.services import Memcached, Redis, free_port
 
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
@@ -179,6 +183,40 @@ def fill_until(server: Memcached, cas: int) -> None:
             assert int(reply[4:]) == cas, "CAS ids already past the one wanted"
             return
     raise AssertionError(f"CAS id {cas} not reached")
+
+
+def test_a_backend_speaks_the_protocol_it_was_built_with(settings, own_memcached):
+    """MEMCACHED_PROTOCOL is fixed when a thread's backend is built. A change
+    gives the thread another backend and keeps the old one, on which a lock
+    taken before the change is still released, owner-checked; both close
+    with the thread's connections."""
+    use_memcached(settings, own_memcached.address, "classic")
+    settings.TASKLOCK = {**settings.TASKLOCK, "LIVENESS": None}
+    before = Lock("protocol-before", expire=60)
+    assert before.acquire()
+    first = before.acquisition.backend  # type: ignore[union-attr]
+    client = first._client(first.keys_for("protocol-before")[0])
+    assert (first.protocol, first.wire.meta(client)) == ("classic", False)
+    assert backend_for("own") is first  # asked again: the same one
+
+    settings.TASKLOCK = {**settings.TASKLOCK, "MEMCACHED_PROTOCOL": "meta"}
+    after = Lock("protocol-after", expire=60)
+    assert after.acquire()
+    second = after.acquisition.backend  # type: ignore[union-attr]
+    assert second is not first and second is backend_for("own")
+    assert (second.protocol, first.protocol) == ("meta", "classic")
+    assert backend_for("own", protocol="meta") is second
+    assert thread_connections() == 2
+
+    assert before.locked() and before.release()
+    assert not before.locked() and after.owned() and after.release()
+    assert own_memcached.keys() <= {"tasklock-run-mark"}
+    assert backend_for("own", protocol="classic") is first  # found, not rebuilt
+
+    close_thread_connections()
+    assert thread_connections() == 0
+    for backend in (first, second):
+        assert all(c.sock is None for c in backend._hash_client.clients.values())
 
 
 @pytest.mark.parametrize("protocol", ["meta", "classic"])

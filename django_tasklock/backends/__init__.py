@@ -124,12 +124,26 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class _ThreadBackends(dict[str, "LockBackend"]):
     """One thread's lock backends, closed when the thread ends (its local
     storage goes with it): a thread pool's threads (Celery's ``threads`` pool,
-    a web server's) leave no socket open behind them."""
+    a web server's) leave no socket open behind them.
+
+    Keyed by alias: the backend for the memcached protocol last asked for.
+    ``others`` keeps the ones built for another protocol, by (alias, protocol),
+    until the thread's connections close: a lock taken on one still releases
+    over it, and asking for that protocol again finds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.others: dict[tuple[str, str], LockBackend] = {}
+
+    def take_all(self) -> list[LockBackend]:
+        """Every backend of the thread, forgotten (the caller closes them)."""
+        backends = [*self.values(), *self.others.values()]
+        self.clear()
+        self.others.clear()
+        return backends
 
     def __del__(self) -> None:
-        backends = list(self.values())
-        self.clear()
-        for backend in backends:
+        for backend in self.take_all():
             with contextlib.suppress(Exception):  # a thread's end must not raise
                 backend.close()
 
@@ -140,34 +154,52 @@ def close_thread_connections() -> None:
     They outlive Django's ``close_caches()`` on purpose; call this where a thread
     ends for good (tests, custom thread pools). A later lock reconnects.
     """
-    memo: dict[str, LockBackend] = getattr(_per_thread, "backends", None) or {}
+    memo: _ThreadBackends | None = getattr(_per_thread, "backends", None)
     # Forgotten first: a close that fails must not leave half-closed backends in
     # use, and a thread that never locked has nothing to forget (backend_for
     # starts over from None).
     _per_thread.backends = None
-    backends = list(memo.values())
-    memo.clear()
-    for backend in backends:
+    for backend in memo.take_all() if memo is not None else ():
         backend.close()
 
 
 def thread_connections() -> int:
     """How many lock backends (each with its connections) this thread has open."""
-    return len(getattr(_per_thread, "backends", None) or {})
+    memo: _ThreadBackends | None = getattr(_per_thread, "backends", None)
+    return 0 if memo is None else len(memo) + len(memo.others)
 
 
-def backend_for(alias: str, *, protocol: str = "auto") -> LockBackend:
-    """The lock backend of the CACHES entry ``alias``, for the calling thread."""
-    memo: dict[str, LockBackend] | None = getattr(_per_thread, "backends", None)
+def backend_for(alias: str, *, protocol: str | None = None) -> LockBackend:
+    """The lock backend of the CACHES entry ``alias``, for the calling thread.
+
+    ``protocol`` is memcached's (TASKLOCK["MEMCACHED_PROTOCOL"]; None reads the
+    setting). A backend speaks the protocol it was built with: asked for
+    another, the thread gets (or builds) its backend for that one.
+    """
+    if protocol is None:
+        from ..conf import settings
+
+        protocol = settings.MEMCACHED_PROTOCOL
+    memo: _ThreadBackends | None = getattr(_per_thread, "backends", None)
     if memo is None or getattr(_per_thread, "generation", None) != _generation[0]:
         if memo:
             close_thread_connections()
         memo = _per_thread.backends = _ThreadBackends()
         _per_thread.generation = _generation[0]
     backend = memo.get(alias)
-    if backend is None:
-        backend = memo[alias] = _lookup(alias)
-    backend.protocol = protocol
+    if backend is None or backend.protocol != protocol:
+        backend = _rebuild(memo, alias, protocol)
+    return backend
+
+
+def _rebuild(memo: _ThreadBackends, alias: str, protocol: str) -> LockBackend:
+    """The thread's backend of ``alias`` for ``protocol``, made current; the one
+    it replaces is kept aside (not closed: a lock may still be held on it)."""
+    old = memo.pop(alias, None)
+    if old is not None:
+        memo.others[alias, old.protocol] = old
+    backend = memo.others.pop((alias, protocol), None) or _lookup(alias, protocol)
+    memo[alias] = backend
     return backend
 
 
@@ -208,7 +240,7 @@ def caches_implicit() -> bool:
     return not overridden
 
 
-def _lookup(alias: str) -> LockBackend:
+def _lookup(alias: str, protocol: str) -> LockBackend:
     _warn_if_not_installed()
     try:
         cache = caches[alias]
@@ -229,7 +261,7 @@ def _lookup(alias: str) -> LockBackend:
     if entry is not None and not entry.shared and caches_implicit():
         raise LockConfigurationError(IMPLICIT_CACHES)
     if entry is not None:
-        return entry.backend(cache, alias)
+        return entry.backend(cache, alias, protocol)
     reason = unsupported_reason(type(cache))
     raise LockConfigurationError(
         f"CACHES[{alias!r}] cannot hold locks: {reason} (Run 'manage.py check'.)"

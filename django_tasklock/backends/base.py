@@ -42,16 +42,18 @@ class LockBackend(abc.ABC):
 
     kind: ClassVar[str]
     errors: tuple[type[BaseException], ...] = ()
-    #: memcached only: "auto", "meta" or "classic" (TASKLOCK["MEMCACHED_PROTOCOL"]).
-    protocol: str = "auto"
+    #: memcached only: "auto", "meta" or "classic" (TASKLOCK["MEMCACHED_PROTOCOL"]),
+    #: fixed when the backend is built.
+    protocol: str
     #: Whether the store runs Lua scripts atomically (``script``, ``raw``):
     #: then rate limits decide in the store, on its clock, in one round trip;
     #: else by compare-and-swap on the client's clock.
     runs_scripts: ClassVar[bool] = False
 
-    def __init__(self, cache: BaseCache, alias: str) -> None:
+    def __init__(self, cache: BaseCache, alias: str, protocol: str = "auto") -> None:
         self.cache = cache
         self.alias = alias
+        self.protocol = protocol
         self._keys: dict[str, tuple[str, str]] = {}
         #: key -> when this thread may next look at who holds that lock
         #: (``locks.recovery``; monotonic).

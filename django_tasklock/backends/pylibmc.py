@@ -47,10 +47,10 @@ class PyLibMCBackend(LockBackend):
     kind = "memcached (libmemcached)"
     cache: PyLibMCCache
 
-    def __init__(self, cache: PyLibMCCache, alias: str) -> None:
+    def __init__(self, cache: PyLibMCCache, alias: str, protocol: str = "auto") -> None:
         import pylibmc
 
-        super().__init__(cache, alias)
+        super().__init__(cache, alias, protocol)
         self.errors = (pylibmc.Error, OSError, MemcacheError)
         self._not_found = pylibmc.NotFound
         self._client_error = pylibmc.ClientError

@@ -107,8 +107,8 @@ class RedisBackend(LockBackend):
     kind = "Redis"
     cache: RedisCache
 
-    def __init__(self, cache: RedisCache, alias: str) -> None:
-        super().__init__(cache, alias)
+    def __init__(self, cache: RedisCache, alias: str, protocol: str = "auto") -> None:
+        super().__init__(cache, alias, protocol)
         self.errors = _redis_errors()
         self._cache_client: Any = self._client_of(cache)
         self._primary: Any = None

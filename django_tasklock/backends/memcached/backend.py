@@ -80,9 +80,8 @@ class MemcachedBackend(MemcachedReads):
     def __init__(
         self, cache: PyMemcacheCache, alias: str, protocol: str = "auto"
     ) -> None:
-        super().__init__(cache, alias)
-        self.protocol = protocol
-        self.wire = Wire(self)
+        super().__init__(cache, alias, protocol)
+        self.wire = Wire(protocol)
         # A client of our own, built exactly as Django builds its one (same
         # servers, options and hashing, so the same server for a key), which
         # close_caches() leaves alone: Celery's Django fixup closes every cache

@@ -14,7 +14,7 @@ import logging
 import math
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pymemcache.client.hash import HashClient
 from pymemcache.exceptions import (
@@ -249,26 +249,22 @@ def only_client(hash_client: Any) -> Any:
     return None
 
 
-class _Owner(Protocol):
-    protocol: str
-
-
 class Wire:
     """One alias's memcached protocol: meta commands or classic ones, per server."""
 
-    def __init__(self, owner: _Owner) -> None:
-        # The backend's protocol, which backend_for() sets on every lookup.
-        self.owner = owner
+    def __init__(self, protocol: str) -> None:
+        #: "auto", "meta" or "classic", fixed when the backend is built.
+        self.protocol = protocol
 
     # -- protocol choice -----------------------------------------------------------
 
     def meta(self, client: Any) -> bool:
-        if self.owner.protocol == "classic":
+        if self.protocol == "classic":
             return False
-        return self.owner.protocol == "meta" or client.server not in _classic_servers
+        return self.protocol == "meta" or client.server not in _classic_servers
 
     def _no_meta(self, client: Any, how: str) -> None:
-        if self.owner.protocol == "classic":
+        if self.protocol == "classic":
             return  # only ttl() tries meta here, and says so itself
         name = _server_name(client.server)
         if how == "closed":
@@ -279,7 +275,7 @@ class Wire:
             )
         else:
             what = f"memcached at {name} has no meta commands (needs 1.6+)"
-        if self.owner.protocol == "meta":
+        if self.protocol == "meta":
             raise MemcacheError(
                 f"{what}; set TASKLOCK['MEMCACHED_PROTOCOL'] to 'classic' (or 'auto')"
             )
