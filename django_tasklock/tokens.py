@@ -15,8 +15,8 @@ import math
 import os
 import secrets
 import socket
-import threading
 import time
+from _thread import get_ident
 from typing import Final
 
 from .conf import MAX_EXPIRE
@@ -98,14 +98,12 @@ class _Tokens:
         """``owner:process:random:thread:count``, where owner is ``oid@host`` or
         ``host`` and process is ``pid-start-space`` (see ``process_identity``)."""
         # next() on itertools.count is atomic under the GIL: threads never share one.
-        return f"{owner}:{self.prefix}:{threading.get_ident()}:{next(self.counter)}"
+        return f"{owner}:{self.prefix}:{get_ident()}:{next(self.counter)}"
 
     def new_live(self, owner: str) -> str:
         """As ``new``, for a process that keeps a liveness record beside the
         lock (``locks.liveness``): process is ``pid-start-space-s``."""
-        return (
-            f"{owner}:{self.live_prefix}:{threading.get_ident()}:{next(self.counter)}"
-        )
+        return f"{owner}:{self.live_prefix}:{get_ident()}:{next(self.counter)}"
 
 
 #: Written after the process identity of a holder that keeps a liveness record

@@ -131,8 +131,11 @@ class _ThreadBackends(dict[str, "LockBackend"]):
     until the thread's connections close: a lock taken on one still releases
     over it, and asking for that protocol again finds it."""
 
-    def __init__(self) -> None:
+    def __init__(self, generation: int) -> None:
         super().__init__()
+        #: ``_generation`` when they were built: CACHES changed or a fork since
+        #: makes them the past.
+        self.generation = generation
         self.others: dict[tuple[str, str], LockBackend] = {}
 
     def take_all(self) -> list[LockBackend]:
@@ -181,11 +184,10 @@ def backend_for(alias: str, *, protocol: str | None = None) -> LockBackend:
 
         protocol = settings.MEMCACHED_PROTOCOL
     memo: _ThreadBackends | None = getattr(_per_thread, "backends", None)
-    if memo is None or getattr(_per_thread, "generation", None) != _generation[0]:
+    if memo is None or memo.generation != _generation[0]:
         if memo:
             close_thread_connections()
-        memo = _per_thread.backends = _ThreadBackends()
-        _per_thread.generation = _generation[0]
+        memo = _per_thread.backends = _ThreadBackends(_generation[0])
     backend = memo.get(alias)
     if backend is None or backend.protocol != protocol:
         backend = _rebuild(memo, alias, protocol)

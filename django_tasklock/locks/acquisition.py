@@ -9,8 +9,8 @@ for what callers still read then: its token, fence, and how long it was held.
 
 from __future__ import annotations
 
-import threading
 import time
+from _thread import get_ident
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..backends import fork_generation
@@ -111,7 +111,7 @@ class Acquisition:
         self.lock_id, self.guard = lock.lock_id, lock._guard
         self.backend, self.alias, self.key = backend, alias, key
         self.token, self.hold, self.expire = token, hold, expire
-        self.thread, self.fork = threading.get_ident(), fork_generation[0]
+        self.thread, self.fork = get_ident(), fork_generation[0]
         self.acquired_at, self.record = now, record
         life = backend.lives.get(expire)
         if life is None:

@@ -352,7 +352,7 @@ class Lock(StoreReads, Holding):
             hold, token = acq.hold, acq.token
             if hold is None:  # lost earlier, and reported then
                 return False
-            here = acq.thread == get_ident() and acq.fork == fork_generation[0]
+            here = acq.thread == get_ident()  # (a fork was refused above)
             backend, key = (acq.backend, acq.key) if here else self._backend()
             try:
                 released = backend.release(key, hold, token)

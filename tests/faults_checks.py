@@ -1,0 +1,198 @@
+"""What the fault suite's quick run must show, part by part (``reliability/faults``).
+
+The suite runs in three groups of parts (``GROUPS``), each from a test module of
+its own (``tests/test_faults*.py``) so that they run side by side: most of a
+part's time is spent waiting on servers, workers and expiries.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from reliability.faults import PARTS
+from reliability.recovery import LIVENESS, SLACK, TARGET
+from tests.services import run_module
+
+#: The parts each test module runs; together, every part once.
+GROUPS: tuple[tuple[str, ...], ...] = (
+    ("basics", "semaphores", "pools", "recovery"),
+    ("calls", "limits", "unknown"),
+    ("deployments", "lifecycle"),
+)
+#: The cases that make a holder outlive its lock on purpose.
+BY_DESIGN = {"2.", "3.", "9.", "31."}
+#: The cases with no second holder to overlap with (shown as "-").
+NO_OVERLAP = {"19.", "20.", "21.", "24.", "27.", "36.", "43."}
+
+Table = tuple[str, str, str, str, str, str]
+
+
+def table_rows(out: str) -> list[Table]:
+    """The table's rows, read by column (render() pads every column to its width):
+    (case, attempts, overlaps, " (b)" or "", wrong, figures)."""
+    rows = []
+    for line in out.splitlines():
+        if not re.match(r"^    \d+\. ", line):
+            continue
+        overlaps = line[60:70].strip()
+        rows.append(
+            (
+                line[4:50].strip(),
+                line[51:59].strip(),
+                overlaps.removesuffix(" (b)"),
+                " (b)" if overlaps.endswith(" (b)") else "",
+                line[71:76].strip(),
+                line[78:],
+            )
+        )
+    return rows
+
+
+def run_group(group: tuple[str, ...]) -> None:
+    """Run ``group``'s parts at their quick sizes and check every row: all the
+    rows those parts give, each carried out, nothing wrong, overlaps only where
+    the case builds one, and each part's own figures."""
+    parts = [argument for part in group for argument in ("--part", part)]
+    out = run_module("reliability.faults", "--quick", *parts, timeout=900)
+    table = table_rows(out)
+    expected = {f"{n}." for part in group for n in PARTS[part]}
+    rows = {row[0].split(" ", 1)[0]: row for row in table}
+    assert set(rows) == expected, out
+    for case, attempts, overlapping, marked, wrong, figures in table:
+        number = case.split(" ", 1)[0]
+        assert int(attempts) > 0, case
+        assert int(wrong) == 0, f"{case}: {figures}"
+        if number in BY_DESIGN:
+            assert marked and int(overlapping) == int(attempts), f"{case}: {figures}"
+        elif number in NO_OVERLAP:
+            assert not marked and overlapping == "-", f"{case}: {figures}"
+        else:
+            assert not marked and int(overlapping) == 0, f"{case}: {figures}"
+    for part in group:
+        FIGURES[part](out, rows)
+
+
+def _basics(out: str, rows: dict[str, Table]) -> None:
+    acquisitions = re.search(r"(\d+) acquisitions, (\d+) refused", rows["1."][5])
+    assert acquisitions and int(acquisitions.group(1)) >= 300
+    assert int(rows["1."][1]) == sum(map(int, acquisitions.groups()))
+    assert "first holder told 1/1, left the new lock alone, newer fence 1/1" in out
+    freed = re.search(r"lock free (\d+\.\d)-(\d+\.\d)s and next run", out)
+    assert freed and float(freed.group(2)) <= 3 + 1.5, "outlived its expiry"
+    assert "said the lock went with the server 2/2, free after restart 2/2" in out
+    assert "resumed without restart 2/2" in out
+    assert "without a clear error or check message: 0" in out
+    assert "ids never held 0; keys left behind 0; fencing counters kept 0" in out
+
+
+def _lifecycle(out: str, rows: dict[str, Table]) -> None:
+    renewed = re.search(
+        r"rivals refused (\d+)/(\d+) over 3 expiries.+?free (\d+\.\d)", out
+    )
+    assert (
+        renewed and renewed.group(1) == renewed.group(2) and int(renewed.group(2)) > 10
+    )
+    assert float(renewed.group(3)) <= 2 + 0.5
+    assert re.search(r"holder told 1/1, \d+-\d+ ms after SIGCONT; newer fence 1/1", out)
+    assert "a rival took it only after that 1/1" in out
+    assert "holder told before a rival took it 2/2" in out
+
+
+def _unknown(out: str, rows: dict[str, Table]) -> None:
+    assert "wrong replies 0 of 800 reads each side" in out
+    assert (
+        "replies lost 2; the caller took its own lock 2/2; left held after release 0"
+        in out
+    )
+    assert "removed by the watch 1/1" in out
+
+
+def _semaphores(out: str, rows: dict[str, Table]) -> None:
+    assert re.search(r"\d+ acquisitions, \d+ refused; most at once 3 \(limit 3\)", out)
+
+
+def _pools(out: str, rows: dict[str, Table]) -> None:
+    second = re.search(r"second holders (\d+)/(\d+) ids", rows["17."][5])
+    assert second and second.group(1) == "0" and int(second.group(2)) > 0
+
+
+def _calls(out: str, rows: dict[str, Table]) -> None:
+    storm = re.search(r"(\d+) sends, (\d+) published, (\d+) ran, (\d+) joined", out)
+    assert storm, out
+    sends, published, ran, joined = map(int, storm.groups())
+    assert published == ran and joined == sends - published > 0
+    killed = re.search(r"key free (\d+\.\d)-(\d+\.\d)s after the kill", out)
+    assert killed and float(killed.group(2)) <= 3 + 1
+    lost = re.search(r"key free (\d+\.\d)-(\d+\.\d)s after the send", out)
+    assert lost and float(lost.group(1)) >= 1 and float(lost.group(2)) <= 3
+    assert "error raised 2/2; keys left held 0" in out
+    dropped = r"second deliveries dropped [1-9]\d*; runs per call 1-1"
+    assert len(re.findall(dropped, out)) == 3
+    assert "newer calls that took the mark 1/1" in out
+    copy = re.search(
+        r"the copy ran (\d+\.\d)-(\d+\.\d)s after the kill, the dead "
+        r"run's lock having (\d+)-(\d+)s left",
+        out,
+    )
+    assert copy and float(copy.group(2)) < int(copy.group(3)), out
+    assert re.search(
+        r"error raised 1/1; phantom mark removed 1/1, \d+-\d+ ms after SIGCONT; "
+        r"the same call sent again published 1/1",
+        out,
+    )
+    _calls_recovery(out)
+
+
+def _calls_recovery(out: str) -> None:
+    """Rows 28 and 29: crash recovery with the calls' workers."""
+    again = re.search(r"same call ran again (\d+\.\d)-(\d+\.\d)s after the kill", out)
+    assert again and float(again.group(2)) <= TARGET + SLACK, out
+    far = re.search(r"ran on this host (\d+\.\d)-(\d+\.\d)s after the kill", out)
+    assert far and float(far.group(2)) <= LIVENESS + 2 + SLACK, out
+    assert "the other slot's live holder kept it 1/1" in out
+
+
+def _limits(out: str, rows: dict[str, Table]) -> None:
+    assert (
+        "refused naming the server's reason 2/2; taken as 'no meta commands' or "
+        "'no stats' 0; locked with meta commands once free 2/2; restart detected "
+        "after 1/1" in out
+    )
+
+
+def _recovery(out: str, rows: dict[str, Table]) -> None:
+    assert "kept its lock through the pause 1/1" in out
+    assert "told at SIGCONT by check(), older fence, release refused 1/1" in out
+    restart = re.search(r"refused (\d+\.\d)-(\d+\.\d)s after the restart", out)
+    assert restart and float(restart.group(1)) >= LIVENESS - 2
+    assert float(restart.group(2)) <= LIVENESS + SLACK
+    stressed = re.search(r"(\d+) holders killed holding it .+ max (\d+\.\d+)s", out)
+    assert stressed and int(stressed.group(1)) > 0
+    assert float(stressed.group(2)) <= TARGET + SLACK
+
+
+def _deployments(out: str, rows: dict[str, Table]) -> None:
+    """A live holder never robbed (rows 34-43)."""
+    for number in range(34, 43):
+        if number != 36:
+            assert re.search(
+                r"\d+ tries, 0 took the live holder's lock", rows[f"{number}."][5]
+            )
+    assert "holder told 1/1" in rows["36."][5]
+    beats = re.search(r"beats while it held: (\d+) in", rows["43."][5])
+    assert beats and int(beats.group(1)) >= 10
+
+
+#: Each part's own figures, checked on the output of a run that included it.
+FIGURES: dict[str, Callable[[str, dict[str, Table]], None]] = {
+    "basics": _basics,
+    "lifecycle": _lifecycle,
+    "unknown": _unknown,
+    "semaphores": _semaphores,
+    "pools": _pools,
+    "calls": _calls,
+    "limits": _limits,
+    "recovery": _recovery,
+    "deployments": _deployments,
+}

@@ -1,0 +1,26 @@
+"""A short run of the instruction-count benchmark (``benchmarks/cpu.py``), in a
+module of its own so that it runs beside the other benchmarks' short runs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.services import run_module
+
+
+@pytest.mark.slow
+def test_instruction_count_quick_run_reports_the_floor_and_a_lock():
+    out = run_module("benchmarks.cpu", "--quick", timeout=600)
+    floor = re.search(r"floor: raw add \+ delete\s+([\d,]+)\s+1\.00x", out)
+    lock = re.search(r"Lock cycle\s+([\d,]+)\s+(\d+\.\d\d)x", out)
+    assert floor and lock, out
+    # Counted, not made up: per operation (start-up subtracted), two commands'
+    # worth each, and two different counts.
+    floor_count = int(floor.group(1).replace(",", ""))
+    lock_count = int(lock.group(1).replace(",", ""))
+    assert 10_000 < floor_count < 500_000
+    assert floor_count / 2 < lock_count < floor_count * 3
+    assert lock_count != floor_count
+    assert float(lock.group(2)) == pytest.approx(lock_count / floor_count, abs=0.01)

@@ -1,0 +1,13 @@
+"""The fault suite's quick run, second group: calls, limits and unknown outcomes (see
+``tests/faults_checks.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults_checks import GROUPS, run_group
+
+
+@pytest.mark.slow
+def test_fault_suite_quick_calls_limits_unknown():
+    run_group(GROUPS[1])
