@@ -15,11 +15,11 @@ This module reads and writes those marks; it knows nothing of Celery or
 from __future__ import annotations
 
 import logging
-from typing import Final
 
 from .backends import LockBackend, backend_for
 from .conf import MAX_EXPIRE, settings
 from .exceptions import LockBackendError
+from .keys import QUEUE_SUFFIX
 from .signals import lock_store_failed
 from .tokens import token_owner
 from .values import QUEUED, STARTED
@@ -36,9 +36,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Appended to the lock id of a ``coalesce`` task for its pending call's lock.
-QUEUE_SUFFIX: Final = "-queued"
 
 
 def queued(task_id: str) -> str:

@@ -21,10 +21,14 @@ if TYPE_CHECKING:
 __all__ = [
     "FENCE_PREFIX",
     "MEMCACHED_MAX_KEY_BYTES",
+    "QUEUE_SUFFIX",
+    "RUN_MARK",
+    "SLOT_MARK",
     "check_lock_id",
     "encodable_key",
     "fence_id",
     "hashed_id",
+    "lock_group",
     "memcached_key",
     "portable_id",
 ]
@@ -54,6 +58,29 @@ def check_lock_id(lock_id: object) -> str:
             f"fencing counters of other locks. Got {lock_id!r}."
         )
     return lock_id
+
+
+#: How the ids a lock derives from its own end: a semaphore's slots
+#: (``<name>#slot-<n>``), an until_started call's run lock (``<id>-run-<task
+#: id>``), a coalesced call's queued mark (``<id>-queued``). ``lock_group``
+#: reads them back.
+SLOT_MARK: Final = "#slot-"
+RUN_MARK: Final = "-run-"
+QUEUE_SUFFIX: Final = "-queued"
+
+
+def lock_group(lock_id: str) -> str:
+    """The id every key of one lock derives from: ``lock_id`` without the
+    fencing counter's prefix, and without a slot, run or queued ending. A
+    cluster store puts the keys of one group in one hash slot. (An id of the
+    caller's own that happens to contain such an ending only shares its slot
+    with another id; its lock and fencing counter are still one group.)"""
+    group = lock_id.removeprefix(FENCE_PREFIX).removesuffix(QUEUE_SUFFIX)
+    for mark in (SLOT_MARK, RUN_MARK):
+        head, found, _tail = group.rpartition(mark)
+        if found and head:
+            group = head
+    return group
 
 
 def fence_id(lock_id: str) -> str:

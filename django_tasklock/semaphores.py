@@ -23,13 +23,11 @@ from typing import Any, Final
 from .backends import backend_for
 from .conf import settings
 from .exceptions import LockBackendError, LockUsageError
-from .keys import check_lock_id
+from .keys import SLOT_MARK, check_lock_id
 from .locks import POLL_MIN, Holding, Lock, OnLost, backoff
 
 __all__ = ["SLOT_MARK", "Semaphore", "slot_id", "validate_limit"]
 
-#: A slot's lock id is the semaphore's name, this, and the slot's number.
-SLOT_MARK: Final = "#slot-"
 #: The most slots a semaphore may have: each is read on every acquire.
 MAX_LIMIT: Final = 1000
 

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 INSTALL_HINT = (
     "is not installed. Run the README's test command (make test), which installs it "
@@ -237,6 +238,120 @@ class Sentinel(Server):
     def primary_port(self) -> int:
         host_port = self.ask("SENTINEL", "get-master-addr-by-name", "mymaster")
         return int(host_port[1])  # type: ignore[index]
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above) is free too."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 45000)
+        sockets = []
+        try:
+            for candidate in (port, port + 10000):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class RedisCluster:
+    """A real Redis Cluster on free loopback ports: ``primaries`` primaries with
+    one replica each (``redis-server --cluster-enabled yes``, joined by
+    ``redis-cli --cluster create``); a node that stops is judged failed after
+    ``node_timeout`` ms and its replica promoted."""
+
+    def __init__(self, primaries: int = 3, node_timeout: int = 2000) -> None:
+        import tempfile
+
+        self.node_timeout = node_timeout
+        self.workdir = Path(tempfile.mkdtemp(prefix="redis-cluster-"))
+        self.nodes = [
+            Redis(args=self._node_args(index), port=_cluster_port())
+            for index in range(primaries * 2)
+        ]
+
+    def _node_args(self, index: int) -> list[str]:
+        return [
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", str(self.workdir / f"nodes-{index}.conf"),
+            "--cluster-node-timeout", str(self.node_timeout),
+            # A replica may be promoted however long its primary was away.
+            "--cluster-replica-validity-factor", "0",
+        ]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        """A URL of one node, from which a cluster client finds the others."""
+        return f"redis://{self.nodes[0].address}"
+
+    def start(self) -> RedisCluster:
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError(f"redis-cli {INSTALL_HINT}")
+        subprocess.run(
+            [cli, "--cluster", "create", *(n.address for n in self.nodes),
+             "--cluster-replicas", "1", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        self.wait_until_ok()
+        return self
+
+    def ask(self, node: Redis, *command: str) -> Any:
+        import redis
+
+        with redis.Redis(port=node.port, decode_responses=True) as client:
+            return client.execute_command(*command)
+
+    def wait_until_ok(self, timeout: float = 60) -> None:
+        """Until every running node says the cluster is ok, every slot served,
+        and each primary has its replica."""
+        deadline = time.monotonic() + timeout
+        while True:
+            running = [n for n in self.nodes if n.process is not None]
+            states = [self.ask(n, "CLUSTER", "INFO") for n in running]
+            if all("cluster_state:ok" in state for state in states) and all(
+                self.ask(n, "INFO", "replication").get("role") in ("master", "slave")
+                for n in running
+            ):
+                replicas = sum(
+                    self.ask(n, "INFO", "replication").get("role") == "slave"
+                    for n in running
+                )
+                if replicas == len(running) // 2:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster is not ok: {states}")
+            time.sleep(0.05)
+
+    def primary_of(self, key: str) -> Redis:
+        """The node serving ``key``'s slot now."""
+        slot = int(self.ask(self.nodes[0], "CLUSTER", "KEYSLOT", key))
+        for start, end, primary, *_ in self.ask(self.nodes[0], "CLUSTER", "SLOTS"):
+            if int(start) <= slot <= int(end):
+                port = int(primary[1])
+                return next(n for n in self.nodes if n.port == port)
+        raise RuntimeError(f"no node serves slot {slot}")
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            if node.process is not None and self.ask(
+                node, "INFO", "replication"
+            ).get("role") == "master":
+                self.ask(node, "FLUSHALL")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 @dataclass

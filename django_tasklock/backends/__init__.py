@@ -17,6 +17,7 @@ from ..exceptions import LockConfigurationError
 from .base import FenceCounter, Hold, LockBackend, Peek
 from .redis import DjangoRedisBackend
 from .supported import UNSUPPORTED, recommended_paths, supported_for, supported_names
+from .valkey import ValkeyBackend, ValkeyClusterBackend
 
 __all__ = [
     "IMPLICIT_CACHES",
@@ -43,11 +44,49 @@ _DJANGO_REDIS_CLIENTS = (
 )
 
 
+#: django-valkey's clients that keep a lock and its fencing counter on one server.
+_DJANGO_VALKEY_CLIENTS = (
+    "django_valkey.client.DefaultClient",
+    "django_valkey.client.default.DefaultClient",
+    "django_valkey.client.SentinelClient",
+    "django_valkey.client.sentinel.SentinelClient",
+)
+_CLUSTER_CLIENTS = (
+    "django_valkey.cluster_cache.client.DefaultClusterClient",
+    "django_valkey.cluster_cache.client.default.DefaultClusterClient",
+)
+
+
+def _valkey_reason(entry_backend: type[Any], options: dict[str, Any]) -> str | None:
+    """Why a django-valkey alias with these OPTIONS cannot hold locks, or None."""
+    cluster = entry_backend is ValkeyClusterBackend
+    allowed = _CLUSTER_CLIENTS if cluster else _DJANGO_VALKEY_CLIENTS
+    client = options.get("CLIENT_CLASS", allowed[0])
+    if client not in allowed:
+        return (
+            f"django-valkey with CLIENT_CLASS {client!r}: only "
+            f"{' and '.join(allowed[::2])} keep a lock and its fencing counter on "
+            "one primary (a sharded client spreads them over servers; the herd "
+            "client rewrites stored values)"
+        )
+    kwargs = options.get("BASE_CLIENT_KWARGS") or {}
+    if cluster and kwargs.get("read_from_replicas"):
+        return (
+            "django-valkey's ClusterValkeyCache with BASE_CLIENT_KWARGS "
+            "{'read_from_replicas': True}: a replica lags behind its primary, so "
+            "a lock's owner check could read a value it no longer holds. Remove "
+            "read_from_replicas from that alias, or give locks an alias without it"
+        )
+    return None
+
+
 def unsupported_reason(
     backend_class: type[Any], options: dict[str, Any] | None = None
 ) -> str | None:
     """Why a cache backend class (with its OPTIONS) cannot hold locks, or None."""
     entry = supported_for(backend_class)
+    if entry is not None and entry.backend in (ValkeyBackend, ValkeyClusterBackend):
+        return _valkey_reason(entry.backend, options or {})
     if entry is not None and entry.backend is DjangoRedisBackend:
         client = (options or {}).get("CLIENT_CLASS", _DJANGO_REDIS_CLIENTS[0])
         if client in _DJANGO_REDIS_CLIENTS:
@@ -252,7 +291,7 @@ def _lookup(alias: str, protocol: str) -> LockBackend:
             f"({exc}). Add that alias to CACHES or name an existing one."
         ) from exc
     entry = supported_for(type(cache))
-    if entry is not None and entry.backend is DjangoRedisBackend:
+    if entry is not None and issubclass(entry.backend, DjangoRedisBackend):
         params: dict[str, Any] = getattr(cache, "_params", {})
         reason = unsupported_reason(type(cache), params.get("OPTIONS"))
         if reason is not None:

@@ -93,10 +93,11 @@ _SHA = {
 }
 
 
-def _redis_errors() -> tuple[type[BaseException], ...]:
-    import redis
+def _client_module(name: str) -> Any:
+    """The client package (redis-py, or valkey-py, its fork): its exceptions."""
+    import importlib
 
-    return (redis.RedisError, OSError)
+    return importlib.import_module(name)
 
 
 class RedisBackend(LockBackend):
@@ -107,9 +108,17 @@ class RedisBackend(LockBackend):
     kind = "Redis"
     cache: RedisCache
 
+    #: The client package whose exceptions the cache raises.
+    client_package = "redis"
+
     def __init__(self, cache: RedisCache, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
-        self.errors = _redis_errors()
+        package = _client_module(self.client_package)
+        exceptions = package.exceptions
+        base = getattr(exceptions, "RedisError", None) or exceptions.ValkeyError
+        self.errors = (base, OSError)
+        self._no_script = exceptions.NoScriptError
+        self._dropped = (exceptions.ConnectionError, exceptions.TimeoutError)
         self._cache_client: Any = self._client_of(cache)
         self._primary: Any = None
 
@@ -153,12 +162,12 @@ class RedisBackend(LockBackend):
             pool.disconnect()
 
     def _script(self, script: str, keys: tuple[str, ...], *args: object) -> Any:
-        import redis
-
         client = self._redis(keys[0])
         try:
             return client.evalsha(_SHA[script], len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:
+        except self._no_script:
+            # Not (or no longer: a restart, a failover, SCRIPT FLUSH) on that
+            # server: sent whole, the same script runs, owner checks and all.
             return client.eval(script, len(keys), *keys, *args)
 
     def script(self, text: str, keys: tuple[str, ...], *args: object) -> Any:
@@ -206,15 +215,13 @@ class RedisBackend(LockBackend):
         }
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        import redis
-
         # The token goes through the cache's serializer, so cache.get(lock_id)
         # reads the owner back as a str.
         value = self._encode(token)
         milliseconds = math.ceil(expire * 1000)
         try:
             taken = self._script(_ACQUIRE, (key,), value, milliseconds)
-        except (redis.ConnectionError, redis.TimeoutError):
+        except self._dropped:
             # The script may have run with its reply lost; once more, with the
             # same token, finds the lock ours if it did. A second failure is an
             # outage (and the token is removed once the store answers).

@@ -20,6 +20,7 @@ from .locmem import LocMemBackend
 from .memcached import MemcachedBackend
 from .pylibmc import PyLibMCBackend
 from .redis import DjangoRedisBackend, RedisBackend
+from .valkey import ValkeyBackend, ValkeyClusterBackend
 
 if TYPE_CHECKING:
     from .base import LockBackend
@@ -85,6 +86,21 @@ SUPPORTED: Final = (
         DjangoRedisBackend,
         needs="django-redis",
         notes="its DefaultClient or SentinelClient",
+    ),
+    Supported(
+        "django_valkey.cluster_cache.cache.ClusterValkeyCache",
+        "django-valkey's ClusterValkeyCache",
+        ValkeyClusterBackend,
+        needs="django-valkey",
+        notes="a Valkey or Redis Cluster: each lock's keys in one hash slot; "
+        "no liveness records yet (a crashed holder's lock lasts LOCK_EXPIRE)",
+    ),
+    Supported(
+        "django_valkey.cache.ValkeyCache",
+        "django-valkey's ValkeyCache",
+        ValkeyBackend,
+        needs="django-valkey",
+        notes="its default client: one primary (its replicas read only)",
     ),
     Supported(
         "django.core.cache.backends.locmem.LocMemCache",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..calls import Marks
 from ..conf import settings
+from ..keys import RUN_MARK
 from ..locks.roster import note_run
 from ..logs import module_logger
 from ..runs import DEFER, DROP, FREED, held
@@ -48,7 +49,7 @@ class UntilStarted(Mode):
         call_id = run.call_id
         if call_id is None:  # called directly: as while_running
             return super().on_run(run)
-        run_lock = run.lock = self.make_lock(run, f"{run.lock_id}-run-{call_id}")
+        run_lock = run.lock = self.make_lock(run, f"{run.lock_id}{RUN_MARK}{call_id}")
         if not run_lock.acquire():
             verdict = run.host.verdict(run, run_lock)
             if verdict is DEFER:

@@ -1,0 +1,182 @@
+"""Locks on a real Redis Cluster (three primaries, a replica each) through
+django-valkey's ClusterValkeyCache: every key of one lock in one hash slot,
+owner checks that survive NOSCRIPT, and many processes that never overlap."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+from django.core.cache import caches
+from django.test import override_settings
+
+from django_tasklock import Lock, Semaphore, memcache_lock
+from django_tasklock.backends import backend_for, close_thread_connections
+from django_tasklock.keys import fence_id, lock_group
+from tests.services import RedisCluster
+from tests.workers import hammer, most_at_once, overlaps, storm
+
+CLUSTER = "django_valkey.cluster_cache.cache.ClusterValkeyCache"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    """A cluster of this module's own, as the CACHES alias ``cluster`` here and
+    in the processes the tests spawn."""
+    server = RedisCluster().start()
+    config = {"cluster": {"BACKEND": CLUSTER, "LOCATION": server.url}}
+    before = os.environ.get("TASKLOCK_TEST_EXTRA_CACHES")
+    os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = json.dumps(config)
+    try:
+        from django.conf import settings
+
+        with override_settings(CACHES={**settings.CACHES, **config}):
+            yield server
+            close_thread_connections()
+            caches["cluster"].close()
+    finally:
+        if before is None:
+            os.environ.pop("TASKLOCK_TEST_EXTRA_CACHES", None)
+        else:
+            os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = before
+        server.stop()
+
+
+@pytest.fixture
+def on_cluster(cluster: RedisCluster, settings: object) -> RedisCluster:
+    settings.TASKLOCK = {"CACHE": "cluster", "LOCK_EXPIRE": 60}  # type: ignore[attr-defined]
+    cluster.flush()
+    return cluster
+
+
+def slot(cluster: RedisCluster, key: str) -> int:
+    return int(cluster.ask(cluster.nodes[0], "CLUSTER", "KEYSLOT", key))
+
+
+def test_a_lock_its_fence_and_its_derived_ids_share_one_slot(on_cluster):
+    backend = backend_for("cluster")
+    ids = [
+        "feed-1",
+        fence_id("feed-1"),
+        "feed-1#slot-2",
+        "feed-1-run-abc",
+        "feed-1-queued",
+    ]
+    assert {lock_group(lock_id) for lock_id in ids} == {"feed-1"}
+    assert len({slot(on_cluster, backend.key_for(lock_id)) for lock_id in ids}) == 1
+    # Other locks spread over the primaries.
+    primaries = {
+        on_cluster.primary_of(backend.key_for(f"feed-{n}")).port for n in range(40)
+    }
+    assert len(primaries) == 3
+
+
+def test_lock_cycle_with_fence_extend_and_owner_checks(on_cluster):
+    lock = Lock("cycle", expire=30)
+    assert lock.acquire()
+    # The fence script touches the lock and its counter: one slot, no CROSSSLOT.
+    first = lock.fence
+    assert isinstance(first, int)
+    rival = Lock("cycle", expire=30)
+    assert not rival.acquire()
+    assert lock.extend(40) and 30 < lock.ttl() <= 40  # type: ignore[operator]
+    assert lock.release() and not lock.locked()
+    assert rival.acquire() and rival.fence > first  # type: ignore[operator]
+    assert rival.release()
+    with memcache_lock("recipe", "oid") as acquired:
+        assert acquired
+        with memcache_lock("recipe", "oid") as again:
+            assert not again
+
+
+def test_release_is_owner_checked_after_the_primaries_forget_their_scripts(on_cluster):
+    """NOSCRIPT (a failover, a restart, SCRIPT FLUSH) never turns a release into
+    an error nor into an unchecked delete: the script is sent whole."""
+    lock = Lock("noscript", expire=30)
+    assert lock.acquire()
+    backend = backend_for("cluster")
+    key = backend.key_for("noscript")
+    primary = on_cluster.primary_of(key)
+    # Another owner's lock now stands where this holder's was.
+    on_cluster.ask(primary, "SCRIPT", "FLUSH")
+    raw = backend.raw(key)
+    assert raw is not None
+    backend._redis(key).set(key, backend._encode("someone-else"), px=30_000)
+    on_cluster.ask(primary, "SCRIPT", "FLUSH")
+    assert not lock.release()  # told lost, and the other owner's lock left alone
+    assert backend.peek(key).value == "someone-else"  # type: ignore[union-attr]
+    backend._redis(key).delete(key)
+    again = Lock("noscript", expire=30)
+    assert again.acquire()
+    on_cluster.ask(primary, "SCRIPT", "FLUSH")
+    assert again.release() and not again.locked()
+
+
+def test_a_semaphores_slots_are_read_in_one_slot(on_cluster):
+    holders = [Semaphore("sem", 3, expire=30) for _ in range(4)]
+    assert [holder.acquire() for holder in holders] == [True, True, True, False]
+    for holder in holders[:3]:
+        assert holder.release()
+    assert holders[3].acquire() and holders[3].release()
+
+
+@pytest.mark.slow
+def test_eight_processes_never_overlap_on_the_cluster(on_cluster):
+    tasklock = {"CACHE": "cluster", "LOCK_EXPIRE": 60}
+    results = storm(hammer, 8, 1000, (tasklock, "cluster-storm"), ("lock",))
+    holds = [hold for process_holds, _ in results for hold in process_holds]
+    refused = sum(count for _, count in results)
+    assert len(holds) >= 1000 and refused > 0
+    assert overlaps(holds) == 0 and most_at_once(holds) == 1
+
+
+@pytest.mark.parametrize(
+    ("backend", "options", "says"),
+    [
+        (
+            CLUSTER,
+            {"BASE_CLIENT_KWARGS": {"read_from_replicas": True}},
+            "read_from_replicas",
+        ),
+        (
+            "django_valkey.cache.ValkeyCache",
+            {"CLIENT_CLASS": "django_valkey.client.ShardClient"},
+            "DefaultClient",
+        ),
+    ],
+)
+def test_valkey_aliases_that_cannot_lock_are_refused(
+    settings, cluster, backend, options, says
+):
+    from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
+
+    from django_tasklock import LockConfigurationError
+
+    location = cluster.url if backend == CLUSTER else "redis://127.0.0.1:1/0"
+    config = {"BACKEND": backend, "LOCATION": location, "OPTIONS": options}
+    settings.CACHES = {**settings.CACHES, "refused": config}
+    settings.TASKLOCK = {"CACHE": "refused"}
+    with pytest.raises(LockConfigurationError, match=says):
+        Lock("refused").acquire()
+    with pytest.raises(SystemCheckError, match=r"django_tasklock\.E004"):
+        call_command("check")
+
+
+def test_standalone_valkey_cache_locks_on_its_primary(settings, redis_server):
+    """django-valkey's ValkeyCache on one server (valkey-py talks to Redis 7 as
+    to Valkey): the lock, its owner read back through the cache, its fence."""
+    config = {
+        "BACKEND": "django_valkey.cache.ValkeyCache",
+        "LOCATION": redis_server.url,
+    }
+    settings.CACHES = {**settings.CACHES, "valkey": config}
+    settings.TASKLOCK = {"CACHE": "valkey", "LOCK_EXPIRE": 30}
+    lock = Lock("standalone", oid="me")
+    assert lock.acquire() and isinstance(lock.fence, int)
+    assert caches["valkey"].get("standalone").startswith("me@")
+    assert not Lock("standalone").acquire()
+    assert lock.release() and caches["valkey"].get("standalone") is None
+    assert backend_for("valkey").kind == "Valkey"
