@@ -424,6 +424,15 @@ class Settings:
         return self.LOCK_EXPIRE if self.LIVENESS is None else self.LIVENESS
 
     @property
+    def FAILOVER_GRACE(self) -> float:
+        """Seconds after a cluster primary was promoted (or restarted) during
+        which new locks on it are refused: ``RESTART_GRACE`` if set, else
+        ``LOCK_EXPIRE`` (a cluster keeps no liveness records yet, so no live
+        holder puts back a lock the promotion lost)."""
+        value: float | None = self._get("RESTART_GRACE")
+        return self.LOCK_EXPIRE if value is None else value
+
+    @property
     def QUEUE_EXPIRE(self) -> float:
         """Seconds a pending call's lock lasts beyond its countdown or ETA."""
         value: float = self._get("QUEUE_EXPIRE")

@@ -90,6 +90,10 @@ def _forget_liveness_records() -> Iterator[None]:
         restarts._runs.clear()
         restarts._refused.clear()
         restarts._unlearnable.clear()
+    # Likewise what it learnt of cluster primaries' runs.
+    from django_tasklock.backends import failover
+
+    failover.forget()
 
 
 @pytest.fixture(autouse=True)

@@ -180,3 +180,133 @@ def test_standalone_valkey_cache_locks_on_its_primary(settings, redis_server):
     assert not Lock("standalone").acquire()
     assert lock.release() and caches["valkey"].get("standalone") is None
     assert backend_for("valkey").kind == "Valkey"
+
+
+@pytest.mark.parametrize("kind", ["window", "smooth"])
+def test_rate_limits_decide_in_the_slots_primary(on_cluster, kind):
+    from django_tasklock import RateLimiter
+
+    limiter = RateLimiter(f"cluster-{kind}", "3/20s", kind=kind)
+    admissions = [limiter.admit() for _ in range(4)]
+    assert [bool(a) for a in admissions] == [True, True, True, False]
+    assert 0 < admissions[-1].retry_after <= 20
+    assert limiter.state()["kind"] == kind
+    assert limiter.reset() is True and limiter.admit()
+
+
+def test_single_instance_skips_a_duplicate_and_status_reads_the_holder(on_cluster):
+    from django.core.management import call_command
+
+    from django_tasklock import single_instance
+
+    ran = []
+
+    @single_instance(on_contention="skip")
+    def job(feed: str) -> str:
+        ran.append(feed)
+        # The same call while this one runs: skipped, not run twice.
+        assert job(feed) is None
+        return "done"
+
+    assert job("a") == "done" and ran == ["a"]
+    lock = Lock("status-on-cluster", expire=60, oid="worker-1")
+    assert lock.acquire()
+    fence = lock.fence
+    from io import StringIO
+
+    out = StringIO()
+    call_command("tasklock", "status", "status-on-cluster", stdout=out)
+    text = out.getvalue()
+    assert "worker-1@" in text and str(fence) in text, text
+    assert lock.release()
+
+
+def try_to_take(tasklock: dict[str, object], lock_ids: list[str]) -> list[str]:
+    """In a process that never saw the cluster before: try each id once; what
+    became of each ("taken", "refused", or the error's text)."""
+    from tests.workers import setup_django
+
+    setup_django()
+    from django.conf import settings as django_settings
+
+    from django_tasklock import LockBackendError
+
+    django_settings.TASKLOCK = tasklock
+    outcomes = []
+    for lock_id in lock_ids:
+        lock = Lock(lock_id, expire=60)
+        try:
+            outcomes.append("taken" if lock.acquire() else "refused")
+        except LockBackendError as exc:
+            outcomes.append(str(exc))
+    return outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace", [0, 60], ids=["no grace (control)", "grace"])
+def test_a_failover_that_lost_locks_grants_none_of_them_again(settings, grace):
+    """Twenty locks acknowledged by a primary that never replicated them (its
+    replica cut off), then the primary SIGKILLed and its replica promoted. A
+    process that never saw the old primary takes none of them while the grace
+    runs; without the grace (the control) it takes every one: twenty second
+    holders, which is what the grace exists to prevent."""
+    import multiprocessing
+    import signal
+
+    from django_tasklock.backends import failover
+
+    cluster = RedisCluster().start()
+    config = {"failover": {"BACKEND": CLUSTER, "LOCATION": cluster.url}}
+    before = os.environ.get("TASKLOCK_TEST_EXTRA_CACHES")
+    os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = json.dumps(config)
+    tasklock = {"CACHE": "failover", "LOCK_EXPIRE": 60, "RESTART_GRACE": grace}
+    try:
+        settings.CACHES = {**settings.CACHES, **config}
+        settings.TASKLOCK = tasklock
+        backend = backend_for("failover")
+        # Not the node clients start from (LOCATION): a new client must reach
+        # the cluster through it.
+        owners = {
+            f"fo-{n}": cluster.primary_of(backend.key_for(f"fo-{n}"))
+            for n in range(400)
+        }
+        victim = next(node for node in owners.values() if node is not cluster.nodes[0])
+        ids = [lock_id for lock_id, node in owners.items() if node is victim][:20]
+        warm = Lock(ids[0])  # this process's connection to the victim, made now
+        assert warm.acquire() and warm.release()
+        # The replica cannot resync: cut off, and refused by a password set
+        # after our own connection authenticated.
+        cluster.ask(victim, "CONFIG", "SET", "requirepass", "cut-off")
+        with redis_as(victim, "cut-off") as primary:
+            primary.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        holders = [Lock(lock_id, expire=60) for lock_id in ids]
+        assert all(holder.acquire() for holder in holders)
+        victim.stop(signal.SIGKILL)
+        cluster.wait_until_ok()
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(1) as pool:
+            outcomes = pool.apply(try_to_take, (tasklock, ids))
+        taken = outcomes.count("taken")
+        if grace == 0:
+            assert taken == len(ids), outcomes  # the control: all lost, retaken
+        else:
+            assert taken == 0, outcomes
+            assert all("took over its slots" in outcome for outcome in outcomes)
+            # This process learns the promotion too, and its holders are told.
+            with pytest.raises(Exception, match="took over its slots"):
+                Lock(ids[0]).acquire()
+            assert not any(holder.locked() for holder in holders)
+    finally:
+        if before is None:
+            os.environ.pop("TASKLOCK_TEST_EXTRA_CACHES", None)
+        else:
+            os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = before
+        close_thread_connections()
+        failover.forget()
+        cluster.stop()
+
+
+def redis_as(node, password: str):
+    import redis
+
+    return redis.Redis(port=node.port, password=password)

@@ -10,11 +10,16 @@ a read of a semaphore's slots, stays in one hash slot, on one primary.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..keys import lock_group
+from .failover import Promotions
 from .redis import DjangoRedisBackend
+
+if TYPE_CHECKING:
+    from .base import Hold
 
 __all__ = ["ValkeyBackend", "ValkeyClusterBackend", "cluster_key"]
 
@@ -52,8 +57,47 @@ class ValkeyClusterBackend(ValkeyBackend):
 
     kind = "Valkey cluster"
 
+    def __init__(self, cache: Any, alias: str, protocol: str = "auto") -> None:
+        super().__init__(cache, alias, protocol)
+        self.promotions = Promotions(self.errors)
+        #: key -> its hash slot, remembered (the CRC is computed in Python).
+        self._slots: dict[str, int] = {}
+
     def key_for(self, lock_id: str) -> str:
         return cluster_key(self.cache.make_key, lock_id)
+
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        hold = super().acquire(key, token, expire)
+        if hold is not None:
+            self._keep_unless_promoted(key, token)
+        return hold
+
+    def take_over(
+        self, key: str, expected: str, token: str, expire: float
+    ) -> Hold | None:
+        hold = super().take_over(key, expected, token, expire)
+        if hold is not None:
+            self._keep_unless_promoted(key, token)
+        return hold
+
+    def _keep_unless_promoted(self, key: str, token: str) -> None:
+        """Give back a lock just taken on a primary that took over within the
+        grace (``failover``), and raise; also when its run cannot be read."""
+        client = self._redis(key)
+        slot = self._slots.get(key)
+        if slot is None:
+            if len(self._slots) >= 10_000:
+                self._slots.clear()
+            slot = self._slots[key] = client.keyslot(key)
+        try:
+            why = self.promotions.refusal(client, slot)
+        except self.errors as exc:
+            why = f"whether its primary took over lately could not be read ({exc})"
+        if why is None:
+            return
+        with contextlib.suppress(*self.errors):  # else it expires, held by nobody
+            self.discard(key, token)
+        raise self.errors[0](why)
 
     def _server(self) -> str:
         return "cluster " + str(self._cache_client._server[0])
