@@ -343,9 +343,10 @@ class RedisCluster:
 
     def flush(self) -> None:
         for node in self.nodes:
-            if node.process is not None and self.ask(
-                node, "INFO", "replication"
-            ).get("role") == "master":
+            if (
+                node.process is not None
+                and self.ask(node, "INFO", "replication").get("role") == "master"
+            ):
                 self.ask(node, "FLUSHALL")
 
     def stop(self) -> None:

@@ -267,7 +267,7 @@ def test_a_failover_that_lost_locks_grants_none_of_them_again(settings, grace):
         # Not the node clients start from (LOCATION): a new client must reach
         # the cluster through it.
         owners = {
-            f"fo-{n}": cluster.primary_of(backend.key_for(f"fo-{n}"))
+            f"failover-{n}": cluster.primary_of(backend.key_for(f"failover-{n}"))
             for n in range(400)
         }
         victim = next(node for node in owners.values() if node is not cluster.nodes[0])
