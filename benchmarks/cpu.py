@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import re
 import shutil
@@ -61,6 +62,12 @@ OPERATIONS: list[tuple[str, str, float | None]] = [
         None,
     ),
     ("until_finished .delay(), joined", "floor: plain .delay() (memory broker)", None),
+    ("floor: valkey-py cluster SET NX PX + Lua delete", "", None),
+    (
+        "Lock cycle on a cluster",
+        "floor: valkey-py cluster SET NX PX + Lua delete",
+        1.05,
+    ),
 ]
 
 
@@ -155,14 +162,49 @@ def _operations() -> dict[str, Callable[[], object]]:
     def joined_delay() -> None:
         celery_bench.until_finished.delay(-1)
 
+    cluster_floor, cluster_lock_cycle = _cluster_operations()
     functions = [
         floor, recipe, with_memcache_lock, lock_cycle,
         lambda: decorated("https://feeds.example/a.xml"),
         refused_raw, refused, semaphore_cycle, smooth.admit, window.admit,
         redis_floor, redis_lock_cycle, smooth_redis.admit,
         plain_delay, published_delay, joined_delay,
+        cluster_floor, cluster_lock_cycle,
     ]  # fmt: skip
     return dict(zip([name for name, _, _ in OPERATIONS], functions, strict=True))
+
+
+def _cluster_operations() -> tuple[Callable[[], object], Callable[[], object]]:
+    """The cluster floor (valkey-py's cluster client: SET NX PX, then a Lua
+    compare-and-delete, on one key) and a Lock cycle on the ``cluster`` alias;
+    both raise if no cluster was started (TASKLOCK_TEST_CLUSTER)."""
+    from django_tasklock import Lock
+
+    url = os.environ.get("TASKLOCK_TEST_CLUSTER")
+    if url is None:
+
+        def missing() -> None:
+            raise RuntimeError("no cluster: run it through benchmarks.cpu")
+
+        return missing, missing
+    from valkey.cluster import ValkeyCluster
+
+    raw = ValkeyCluster.from_url(url)
+    delete_if = raw.register_script(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('del', KEYS[1]) end return 0"
+    )
+
+    def cluster_floor() -> None:
+        raw.set("cpu-cluster-floor", b"token", nx=True, px=60_000)
+        delete_if(keys=["cpu-cluster-floor"], args=[b"token"])
+
+    def cluster_lock_cycle() -> None:
+        lock = Lock("cpu-cluster-lock", cache="cluster")
+        lock.acquire()
+        lock.release()
+
+    return cluster_floor, cluster_lock_cycle
 
 
 def probe(operation: str, iterations: int) -> None:
@@ -215,7 +257,7 @@ def instructions(operation: str, iterations: int, env: dict[str, str]) -> int:
 
 
 def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]:
-    from tests.services import Memcached, Redis
+    from tests.services import Memcached, Redis, RedisCluster
 
     if shutil.which("valgrind") is None:
         raise SystemExit(
@@ -223,6 +265,11 @@ def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]
             "apt-get install -y valgrind"
         )
     memcached, redis_server = Memcached().start(), Redis().start()
+    cluster = RedisCluster().start()
+    cluster_cache = {
+        "BACKEND": "django_valkey.cluster_cache.cache.ClusterValkeyCache",
+        "LOCATION": cluster.url,
+    }
     env = {
         # Not under coverage, even when the suite's smoke run starts it: a
         # probe counts the client's own instructions.
@@ -231,6 +278,8 @@ def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "TASKLOCK_TEST_MEMCACHED": memcached.address,
         "TASKLOCK_TEST_REDIS": redis_server.url,
+        "TASKLOCK_TEST_CLUSTER": cluster.url,
+        "TASKLOCK_TEST_EXTRA_CACHES": json.dumps({"cluster": cluster_cache}),
     }
     per_operation: dict[str, float] = {}
     try:
@@ -258,6 +307,7 @@ def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]
     finally:
         memcached.stop()
         redis_server.stop()
+        cluster.stop()
     return per_operation
 
 

@@ -179,7 +179,30 @@ def test_standalone_valkey_cache_locks_on_its_primary(settings, redis_server):
     assert caches["valkey"].get("standalone").startswith("me@")
     assert not Lock("standalone").acquire()
     assert lock.release() and caches["valkey"].get("standalone") is None
-    assert backend_for("valkey").kind == "Valkey"
+    backend = backend_for("valkey")
+    assert backend.kind == "Valkey"
+    # Its own pickling of a token is byte for byte the client's encode().
+    assert backend._pickled is not None
+    client = caches["valkey"].client
+    assert backend._encode("me@host:1-2-x:ab:3:4") == client.encode(
+        "me@host:1-2-x:ab:3:4"
+    )
+
+
+def test_a_compressed_valkey_alias_encodes_through_its_client(settings, redis_server):
+    compressor = "django_valkey.compressors.zlib.ZlibCompressor"
+    config = {
+        "BACKEND": "django_valkey.cache.ValkeyCache",
+        "LOCATION": redis_server.url,
+        "OPTIONS": {"COMPRESSOR": compressor, "CACHE_COMPRESS_MIN_LENGTH": 1},
+    }
+    settings.CACHES = {**settings.CACHES, "zipped": config}
+    settings.TASKLOCK = {"CACHE": "zipped", "LOCK_EXPIRE": 30}
+    lock = Lock("zipped", oid="me")
+    assert lock.acquire()
+    assert backend_for("zipped")._pickled is None
+    assert caches["zipped"].get("zipped").startswith("me@")
+    assert lock.release()
 
 
 @pytest.mark.parametrize("kind", ["window", "smooth"])

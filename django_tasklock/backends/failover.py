@@ -86,18 +86,23 @@ class Promotions:
         connection = node.valkey_connection
         info = connection.info("replication")
         replid = str(info["master_replid"])
+        now = time.monotonic()
+        before = _learnt.get(node.name)
+        started: float | None
+        if before is not None and before[0] == replid:  # the run it knew
+            started = before[1]
+            if started is not None and started + settings.FAILOVER_GRACE <= now:
+                started = None
+            return self._remember(node, (replid, started, now + LEARN_EVERY))
         promoted = int(info.get("second_repl_offset", -1)) != -1
         uptime = float(connection.info("server")["uptime_in_seconds"])
         mark_key = MARK_PREFIX + "{" + self._tag(client, node) + "}"
         raw = connection.get(mark_key)
         mark = raw.decode() if isinstance(raw, bytes) else raw
-        now, wall = time.monotonic(), time.time()
+        wall = time.time()
         marked_replid, _, marked_since = (mark or "").partition(" ")
-        before = _learnt.get(node.name)
         if mark and marked_replid == replid:
-            started: float | None = now - max(wall - float(marked_since), 0.0)
-        elif before is not None and before[0] == replid:
-            started = before[1]  # the run we knew; our mark went (a flush)
+            started = now - max(wall - float(marked_since), 0.0)
         elif promoted:
             started = now
             self._announce(node, "was promoted from a replica", "")
@@ -114,7 +119,12 @@ class Promotions:
             connection.set(mark_key, f"{replid} {since:.3f}", nx=True)
         if started is not None and started + settings.FAILOVER_GRACE <= now:
             started = None
-        learnt = (replid, started, now + LEARN_EVERY)
+        return self._remember(node, (replid, started, now + LEARN_EVERY))
+
+    @staticmethod
+    def _remember(
+        node: Any, learnt: tuple[str, float | None, float]
+    ) -> tuple[str, float | None, float]:
         with _mutex:
             _learnt[node.name] = learnt
         return learnt

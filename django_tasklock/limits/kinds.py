@@ -115,9 +115,11 @@ class Kind:
 
     def ttl(self, paused: int, now: int, numbers: list[float]) -> float:
         """Seconds the state must live: until nothing in it matters any more,
-        plus memcached's whole second."""
+        plus two seconds: memcached's whole second, and one for its clock,
+        which ticks once a second and late on a busy server (an item stored
+        while a tick is late can go that much early)."""
         last = max([paused, *numbers], default=now)
-        return max(last - now, 0) / 1000 + self.period / 1000 + 1
+        return max(last - now, 0) / 1000 + self.period / 1000 + 2
 
     def describe(self, state: object, now: int) -> dict[str, object]:
         """What ``tasklock status`` shows of a state."""
