@@ -341,6 +341,37 @@ class RedisCluster:
                 return next(n for n in self.nodes if n.port == port)
         raise RuntimeError(f"no node serves slot {slot}")
 
+    def node_id(self, node: Redis) -> str:
+        return str(self.ask(node, "CLUSTER", "MYID"))
+
+    def move_slot(self, slot: int, source: Redis, target: Redis) -> int:
+        """Move hash slot ``slot`` and its keys from ``source`` to ``target``,
+        as ``redis-cli --cluster reshard`` does (IMPORTING/MIGRATING, MIGRATE
+        in batches, then the new owner told to every primary); the keys moved.
+        Clients see ASK while it moves and MOVED after."""
+        import redis
+
+        source_id, target_id = self.node_id(source), self.node_id(target)
+        self.ask(target, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", source_id)
+        self.ask(source, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", target_id)
+        moved = 0
+        with redis.Redis(port=source.port) as client:
+            while True:
+                keys = client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 50)
+                if not keys:
+                    break
+                client.execute_command(
+                    "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys
+                )
+                moved += len(keys)
+        for node in (target, source, *self.nodes):
+            if (
+                node.process is not None
+                and self.ask(node, "INFO", "replication").get("role") == "master"
+            ):
+                self.ask(node, "CLUSTER", "SETSLOT", str(slot), "NODE", target_id)
+        return moved
+
     def flush(self) -> None:
         for node in self.nodes:
             if (

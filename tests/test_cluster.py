@@ -333,3 +333,60 @@ def redis_as(node, password: str):
     import redis
 
     return redis.Redis(port=node.port, password=password)
+
+
+@pytest.mark.slow
+def test_a_slot_moved_back_and_forth_under_a_storm_loses_and_doubles_nothing(
+    on_cluster,
+):
+    """Eight processes take and release one lock while its hash slot moves
+    between two primaries, keys and all, six times: every release finds its
+    own lock (a lost one fails the hammer), and no two holds overlap."""
+    import threading
+
+    backend = backend_for("cluster")
+    key = backend.key_for("reshard-storm")
+    slot_number = slot(on_cluster, key)
+    first = on_cluster.primary_of(key)
+    second = next(
+        node
+        for node in on_cluster.nodes
+        if node is not first
+        and on_cluster.ask(node, "INFO", "replication").get("role") == "master"
+    )
+    moves: list[int] = []
+    storm_over = threading.Event()
+
+    def move_back_and_forth() -> None:
+        source, target = first, second
+        while len(moves) < 6 and not storm_over.is_set():
+            moves.append(on_cluster.move_slot(slot_number, source, target))
+            source, target = target, source
+            storm_over.wait(0.3)
+
+    # A lock of the same group (so in the same slot) held throughout, with
+    # its fencing counter: keys that move with every move of the slot.
+    keeper = Lock("reshard-storm-run-keeper", expire=60)
+    assert keeper.acquire()
+    fence = keeper.fence
+    mover = threading.Thread(target=move_back_and_forth)
+    tasklock = {"CACHE": "cluster", "LOCK_EXPIRE": 60}
+    try:
+        mover.start()
+        results = storm(hammer, 8, 3000, (tasklock, "reshard-storm"), ("lock",))
+    finally:
+        storm_over.set()
+        mover.join()
+    holds = [hold for process_holds, _ in results for hold in process_holds]
+    print(f"slot {slot_number} moved {len(moves)} times, keys moved {moves}")
+    assert len(moves) >= 2, f"the slot moved only {len(moves)} times during the storm"
+    assert all(moved >= 2 for moved in moves), moves  # the keeper's lock and fence
+    assert len(holds) >= 3000
+    assert overlaps(holds) == 0 and most_at_once(holds) == 1
+    # The held lock moved with its slot and is still its holder's, fence and all.
+    assert keeper.owned() and keeper.extend(60)
+    rival = Lock("reshard-storm-run-keeper", expire=60)
+    assert not rival.acquire()
+    assert keeper.release() and rival.acquire()
+    assert rival.fence > fence  # type: ignore[operator]
+    assert rival.release()
