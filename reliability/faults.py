@@ -119,6 +119,7 @@ PARTS: dict[str, tuple[int, ...]] = {
     "limits": (27,),
     "recovery": tuple(range(30, 34)),
     "deployments": tuple(range(34, 44)),
+    "cluster": (44, 45, 46),
 }
 
 

@@ -17,7 +17,7 @@ from tests.services import run_module
 #: The parts each test module runs; together, every part once.
 GROUPS: tuple[tuple[str, ...], ...] = (
     ("basics", "semaphores", "pools", "recovery"),
-    ("calls", "limits", "unknown"),
+    ("calls", "limits", "unknown", "cluster"),
     ("deployments", "lifecycle"),
 )
 #: The cases that make a holder outlive its lock on purpose.
@@ -184,6 +184,19 @@ def _deployments(out: str, rows: dict[str, Table]) -> None:
     assert beats and int(beats.group(1)) >= 10
 
 
+def _cluster(out: str, rows: dict[str, Table]) -> None:
+    storm = re.search(r"most at once (\d+)", rows["44."][5])
+    assert storm and storm.group(1) == "1"
+    promised = (
+        "second holders 0/20; refused naming the promotion 20/20; holders told 20/20;"
+    )
+    assert promised in rows["45."][5]
+    assert "without the grace 20/20 retaken" in rows["45."][5]
+    moved = re.search(r"slot moved (\d+) times", rows["46."][5])
+    assert moved and int(moved.group(1)) >= 2
+    assert "kept 1/1, fence grew 1/1" in rows["46."][5]
+
+
 #: Each part's own figures, checked on the output of a run that included it.
 FIGURES: dict[str, Callable[[str, dict[str, Table]], None]] = {
     "basics": _basics,
@@ -195,4 +208,5 @@ FIGURES: dict[str, Callable[[str, dict[str, Table]], None]] = {
     "limits": _limits,
     "recovery": _recovery,
     "deployments": _deployments,
+    "cluster": _cluster,
 }

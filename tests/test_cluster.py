@@ -15,6 +15,7 @@ from django.test import override_settings
 from django_tasklock import Lock, Semaphore, memcache_lock
 from django_tasklock.backends import backend_for, close_thread_connections
 from django_tasklock.keys import fence_id, lock_group
+from reliability.cluster import failover, reshard
 from tests.services import RedisCluster
 from tests.workers import hammer, most_at_once, overlaps, storm
 
@@ -244,95 +245,22 @@ def test_single_instance_skips_a_duplicate_and_status_reads_the_holder(on_cluste
     assert lock.release()
 
 
-def try_to_take(tasklock: dict[str, object], lock_ids: list[str]) -> list[str]:
-    """In a process that never saw the cluster before: try each id once; what
-    became of each ("taken", "refused", or the error's text)."""
-    from tests.workers import setup_django
-
-    setup_django()
-    from django.conf import settings as django_settings
-
-    from django_tasklock import LockBackendError
-
-    django_settings.TASKLOCK = tasklock
-    outcomes = []
-    for lock_id in lock_ids:
-        lock = Lock(lock_id, expire=60)
-        try:
-            outcomes.append("taken" if lock.acquire() else "refused")
-        except LockBackendError as exc:
-            outcomes.append(str(exc))
-    return outcomes
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("grace", [0, 60], ids=["no grace (control)", "grace"])
-def test_a_failover_that_lost_locks_grants_none_of_them_again(settings, grace):
+def test_a_failover_that_lost_locks_grants_none_of_them_again(grace):
     """Twenty locks acknowledged by a primary that never replicated them (its
     replica cut off), then the primary SIGKILLed and its replica promoted. A
     process that never saw the old primary takes none of them while the grace
     runs; without the grace (the control) it takes every one: twenty second
-    holders, which is what the grace exists to prevent."""
-    import multiprocessing
-    import signal
-
-    from django_tasklock.backends import failover
-
-    cluster = RedisCluster().start()
-    config = {"failover": {"BACKEND": CLUSTER, "LOCATION": cluster.url}}
-    before = os.environ.get("TASKLOCK_TEST_EXTRA_CACHES")
-    os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = json.dumps(config)
-    tasklock = {"CACHE": "failover", "LOCK_EXPIRE": 60, "RESTART_GRACE": grace}
-    try:
-        settings.CACHES = {**settings.CACHES, **config}
-        settings.TASKLOCK = tasklock
-        backend = backend_for("failover")
-        # Not the node clients start from (LOCATION): a new client must reach
-        # the cluster through it.
-        owners = {
-            f"failover-{n}": cluster.primary_of(backend.key_for(f"failover-{n}"))
-            for n in range(400)
-        }
-        victim = next(node for node in owners.values() if node is not cluster.nodes[0])
-        ids = [lock_id for lock_id, node in owners.items() if node is victim][:20]
-        warm = Lock(ids[0])  # this process's connection to the victim, made now
-        assert warm.acquire() and warm.release()
-        # The replica cannot resync: cut off, and refused by a password set
-        # after our own connection authenticated.
-        cluster.ask(victim, "CONFIG", "SET", "requirepass", "cut-off")
-        with redis_as(victim, "cut-off") as primary:
-            primary.execute_command("CLIENT", "KILL", "TYPE", "replica")
-        holders = [Lock(lock_id, expire=60) for lock_id in ids]
-        assert all(holder.acquire() for holder in holders)
-        victim.stop(signal.SIGKILL)
-        cluster.wait_until_ok()
-        context = multiprocessing.get_context("spawn")
-        with context.Pool(1) as pool:
-            outcomes = pool.apply(try_to_take, (tasklock, ids))
-        taken = outcomes.count("taken")
-        if grace == 0:
-            assert taken == len(ids), outcomes  # the control: all lost, retaken
-        else:
-            assert taken == 0, outcomes
-            assert all("took over its slots" in outcome for outcome in outcomes)
-            # This process learns the promotion too, and its holders are told.
-            with pytest.raises(Exception, match="took over its slots"):
-                Lock(ids[0]).acquire()
-            assert not any(holder.locked() for holder in holders)
-    finally:
-        if before is None:
-            os.environ.pop("TASKLOCK_TEST_EXTRA_CACHES", None)
-        else:
-            os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = before
-        close_thread_connections()
-        failover.forget()
-        cluster.stop()
-
-
-def redis_as(node, password: str):
-    import redis
-
-    return redis.Redis(port=node.port, password=password)
+    holders, which is what the grace exists to prevent. Their holders are told
+    either way: the locks are gone."""
+    result = failover(grace)
+    assert len(result.ids) == 20 and result.told == 20
+    if grace == 0:
+        assert result.taken == 20, result.outcomes
+    else:
+        assert result.taken == 0, result.outcomes
+        assert result.refused_naming == 20, result.outcomes
 
 
 @pytest.mark.slow
@@ -341,52 +269,11 @@ def test_a_slot_moved_back_and_forth_under_a_storm_loses_and_doubles_nothing(
 ):
     """Eight processes take and release one lock while its hash slot moves
     between two primaries, keys and all, six times: every release finds its
-    own lock (a lost one fails the hammer), and no two holds overlap."""
-    import threading
-
-    backend = backend_for("cluster")
-    key = backend.key_for("reshard-storm")
-    slot_number = slot(on_cluster, key)
-    first = on_cluster.primary_of(key)
-    second = next(
-        node
-        for node in on_cluster.nodes
-        if node is not first
-        and on_cluster.ask(node, "INFO", "replication").get("role") == "master"
-    )
-    moves: list[int] = []
-    storm_over = threading.Event()
-
-    def move_back_and_forth() -> None:
-        source, target = first, second
-        while len(moves) < 6 and not storm_over.is_set():
-            moves.append(on_cluster.move_slot(slot_number, source, target))
-            source, target = target, source
-            storm_over.wait(0.3)
-
-    # A lock of the same group (so in the same slot) held throughout, with
-    # its fencing counter: keys that move with every move of the slot.
-    keeper = Lock("reshard-storm-run-keeper", expire=60)
-    assert keeper.acquire()
-    fence = keeper.fence
-    mover = threading.Thread(target=move_back_and_forth)
-    tasklock = {"CACHE": "cluster", "LOCK_EXPIRE": 60}
-    try:
-        mover.start()
-        results = storm(hammer, 8, 3000, (tasklock, "reshard-storm"), ("lock",))
-    finally:
-        storm_over.set()
-        mover.join()
-    holds = [hold for process_holds, _ in results for hold in process_holds]
-    print(f"slot {slot_number} moved {len(moves)} times, keys moved {moves}")
-    assert len(moves) >= 2, f"the slot moved only {len(moves)} times during the storm"
-    assert all(moved >= 2 for moved in moves), moves  # the keeper's lock and fence
-    assert len(holds) >= 3000
-    assert overlaps(holds) == 0 and most_at_once(holds) == 1
-    # The held lock moved with its slot and is still its holder's, fence and all.
-    assert keeper.owned() and keeper.extend(60)
-    rival = Lock("reshard-storm-run-keeper", expire=60)
-    assert not rival.acquire()
-    assert keeper.release() and rival.acquire()
-    assert rival.fence > fence  # type: ignore[operator]
-    assert rival.release()
+    own lock (a lost one fails the hammer), and no two holds overlap; a lock of
+    the same slot held throughout moves with its fence and stays its holder's."""
+    result = reshard(on_cluster, "cluster", 3000)
+    assert len(result.moves) >= 2, result.moves
+    assert all(moved >= 2 for moved in result.moves), result.moves
+    assert len(result.holds) >= 3000
+    assert overlaps(result.holds) == 0 and most_at_once(result.holds) == 1
+    assert result.kept and result.fence_grew

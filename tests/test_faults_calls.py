@@ -1,4 +1,4 @@
-"""The fault suite's quick run, second group: calls, limits and unknown outcomes (see
+"""The fault suite's quick run, second group: calls, limits, unknown outcomes and a cluster (see
 ``tests/faults_checks.py``)."""
 
 from __future__ import annotations
@@ -9,5 +9,5 @@ from tests.faults_checks import GROUPS, run_group
 
 
 @pytest.mark.slow
-def test_fault_suite_quick_calls_limits_unknown():
+def test_fault_suite_quick_calls_limits_unknown_cluster():
     run_group(GROUPS[1])

@@ -1,0 +1,299 @@
+"""Fault cases 44-46: locks on a real Redis Cluster (three primaries, a replica
+each) through django-valkey's ClusterValkeyCache. Shared with
+``tests/test_cluster.py``, which asserts on the same scenarios.
+
+44. many processes, one lock id: at most one holder at a time;
+45. a primary SIGKILLed holding twenty locks it never replicated (its replica cut
+    off), the replica promoted: a process that never saw the old primary takes
+    none of them while the grace runs (and, the control, every one without it);
+46. a lock's hash slot moved between two primaries, keys and all, under a storm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from reliability.faults import Row
+from tests.services import RedisCluster
+from tests.workers import hammer, most_at_once, overlaps, storm
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["CLUSTER_CACHE", "Failover", "Reshard", "failover", "on_cluster", "reshard"]
+
+CLUSTER_CACHE = "django_valkey.cluster_cache.cache.ClusterValkeyCache"
+
+
+@contextlib.contextmanager
+def on_cluster(cluster: RedisCluster, alias: str, **tasklock: Any) -> Iterator[str]:
+    """CACHES alias ``alias`` on ``cluster``, here and in processes started
+    meanwhile, as TASKLOCK's cache."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    from django_tasklock.backends import close_thread_connections
+
+    config = {alias: {"BACKEND": CLUSTER_CACHE, "LOCATION": cluster.url}}
+    before = os.environ.get("TASKLOCK_TEST_EXTRA_CACHES")
+    os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = json.dumps(config)
+    options = {"CACHE": alias, "LOCK_EXPIRE": 60, **tasklock}
+    try:
+        with override_settings(CACHES={**settings.CACHES, **config}, TASKLOCK=options):
+            yield alias
+            close_thread_connections()
+    finally:
+        if before is None:
+            os.environ.pop("TASKLOCK_TEST_EXTRA_CACHES", None)
+        else:
+            os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = before
+
+
+def try_to_take(tasklock: dict[str, object], lock_ids: list[str]) -> list[str]:
+    """In a process that never saw the cluster before: try each id once; what
+    became of each ("taken", "refused", or the error's text)."""
+    from tests.workers import setup_django
+
+    setup_django()
+    from django.conf import settings
+
+    from django_tasklock import Lock, LockBackendError
+
+    settings.TASKLOCK = tasklock
+    outcomes = []
+    for lock_id in lock_ids:
+        try:
+            outcomes.append(
+                "taken" if Lock(lock_id, expire=60).acquire() else "refused"
+            )
+        except LockBackendError as exc:
+            outcomes.append(str(exc))
+    return outcomes
+
+
+@dataclass
+class Failover:
+    """What case 45 measured in one try."""
+
+    ids: list[str]
+    outcomes: list[str]
+    #: Holders of the lost locks that found them gone afterwards.
+    told: int
+    #: Seconds from the kill until the cluster was whole again.
+    promoted_after: float
+
+    @property
+    def taken(self) -> int:
+        return self.outcomes.count("taken")
+
+    @property
+    def refused_naming(self) -> int:
+        return sum("took over its slots" in outcome for outcome in self.outcomes)
+
+
+def failover(grace: float, locks: int = 20) -> Failover:
+    """On a cluster of its own: ``locks`` locks its victim primary acknowledged
+    and never replicated, the primary SIGKILLed, its replica promoted; then a
+    new process tries each of them (``RESTART_GRACE`` = ``grace``)."""
+    import redis
+
+    from django_tasklock import Lock
+    from django_tasklock.backends import backend_for
+    from django_tasklock.backends import failover as promotions
+
+    cluster = RedisCluster().start()
+    try:
+        with on_cluster(cluster, "failover", RESTART_GRACE=grace) as alias:
+            from django.conf import settings
+
+            tasklock = dict(settings.TASKLOCK)
+            backend = backend_for(alias)
+            # Not the node clients start from (LOCATION): a new client must
+            # reach the cluster through it.
+            owners = {
+                f"failover-{n}": cluster.primary_of(backend.key_for(f"failover-{n}"))
+                for n in range(400)
+            }
+            victim = next(
+                node for node in owners.values() if node is not cluster.nodes[0]
+            )
+            ids = [lock_id for lock_id, node in owners.items() if node is victim][
+                :locks
+            ]
+            warm = Lock(ids[0])  # this process's connection to the victim, made now
+            assert warm.acquire()
+            assert warm.release()
+            # The replica cannot resync: cut off, and refused by a password set
+            # after this process's own connection authenticated.
+            cluster.ask(victim, "CONFIG", "SET", "requirepass", "cut-off")
+            with redis.Redis(port=victim.port, password="cut-off") as primary:
+                primary.execute_command("CLIENT", "KILL", "TYPE", "replica")
+            holders = [Lock(lock_id, expire=60) for lock_id in ids]
+            assert all(holder.acquire() for holder in holders)
+            killed_at = time.monotonic()
+            victim.stop(signal.SIGKILL)
+            cluster.wait_until_ok()
+            promoted_after = time.monotonic() - killed_at
+            context = multiprocessing.get_context("spawn")
+            with context.Pool(1) as pool:
+                outcomes = pool.apply(try_to_take, (tasklock, ids))
+            told = sum(not holder.owned() for holder in holders)
+            return Failover(ids, outcomes, told, promoted_after)
+    finally:
+        promotions.forget()
+        cluster.stop()
+
+
+@dataclass
+class Reshard:
+    """What case 46 measured."""
+
+    holds: list[tuple[float, float]]
+    #: Keys moved with each move of the slot.
+    moves: list[int] = field(default_factory=list)
+    #: The lock of the same slot held throughout: still its holder's after.
+    kept: bool = False
+    #: Its fence was drawn before and a new holder's after was greater.
+    fence_grew: bool = False
+
+
+def reshard(cluster: RedisCluster, alias: str, wanted: int, times: int = 6) -> Reshard:
+    """Eight processes take and release one lock ``wanted`` times between them
+    while its slot moves between two primaries ``times`` times, keys and all;
+    a lock of the same slot is held throughout."""
+    from django.conf import settings
+
+    from django_tasklock import Lock
+    from django_tasklock.backends import backend_for
+
+    key = backend_for(alias).key_for("reshard-storm")
+    slot_number = int(cluster.ask(cluster.nodes[0], "CLUSTER", "KEYSLOT", key))
+    first = cluster.primary_of(key)
+    second = next(
+        node
+        for node in cluster.nodes
+        if node is not first
+        and node.process is not None
+        and cluster.ask(node, "INFO", "replication").get("role") == "master"
+    )
+    result = Reshard([])
+    over = threading.Event()
+
+    def move_back_and_forth() -> None:
+        source, target = first, second
+        while len(result.moves) < times and not over.is_set():
+            result.moves.append(cluster.move_slot(slot_number, source, target))
+            source, target = target, source
+            over.wait(0.3)
+
+    # A lock of the same group (so in the same slot) held throughout, with its
+    # fencing counter: keys that move with every move of the slot.
+    keeper = Lock("reshard-storm-run-keeper", expire=60)
+    assert keeper.acquire()
+    fence = keeper.fence
+    mover = threading.Thread(target=move_back_and_forth)
+    try:
+        mover.start()
+        results = storm(
+            hammer, 8, wanted, (dict(settings.TASKLOCK), "reshard-storm"), ("lock",)
+        )
+    finally:
+        over.set()
+        mover.join()
+    result.holds = [hold for process_holds, _ in results for hold in process_holds]
+    result.kept = keeper.owned() and keeper.extend(60)
+    rival = Lock("reshard-storm-run-keeper", expire=60)
+    result.kept = result.kept and not rival.acquire() and keeper.release()
+    result.fence_grew = rival.acquire() and (rival.fence or 0) > (fence or 0)
+    rival.release()
+    return result
+
+
+def run(quick: bool) -> list[Row]:
+    cluster = RedisCluster().start()
+    rows = []
+    try:
+        with on_cluster(cluster, "cluster"):
+            rows.append(_storm_row(quick))
+            rows.append(_reshard_row(cluster, quick))
+        rows.append(_failover_row(quick))
+    finally:
+        cluster.stop()
+    return rows
+
+
+def _storm_row(quick: bool) -> Row:
+    from django.conf import settings
+
+    wanted = 1000 if quick else 5000
+    results = storm(
+        hammer, 8, wanted, (dict(settings.TASKLOCK), "cluster-storm"), ("lock",)
+    )
+    holds = [hold for process_holds, _ in results for hold in process_holds]
+    refused = sum(count for _, count in results)
+    row = Row(
+        "44. cluster: contention, 8 processes, one id",
+        len(holds) + refused,
+        overlaps(holds),
+        int(most_at_once(holds) > 1),
+    )
+    row.figures.append(
+        f"{len(holds)} acquisitions, {refused} refused; most at once {most_at_once(holds)}"
+    )
+    return row
+
+
+def _reshard_row(cluster: RedisCluster, quick: bool) -> Row:
+    result = reshard(cluster, "cluster", 1000 if quick else 5000)
+    wrong = int(not result.kept) + int(not result.fence_grew)
+    wrong += sum(moved < 2 for moved in result.moves)
+    row = Row(
+        "46. cluster: slot moved under a storm",
+        len(result.holds),
+        overlaps(result.holds),
+        wrong,
+    )
+    row.figures.append(
+        f"slot moved {len(result.moves)} times ({sum(result.moves)} keys); "
+        f"the lock held throughout kept {int(result.kept)}/1, fence grew "
+        f"{int(result.fence_grew)}/1"
+    )
+    return row
+
+
+def _failover_row(quick: bool) -> Row:
+    tries = 1 if quick else 3
+    attempts = wrong = second = refused = told = 0
+    promoted: list[float] = []
+    for _ in range(tries):
+        result = failover(grace=60)
+        attempts += len(result.ids)
+        second += result.taken
+        refused += result.refused_naming
+        told += result.told
+        wrong += result.taken + (len(result.ids) - result.told)
+        promoted.append(result.promoted_after)
+    control = failover(grace=0)
+    row = Row(
+        "45. cluster primary killed, 20 unreplicated",
+        attempts,
+        second,
+        wrong,
+    )
+    row.figures.append(
+        f"second holders {second}/{attempts}; refused naming the promotion "
+        f"{refused}/{attempts}; holders told {told}/{attempts}; replica promoted "
+        f"{min(promoted):.1f}-{max(promoted):.1f}s after the kill; without the "
+        f"grace {control.taken}/{len(control.ids)} retaken"
+    )
+    wrong_control = control.taken != len(control.ids)  # the case did not happen
+    row.wrong += int(wrong_control)
+    return row
