@@ -146,14 +146,20 @@ class Promotions:
 
     @staticmethod
     def _announce(node: Any, what: str, when: str) -> None:
+        grace = settings.FAILOVER_GRACE
+        refused = (
+            f"New locks on it are refused for {grace}s"
+            if grace
+            else "New locks on it are not refused (RESTART_GRACE is 0)"
+        )
         logger.warning(
             "Cluster primary %s %s%s: locks its slots held before may be gone "
-            "while their holders still run. New locks on it are refused for "
-            "%ss (TASKLOCK['RESTART_GRACE'], by default LOCK_EXPIRE).",
+            "while their holders still run. %s (TASKLOCK['RESTART_GRACE'], by "
+            "default LOCK_EXPIRE).",
             node.name,
             what,
             when,
-            settings.FAILOVER_GRACE,
+            refused,
         )
 
 
