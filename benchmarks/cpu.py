@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -86,10 +86,6 @@ def _operations() -> dict[str, Callable[[], object]]:
     import redis
 
     raw_redis = redis.Redis.from_url(os.environ["TASKLOCK_TEST_REDIS"])
-    delete_if = raw_redis.register_script(
-        "if redis.call('get', KEYS[1]) == ARGV[1] then "
-        "return redis.call('del', KEYS[1]) end return 0"
-    )
     holder = Lock("cpu-held", expire=600)
     holder.acquire()
     raw.set("cpu-raw-held", b"1", 600)
@@ -126,14 +122,7 @@ def _operations() -> dict[str, Callable[[], object]]:
         semaphore.acquire()
         semaphore.release()
 
-    def redis_floor() -> None:
-        raw_redis.set("cpu-redis-floor", b"token", nx=True, px=60_000)
-        delete_if(keys=["cpu-redis-floor"], args=[b"token"])
-
-    def redis_lock_cycle() -> None:
-        lock = Lock("cpu-redis-lock", cache="redis")
-        lock.acquire()
-        lock.release()
+    redis_floor, redis_lock_cycle = _floor_and_cycle(raw_redis, "redis")
 
     # Rate limits that always admit: the smooth kind's state is one number;
     # the window kind's holds the admissions of its last period, here a
@@ -178,8 +167,6 @@ def _cluster_operations() -> tuple[Callable[[], object], Callable[[], object]]:
     """The cluster floor (valkey-py's cluster client: SET NX PX, then a Lua
     compare-and-delete, on one key) and a Lock cycle on the ``cluster`` alias;
     both raise if no cluster was started (TASKLOCK_TEST_CLUSTER)."""
-    from django_tasklock import Lock
-
     url = os.environ.get("TASKLOCK_TEST_CLUSTER")
     if url is None:
 
@@ -189,22 +176,32 @@ def _cluster_operations() -> tuple[Callable[[], object], Callable[[], object]]:
         return missing, missing
     from valkey.cluster import ValkeyCluster
 
-    raw = ValkeyCluster.from_url(url)
+    return _floor_and_cycle(ValkeyCluster.from_url(url), "cluster")
+
+
+def _floor_and_cycle(
+    raw: Any, alias: str
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """A Redis-protocol floor on the client ``raw`` (SET NX PX, then a Lua
+    compare-and-delete) and a Lock cycle on the CACHES alias ``alias``."""
+    from django_tasklock import Lock
+
     delete_if = raw.register_script(
         "if redis.call('get', KEYS[1]) == ARGV[1] then "
         "return redis.call('del', KEYS[1]) end return 0"
     )
+    floor_key = f"cpu-{alias}-floor"
 
-    def cluster_floor() -> None:
-        raw.set("cpu-cluster-floor", b"token", nx=True, px=60_000)
-        delete_if(keys=["cpu-cluster-floor"], args=[b"token"])
+    def floor() -> None:
+        raw.set(floor_key, b"token", nx=True, px=60_000)
+        delete_if(keys=[floor_key], args=[b"token"])
 
-    def cluster_lock_cycle() -> None:
-        lock = Lock("cpu-cluster-lock", cache="cluster")
+    def lock_cycle() -> None:
+        lock = Lock(f"cpu-{alias}-lock", cache=alias)
         lock.acquire()
         lock.release()
 
-    return cluster_floor, cluster_lock_cycle
+    return floor, lock_cycle
 
 
 def probe(operation: str, iterations: int) -> None:
