@@ -146,6 +146,11 @@ def test_eight_processes_never_overlap_on_the_cluster(on_cluster):
             {"CLIENT_CLASS": "django_valkey.client.ShardClient"},
             "DefaultClient",
         ),
+        (
+            CLUSTER,
+            {"CLIENT_CLASS": "django_valkey.client.DefaultClient"},
+            "Give locks an alias with that client",
+        ),
     ],
 )
 def test_valkey_aliases_that_cannot_lock_are_refused(

@@ -35,49 +35,46 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: django-redis clients that keep a lock and its fencing counter on one server.
-_DJANGO_REDIS_CLIENTS = (
-    "django_redis.client.DefaultClient",
-    "django_redis.client.default.DefaultClient",
-    "django_redis.client.SentinelClient",
-    "django_redis.client.sentinel.SentinelClient",
-)
-
-
-#: django-valkey's clients that keep a lock and its fencing counter on one server.
-_DJANGO_VALKEY_CLIENTS = (
-    "django_valkey.client.DefaultClient",
-    "django_valkey.client.default.DefaultClient",
-    "django_valkey.client.SentinelClient",
-    "django_valkey.client.sentinel.SentinelClient",
-)
-_CLUSTER_CLIENTS = (
-    "django_valkey.cluster_cache.client.DefaultClusterClient",
-    "django_valkey.cluster_cache.client.default.DefaultClusterClient",
-)
-
-
-def _valkey_reason(entry_backend: type[Any], options: dict[str, Any]) -> str | None:
-    """Why a django-valkey alias with these OPTIONS cannot hold locks, or None."""
-    cluster = entry_backend is ValkeyClusterBackend
-    allowed = _CLUSTER_CLIENTS if cluster else _DJANGO_VALKEY_CLIENTS
-    client = options.get("CLIENT_CLASS", allowed[0])
-    if client not in allowed:
-        return (
-            f"django-valkey with CLIENT_CLASS {client!r}: only "
-            f"{' and '.join(allowed[::2])} keep a lock and its fencing counter on "
-            "one primary (a sharded client spreads them over servers; the herd "
-            "client rewrites stored values)"
-        )
-    kwargs = options.get("BASE_CLIENT_KWARGS") or {}
-    if cluster and kwargs.get("read_from_replicas"):
-        return (
-            "django-valkey's ClusterValkeyCache with BASE_CLIENT_KWARGS "
-            "{'read_from_replicas': True}: a replica lags behind its primary, so "
-            "a lock's owner check could read a value it no longer holds. Remove "
-            "read_from_replicas from that alias, or give locks an alias without it"
-        )
-    return None
+#: Per backend of a Redis-protocol package with pluggable clients: the clients
+#: (CLIENT_CLASS) that keep a lock and its fencing counter on one primary, and
+#: why another cannot hold locks, with what to write instead.
+_CLIENTS: dict[type[Any], tuple[tuple[str, ...], str]] = {
+    DjangoRedisBackend: (
+        (
+            "django_redis.client.DefaultClient",
+            "django_redis.client.default.DefaultClient",
+            "django_redis.client.SentinelClient",
+            "django_redis.client.sentinel.SentinelClient",
+        ),
+        "django-redis with CLIENT_CLASS {client!r}: only its DefaultClient (one "
+        "server, or a primary with replicas) and SentinelClient keep a lock and "
+        "its fencing counter on one primary (ShardClient spreads them over "
+        "servers; HerdClient rewrites stored values). Give locks an alias with "
+        "one of those two",
+    ),
+    ValkeyBackend: (
+        (
+            "django_valkey.client.DefaultClient",
+            "django_valkey.client.default.DefaultClient",
+            "django_valkey.client.SentinelClient",
+            "django_valkey.client.sentinel.SentinelClient",
+        ),
+        "django-valkey with CLIENT_CLASS {client!r}: only its DefaultClient (one "
+        "server, or a primary with replicas) and SentinelClient keep a lock and "
+        "its fencing counter on one primary (its sharded client spreads them "
+        "over servers; its herd client rewrites stored values). Give locks an "
+        "alias with one of those two",
+    ),
+    ValkeyClusterBackend: (
+        (
+            "django_valkey.cluster_cache.client.DefaultClusterClient",
+            "django_valkey.cluster_cache.client.default.DefaultClusterClient",
+        ),
+        "django-valkey's ClusterValkeyCache with CLIENT_CLASS {client!r}: only "
+        "its DefaultClusterClient is known to send each lock's commands to the "
+        "primary of its hash slot. Give locks an alias with that client",
+    ),
+}
 
 
 def unsupported_reason(
@@ -85,19 +82,23 @@ def unsupported_reason(
 ) -> str | None:
     """Why a cache backend class (with its OPTIONS) cannot hold locks, or None."""
     entry = supported_for(backend_class)
-    if entry is not None and entry.backend in (ValkeyBackend, ValkeyClusterBackend):
-        return _valkey_reason(entry.backend, options or {})
-    if entry is not None and entry.backend is DjangoRedisBackend:
-        client = (options or {}).get("CLIENT_CLASS", _DJANGO_REDIS_CLIENTS[0])
-        if client in _DJANGO_REDIS_CLIENTS:
-            return None
-        return (
-            f"django-redis with CLIENT_CLASS {client!r}: only its DefaultClient "
-            "(one server, or a primary with replicas) and SentinelClient keep a "
-            "lock and its fencing counter on one primary (ShardClient spreads them "
-            "over servers; HerdClient rewrites stored values). Give locks an alias "
-            "with one of those two"
-        )
+    backend = None if entry is None else entry.backend
+    rule = None if backend is None else _CLIENTS.get(backend)
+    if rule is not None:
+        clients, refusal = rule
+        options = options or {}
+        client = options.get("CLIENT_CLASS", clients[0])
+        if client not in clients:
+            return refusal.format(client=client)
+        kwargs = options.get("BASE_CLIENT_KWARGS") or {}
+        if backend is ValkeyClusterBackend and kwargs.get("read_from_replicas"):
+            return (
+                "django-valkey's ClusterValkeyCache with BASE_CLIENT_KWARGS "
+                "{'read_from_replicas': True}: a replica lags behind its primary, "
+                "so a lock's owner check could read a value it no longer holds. "
+                "Remove read_from_replicas from that alias, or give locks an alias "
+                "without it"
+            )
     if entry is not None:
         return None
     for base, reason in UNSUPPORTED:
@@ -291,7 +292,7 @@ def _lookup(alias: str, protocol: str) -> LockBackend:
             f"({exc}). Add that alias to CACHES or name an existing one."
         ) from exc
     entry = supported_for(type(cache))
-    if entry is not None and issubclass(entry.backend, DjangoRedisBackend):
+    if entry is not None and entry.backend in _CLIENTS:
         params: dict[str, Any] = getattr(cache, "_params", {})
         reason = unsupported_reason(type(cache), params.get("OPTIONS"))
         if reason is not None:

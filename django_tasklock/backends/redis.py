@@ -10,6 +10,7 @@ the owner back as a str.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import math
 from typing import TYPE_CHECKING, Any, cast
 
@@ -93,13 +94,6 @@ _SHA = {
 }
 
 
-def _client_module(name: str) -> Any:
-    """The client package (redis-py, or valkey-py, its fork): its exceptions."""
-    import importlib
-
-    return importlib.import_module(name)
-
-
 class RedisBackend(LockBackend):
     """Locks on the primary of a RedisCache alias (reads go to it too)."""
 
@@ -108,15 +102,15 @@ class RedisBackend(LockBackend):
     kind = "Redis"
     cache: RedisCache
 
-    #: The client package whose exceptions the cache raises.
-    client_package = "redis"
+    #: The client package whose exceptions the cache raises (redis-py, or
+    #: valkey-py, its fork), and the base class of its errors.
+    client_exceptions = "redis.exceptions"
+    client_error = "RedisError"
 
     def __init__(self, cache: RedisCache, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
-        package = _client_module(self.client_package)
-        exceptions = package.exceptions
-        base = getattr(exceptions, "RedisError", None) or exceptions.ValkeyError
-        self.errors = (base, OSError)
+        exceptions = importlib.import_module(self.client_exceptions)
+        self.errors = (getattr(exceptions, self.client_error), OSError)
         self._no_script = exceptions.NoScriptError
         self._dropped = (exceptions.ConnectionError, exceptions.TimeoutError)
         self._cache_client: Any = self._client_of(cache)

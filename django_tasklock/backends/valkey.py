@@ -30,7 +30,8 @@ class ValkeyBackend(DjangoRedisBackend):
     ``get_client(write=True)``, the primary, with the client's serializer."""
 
     kind = "Valkey"
-    client_package = "valkey"
+    client_exceptions = "valkey.exceptions"
+    client_error = "ValkeyError"
 
     def __init__(self, cache: Any, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
