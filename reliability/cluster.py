@@ -28,7 +28,15 @@ from tests.workers import hammer, most_at_once, overlaps, storm
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["CLUSTER_CACHE", "Failover", "Reshard", "failover", "on_cluster", "reshard"]
+__all__ = [
+    "CLUSTER_CACHE",
+    "Failover",
+    "Reshard",
+    "cluster_storm",
+    "failover",
+    "on_cluster",
+    "reshard",
+]
 
 CLUSTER_CACHE = "django_valkey.cluster_cache.cache.ClusterValkeyCache"
 
@@ -230,23 +238,28 @@ def run(quick: bool) -> list[Row]:
     return rows
 
 
-def _storm_row(quick: bool) -> Row:
+def cluster_storm(wanted: int) -> tuple[list[tuple[float, float]], int]:
+    """Eight processes take and release one lock id on TASKLOCK's cache until
+    they have held it ``wanted`` times: their holds, and their refused tries."""
     from django.conf import settings
 
-    wanted = 1000 if quick else 5000
-    results = storm(
-        hammer, 8, wanted, (dict(settings.TASKLOCK), "cluster-storm"), ("lock",)
-    )
+    tasklock = dict(settings.TASKLOCK)
+    results = storm(hammer, 8, wanted, (tasklock, "cluster-storm"), ("lock",))
     holds = [hold for process_holds, _ in results for hold in process_holds]
-    refused = sum(count for _, count in results)
+    return holds, sum(count for _, count in results)
+
+
+def _storm_row(quick: bool) -> Row:
+    holds, refused = cluster_storm(1000 if quick else 5000)
+    most = most_at_once(holds)
     row = Row(
         "44. cluster: contention, 8 processes, one id",
         len(holds) + refused,
         overlaps(holds),
-        int(most_at_once(holds) > 1),
+        int(most > 1),
     )
     row.figures.append(
-        f"{len(holds)} acquisitions, {refused} refused; most at once {most_at_once(holds)}"
+        f"{len(holds)} acquisitions, {refused} refused; most at once {most}"
     )
     return row
 

@@ -4,20 +4,18 @@ owner checks that survive NOSCRIPT, and many processes that never overlap."""
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
 
 import pytest
 from django.core.cache import caches
-from django.test import override_settings
 
 from django_tasklock import Lock, Semaphore, memcache_lock
-from django_tasklock.backends import backend_for, close_thread_connections
+from django_tasklock.backends import backend_for
 from django_tasklock.keys import fence_id, lock_group
-from reliability.cluster import failover, reshard
+from reliability.cluster import cluster_storm, failover, reshard
+from reliability.cluster import on_cluster as use_cluster
 from tests.services import RedisCluster
-from tests.workers import hammer, most_at_once, overlaps, storm
+from tests.workers import most_at_once, overlaps
 
 CLUSTER = "django_valkey.cluster_cache.cache.ClusterValkeyCache"
 
@@ -27,21 +25,11 @@ def cluster() -> Iterator[RedisCluster]:
     """A cluster of this module's own, as the CACHES alias ``cluster`` here and
     in the processes the tests spawn."""
     server = RedisCluster().start()
-    config = {"cluster": {"BACKEND": CLUSTER, "LOCATION": server.url}}
-    before = os.environ.get("TASKLOCK_TEST_EXTRA_CACHES")
-    os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = json.dumps(config)
     try:
-        from django.conf import settings
-
-        with override_settings(CACHES={**settings.CACHES, **config}):
+        with use_cluster(server, "cluster"):
             yield server
-            close_thread_connections()
             caches["cluster"].close()
     finally:
-        if before is None:
-            os.environ.pop("TASKLOCK_TEST_EXTRA_CACHES", None)
-        else:
-            os.environ["TASKLOCK_TEST_EXTRA_CACHES"] = before
         server.stop()
 
 
@@ -125,10 +113,7 @@ def test_a_semaphores_slots_are_read_in_one_slot(on_cluster):
 
 @pytest.mark.slow
 def test_eight_processes_never_overlap_on_the_cluster(on_cluster):
-    tasklock = {"CACHE": "cluster", "LOCK_EXPIRE": 60}
-    results = storm(hammer, 8, 1000, (tasklock, "cluster-storm"), ("lock",))
-    holds = [hold for process_holds, _ in results for hold in process_holds]
-    refused = sum(count for _, count in results)
+    holds, refused = cluster_storm(1000)
     assert len(holds) >= 1000 and refused > 0
     assert overlaps(holds) == 0 and most_at_once(holds) == 1
 

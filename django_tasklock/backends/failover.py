@@ -83,17 +83,36 @@ class Promotions:
     def learn(self, client: Any, node: Any) -> tuple[str, float | None, float]:
         """Read ``node``'s run and our mark on it; remember and return
         (replication id, start of a run to refuse on, when to ask again)."""
-        connection = node.valkey_connection
-        info = connection.info("replication")
+        info = node.valkey_connection.info("replication")
         replid = str(info["master_replid"])
         now = time.monotonic()
         before = _learnt.get(node.name)
-        started: float | None
         if before is not None and before[0] == replid:  # the run it knew
             started = before[1]
-            if started is not None and started + settings.FAILOVER_GRACE <= now:
-                started = None
-            return self._remember(node, (replid, started, now + LEARN_EVERY))
+        else:
+            started = self._first_sight(client, node, info, before, now)
+        if started is not None and started + settings.FAILOVER_GRACE <= now:
+            started = None
+        learnt = (replid, started, now + LEARN_EVERY)
+        with _mutex:
+            _learnt[node.name] = learnt
+        return learnt
+
+    def _first_sight(
+        self,
+        client: Any,
+        node: Any,
+        info: dict[str, Any],
+        before: tuple[str, float | None, float] | None,
+        now: float,
+    ) -> float | None:
+        """When the run of ``node`` this process sees for the first time started
+        refusing new locks (None: it refuses none), from our mark on it or, for
+        the first process to see it, from its INFO; that process writes the
+        mark."""
+        connection = node.valkey_connection
+        replid = str(info["master_replid"])
+        started: float | None
         promoted = int(info.get("second_repl_offset", -1)) != -1
         uptime = float(connection.info("server")["uptime_in_seconds"])
         mark_key = MARK_PREFIX + "{" + self._tag(client, node) + "}"
@@ -106,7 +125,7 @@ class Promotions:
         elif promoted:
             started = now
             self._announce(node, "was promoted from a replica", "")
-        elif before is not None and before[0] != replid:
+        elif before is not None:  # another run than the one it knew
             started = now - uptime
             self._announce(node, "restarted", f" {uptime:.0f}s ago")
         else:
@@ -117,17 +136,7 @@ class Promotions:
             # The first to learn this run says since when it runs, for those
             # that come later (nx: two first sights keep the earlier word).
             connection.set(mark_key, f"{replid} {since:.3f}", nx=True)
-        if started is not None and started + settings.FAILOVER_GRACE <= now:
-            started = None
-        return self._remember(node, (replid, started, now + LEARN_EVERY))
-
-    @staticmethod
-    def _remember(
-        node: Any, learnt: tuple[str, float | None, float]
-    ) -> tuple[str, float | None, float]:
-        with _mutex:
-            _learnt[node.name] = learnt
-        return learnt
+        return started
 
     @staticmethod
     def _tag(client: Any, node: Any) -> str:
