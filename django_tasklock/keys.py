@@ -22,6 +22,8 @@ __all__ = [
     "FENCE_PREFIX",
     "MEMCACHED_MAX_KEY_BYTES",
     "QUEUE_SUFFIX",
+    "RECORD_PREFIX",
+    "ROSTER_PREFIX",
     "RUN_MARK",
     "SLOT_MARK",
     "check_lock_id",
@@ -31,6 +33,7 @@ __all__ = [
     "lock_group",
     "memcached_key",
     "portable_id",
+    "record_id",
 ]
 
 MEMCACHED_MAX_KEY_BYTES: Final = 250
@@ -75,12 +78,35 @@ def lock_group(lock_id: str) -> str:
     cluster store puts the keys of one group in one hash slot. (An id of the
     caller's own that happens to contain such an ending only shares its slot
     with another id; its lock and fencing counter are still one group.)"""
+    if lock_id.startswith(ROSTER_PREFIX):
+        # The lock console's roster (``locks.roster``): a slot's items in
+        # one group, and 64 slots to a group, so listing a cluster reads 16
+        # hash slots, not 1,024.
+        slot = lock_id.removeprefix(ROSTER_PREFIX).partition(":")[0]
+        return f"{ROSTER_PREFIX}{int(slot) // ROSTER_GROUP if slot.isdigit() else slot}"
     group = lock_id.removeprefix(FENCE_PREFIX).removesuffix(QUEUE_SUFFIX)
     for mark in (SLOT_MARK, RUN_MARK):
         head, found, _tail = group.rpartition(mark)
         if found and head:
             group = head
     return group
+
+
+#: The lock console's roster slot ``n`` is stored under ``ROSTER_PREFIX + n``
+#: (its further items ``...n:i``); ``ROSTER_GROUP`` slots share a hash slot on
+#: a cluster.
+ROSTER_PREFIX: Final = "tasklock-roster:"
+ROSTER_GROUP: Final = 64
+
+#: A process's liveness record (``locks.liveness``) is stored under the id
+#: ``RECORD_PREFIX + host:process``.
+RECORD_PREFIX: Final = "tasklock-alive:"
+
+
+def record_id(host: str, process: str) -> str:
+    """The cache key (before Django's prefix) of a process's liveness record;
+    ``process`` as tokens write it, without the ``-s`` flag."""
+    return f"{RECORD_PREFIX}{host}:{process}"
 
 
 def fence_id(lock_id: str) -> str:

@@ -121,6 +121,12 @@ new_token = _tokens.new
 new_live_token = _tokens.new_live
 
 
+def keeps_record(token: str) -> bool:
+    """Whether ``token``, made by this process, promises a liveness record
+    (``new_live_token``)."""
+    return _tokens.live_prefix in token
+
+
 def this_process() -> str:
     """This process's identity, as its tokens write it."""
     return _tokens.process

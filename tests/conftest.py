@@ -13,7 +13,7 @@ from tests.helpers import (
     Store,
     close_connections,
 )
-from tests.services import Memcached, Redis
+from tests.services import Memcached, Redis, RedisCluster
 
 pytest_plugins = ["tests.fixtures"]
 
@@ -38,6 +38,25 @@ def redis_server() -> Iterator[Redis]:
     server = Redis().start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(_services: None) -> Iterator[RedisCluster]:
+    """A Redis Cluster of this session's (three primaries, a replica each), as
+    the CACHES alias ``cluster``, here and in children; started when a test
+    first asks for it."""
+    from django.conf import settings
+
+    server = RedisCluster().start()
+    os.environ["TASKLOCK_TEST_CLUSTER"] = server.url
+    cache_settings = {alias: dict(config) for alias, config in settings.CACHES.items()}
+    cache_settings["cluster"]["LOCATION"] = server.url
+    try:
+        with override_settings(CACHES=cache_settings):
+            yield server
+            close_connections()
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -127,6 +146,8 @@ def _clean_stores(
 def store(request: pytest.FixtureRequest, settings: object) -> Store:
     """Each store that shares locks between processes, configured as TASKLOCK."""
     chosen: Store = request.param
+    if chosen.alias == "cluster":
+        request.getfixturevalue("redis_cluster").flush()
     settings.TASKLOCK = chosen.tasklock  # type: ignore[attr-defined]
     return chosen
 
@@ -137,6 +158,8 @@ def store(request: pytest.FixtureRequest, settings: object) -> Store:
 def any_store(request: pytest.FixtureRequest, settings: object) -> Store:
     """Every supported store, LocMem included (single-process tests)."""
     chosen: Store = request.param
+    if chosen.alias == "cluster":
+        request.getfixturevalue("redis_cluster").flush()
     settings.TASKLOCK = chosen.tasklock  # type: ignore[attr-defined]
     return chosen
 

@@ -60,7 +60,7 @@ class Store:
 
     @property
     def is_redis(self) -> bool:
-        return self.alias in ("redis", "django_redis")
+        return self.alias in ("redis", "django_redis", "cluster")
 
     @property
     def tasklock(self) -> dict[str, object]:
@@ -77,7 +77,65 @@ SHARED_STORES = [
     Store("redis", "redis"),
     Store("django-redis", "django_redis"),
     Store("pylibmc", "pylibmc"),
+    # A Redis Cluster (three primaries, a replica each), through django-valkey.
+    Store("cluster", "cluster"),
 ]
+
+
+# What a test reads or writes of a store item a lock keeps, by its lock id. On
+# most stores that is ``caches[alias].get(lock_id)``; on a cluster only a lock's
+# own key is Django's, and the ids derived from it (fencing counters, semaphore
+# slots) and the liveness records beside it are found through its backend.
+
+
+def _cluster_key(alias: str, lock_id: str) -> tuple[object, str] | None:
+    from django_tasklock.backends import backend_for
+
+    if alias != "cluster":
+        return None
+    backend = backend_for(alias)
+    return backend, backend.key_for(lock_id)
+
+
+def stored(alias: str, lock_id: str) -> object:
+    """The value the store keeps for ``lock_id`` (None: nothing)."""
+    found = _cluster_key(alias, lock_id)
+    if found is None:
+        return caches[alias].get(lock_id)
+    backend, key = found
+    raw = backend._redis(key).get(key)  # type: ignore[attr-defined]
+    return None if raw is None else backend._decode(raw)  # type: ignore[attr-defined]
+
+
+def store_item(alias: str, lock_id: str, value: object) -> None:
+    """Store ``value`` for ``lock_id``, as other code might."""
+    found = _cluster_key(alias, lock_id)
+    if found is None:
+        caches[alias].set(lock_id, value)
+        return
+    backend, key = found
+    client = backend._redis(key)  # type: ignore[attr-defined]
+    client.set(key, backend._cache_client._serializer.dumps(value))  # type: ignore[attr-defined]
+
+
+def drop(alias: str, lock_id: str) -> None:
+    """Delete what the store keeps for ``lock_id`` (as its expiry would)."""
+    found = _cluster_key(alias, lock_id)
+    if found is None:
+        caches[alias].delete(lock_id)
+        return
+    backend, key = found
+    backend._redis(key).delete(key)  # type: ignore[attr-defined]
+
+
+def record_beside(alias: str, lock_id: str, record: str) -> object:
+    """The liveness record ``record`` as a contender reads it beside the lock
+    ``lock_id`` (on most stores, on the lock's server; on a cluster, in its
+    hash slot)."""
+    from django_tasklock.backends import backend_for
+
+    backend = backend_for(alias)
+    return backend.read_record(backend.key_for(lock_id), record)
 
 
 def counted_cache(settings, memcached, redis_server, kind: str):

@@ -50,6 +50,9 @@ MEMCACHED = os.environ.get("TASKLOCK_TEST_MEMCACHED", "127.0.0.1:11211")
 MEMCACHED_PAIR = os.environ.get("TASKLOCK_TEST_MEMCACHED_PAIR", MEMCACHED).split(",")
 TWEMPROXY = os.environ.get("TASKLOCK_TEST_TWEMPROXY", "127.0.0.1:22121")
 REDIS = os.environ.get("TASKLOCK_TEST_REDIS", "redis://127.0.0.1:6379/0")
+# A node of the session's Redis Cluster (started only for the tests that ask
+# for it: tests/conftest.py, ``redis_cluster``).
+CLUSTER = os.environ.get("TASKLOCK_TEST_CLUSTER", "redis://127.0.0.1:7000")
 
 CACHES = {
     "default": {
@@ -90,6 +93,11 @@ CACHES = {
         "OPTIONS": {"behaviors": {"tcp_nodelay": True}},
     },
     "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    # django-valkey's cluster cache, on the session's Redis Cluster.
+    "cluster": {
+        "BACKEND": "django_valkey.cluster_cache.cache.ClusterValkeyCache",
+        "LOCATION": CLUSTER,
+    },
 }
 
 # Stores a test builds for one deployment (tests/test_liveness_deployments.py),

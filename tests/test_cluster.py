@@ -4,7 +4,7 @@ owner checks that survive NOSCRIPT, and many processes that never overlap."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from django.core.cache import caches
@@ -13,31 +13,21 @@ from django_tasklock import Lock, Semaphore, memcache_lock
 from django_tasklock.backends import backend_for
 from django_tasklock.keys import fence_id, lock_group
 from reliability.cluster import cluster_storm, failover, reshard
-from reliability.cluster import on_cluster as use_cluster
-from tests.services import RedisCluster
 from tests.workers import most_at_once, overlaps
+
+if TYPE_CHECKING:
+    from tests.services import RedisCluster
 
 CLUSTER = "django_valkey.cluster_cache.cache.ClusterValkeyCache"
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    """A cluster of this module's own, as the CACHES alias ``cluster`` here and
-    in the processes the tests spawn."""
-    server = RedisCluster().start()
-    try:
-        with use_cluster(server, "cluster"):
-            yield server
-            caches["cluster"].close()
-    finally:
-        server.stop()
-
-
 @pytest.fixture
-def on_cluster(cluster: RedisCluster, settings: object) -> RedisCluster:
+def on_cluster(redis_cluster: RedisCluster, settings: object) -> RedisCluster:
+    """The session's cluster (the CACHES alias ``cluster``, here and in the
+    processes the tests spawn), emptied, as TASKLOCK's cache."""
     settings.TASKLOCK = {"CACHE": "cluster", "LOCK_EXPIRE": 60}  # type: ignore[attr-defined]
-    cluster.flush()
-    return cluster
+    redis_cluster.flush()
+    return redis_cluster
 
 
 def slot(cluster: RedisCluster, key: str) -> int:
@@ -139,14 +129,14 @@ def test_eight_processes_never_overlap_on_the_cluster(on_cluster):
     ],
 )
 def test_valkey_aliases_that_cannot_lock_are_refused(
-    settings, cluster, backend, options, says
+    settings, redis_cluster, backend, options, says
 ):
     from django.core.management import call_command
     from django.core.management.base import SystemCheckError
 
     from django_tasklock import LockConfigurationError
 
-    location = cluster.url if backend == CLUSTER else "redis://127.0.0.1:1/0"
+    location = redis_cluster.url if backend == CLUSTER else "redis://127.0.0.1:1/0"
     config = {"BACKEND": backend, "LOCATION": location, "OPTIONS": options}
     settings.CACHES = {**settings.CACHES, "refused": config}
     settings.TASKLOCK = {"CACHE": "refused"}

@@ -17,7 +17,7 @@ from django_tasklock.console import take_inventory
 from django_tasklock.locks.liveness import forget_records
 from django_tasklock.locks.roster import SLOTS, slot_key
 from django_tasklock.status import lock_status
-from tests.helpers import SHARED_STORES, wait_until
+from tests.helpers import wait_until
 from tests.workers import Holder
 
 pytestmark = pytest.mark.django_db
@@ -43,7 +43,6 @@ def held_lock(lock_id, task="feeds.import_feed", args=(), kwargs=None, **options
     return lock
 
 
-@pytest.mark.parametrize("store", SHARED_STORES, ids=lambda store: store.name)
 def test_a_held_lock_is_listed_with_its_task_arguments_and_holder(settings, store):
     settings.TASKLOCK = {**store.tasklock, "LIVENESS": 3}
     lock = held_lock(

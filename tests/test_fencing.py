@@ -12,7 +12,7 @@ from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, LockLost
 from django_tasklock.keys import fence_id
-from tests.helpers import in_thread
+from tests.helpers import drop, in_thread, store_item, stored
 from tests.services import Memcached
 from tests.test_store_failures import use_memcached
 from tests.workers import fenced_holds, storm
@@ -32,15 +32,15 @@ def test_a_fence_never_read_leaves_no_counter(any_store):
     assert lock.acquire()
     assert lock.release()
     assert lock.fence is None
-    assert caches[any_store.alias].get(fence_id("unfenced")) is None
+    assert stored(any_store.alias, fence_id("unfenced")) is None
     assert take("unfenced") > 0
-    assert caches[any_store.alias].get(fence_id("unfenced")) is not None
+    assert stored(any_store.alias, fence_id("unfenced")) is not None
 
 
 def test_a_fence_read_after_the_lock_was_lost_raises(any_store):
     lock = Lock("lost-before-read")
     assert lock.acquire()
-    caches[any_store.alias].delete("lost-before-read")
+    drop(any_store.alias, "lost-before-read")
     thief = Lock("lost-before-read")
     assert thief.acquire()
     with pytest.raises(LockLost):
@@ -66,8 +66,8 @@ def test_fences_are_per_lock_id(any_store):
     assert second == first + 1
     # ...and "b" counts on its own counter, from its own start.
     assert others == list(range(others[0], others[0] + 5))
-    assert caches[any_store.alias].get(fence_id("a")) != caches[any_store.alias].get(
-        fence_id("b")
+    assert stored(any_store.alias, fence_id("a")) != stored(
+        any_store.alias, fence_id("b")
     )
 
 
@@ -129,16 +129,16 @@ def test_classic_protocol_fences_across_restart(settings, own_memcached):
 
 def test_corrupt_counter_is_a_clear_error_and_draws_no_fence(any_store):
     alias = any_store.alias
-    caches[alias].set(fence_id("corrupt"), "not a number")
+    store_item(alias, fence_id("corrupt"), "not a number")
     lock = Lock("corrupt")
     assert lock.acquire()
     with pytest.raises(LockBackendError, match="fencing counter") as caught:
         lock.fence  # noqa: B018 - reading it draws
     assert "Delete it" in str(caught.value)
     assert "no fence was drawn" in str(caught.value)
-    assert caches[alias].get(fence_id("corrupt")) == "not a number"
+    assert stored(alias, fence_id("corrupt")) == "not a number"
     assert lock.owned() and lock.release()  # still held, released as usual
-    caches[alias].delete(fence_id("corrupt"))
+    drop(alias, fence_id("corrupt"))
     assert take("corrupt") > 0
 
 

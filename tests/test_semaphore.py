@@ -9,7 +9,6 @@ import signal
 import time
 
 import pytest
-from django.core.cache import caches
 
 from django_tasklock import (
     Lock,
@@ -20,7 +19,7 @@ from django_tasklock import (
     single_instance,
 )
 from django_tasklock.semaphores import slot_id
-from tests.helpers import in_thread
+from tests.helpers import drop, in_thread
 from tests.workers import (
     hammer,
     most_at_once,
@@ -61,7 +60,7 @@ def test_a_release_frees_only_its_own_slot(store):
     a, b = Semaphore("owned", 2), Semaphore("owned", 2)
     assert a.acquire() and b.acquire()
     # a's slot expires (deleted, as its expiry would) and a newcomer takes it.
-    caches[store.alias].delete(slot_id("owned", a.slot))  # type: ignore[arg-type]
+    drop(store.alias, slot_id("owned", a.slot))  # type: ignore[arg-type]
     newcomer = Semaphore("owned", 2)
     assert newcomer.acquire() and newcomer.slot == a.slot
     assert a.release() is False and a.lost  # told, and left the newcomer alone

@@ -49,6 +49,12 @@ class LockBackend(abc.ABC):
     #: then rate limits decide in the store, on its clock, in one round trip;
     #: else by compare-and-swap on the client's clock.
     runs_scripts: ClassVar[bool] = False
+    #: Whether a liveness record is kept beside each lock, in the lock's own
+    #: hash slot (a cluster, where slots move between primaries), rather than
+    #: once per server: it is then written with every lock taken for a token
+    #: that promises it, and renewed beside every lock still held
+    #: (``write_records_beside``).
+    records_beside_locks: ClassVar[bool] = False
 
     def __init__(self, cache: BaseCache, alias: str, protocol: str = "auto") -> None:
         self.cache = cache
@@ -201,6 +207,14 @@ class LockBackend(abc.ABC):
         seconds; raises ``errors`` unless it was stored."""
         self.cache.set(record_id, value, timeout=ttl)
 
+    def write_records_beside(
+        self, record_id: str, value: str, ttl: int, keys: list[str]
+    ) -> None:
+        """Where ``records_beside_locks``: store the liveness record
+        ``record_id`` beside each of the locks at ``keys`` for ``ttl`` seconds;
+        raises ``errors`` unless all were stored."""
+        raise NotImplementedError(f"{self.kind} keeps records once per server")
+
     def read_record(self, key: str, record_id: str) -> object | None:
         """The liveness record ``record_id`` kept beside the lock at ``key``;
         None only when its server answered that it has none, and ``errors``
@@ -226,6 +240,20 @@ class LockBackend(abc.ABC):
     def raw(self, key: str) -> bytes | None:
         """The bytes a script stored at ``key`` (where ``runs_scripts``)."""
         raise NotImplementedError(f"{self.kind} runs no scripts")
+
+    # -- plain items (the lock console's roster: no safety matter) -----------
+
+    def add(self, key: str, value: str, timeout: int) -> bool:
+        """``cache.add``: store the cache key ``key`` unless it exists."""
+        return bool(self.cache.add(key, value, timeout=timeout))
+
+    def write_many(self, items: dict[str, str], timeout: int) -> None:
+        """``cache.set_many``, for ``timeout`` seconds."""
+        self.cache.set_many(items, timeout=timeout)
+
+    def delete_many(self, keys: list[str]) -> None:
+        """``cache.delete_many``."""
+        self.cache.delete_many(keys)
 
     def read_many(self, keys: list[str]) -> dict[str, Any]:
         """The values of the cache keys ``keys`` (before Django makes them) that

@@ -57,18 +57,24 @@ class Promotions:
     def __init__(self, errors: tuple[type[BaseException], ...]) -> None:
         self.errors = errors
 
-    def refusal(self, client: Any, slot: int) -> str | None:
-        """Why a new lock in hash slot ``slot`` must not stand, or None: the
-        slot's primary (as the client routes to it now, after any redirection)
-        took over less than the grace ago."""
+    def started(self, client: Any, slot: int) -> float | None:
+        """When the primary of hash slot ``slot`` (as the client routes to it
+        now, after any redirection) took over, on ``time.monotonic()``, if
+        less than the grace ago; else None."""
         node = client.nodes_manager.slots_cache[slot][0]
         learnt = _learnt.get(node.name)
-        now = time.monotonic()
-        if learnt is None or learnt[2] <= now:
+        if learnt is None or learnt[2] <= time.monotonic():
             learnt = self.learn(client, node)
-        started = learnt[1]
+        return learnt[1]
+
+    def refusal(self, client: Any, slot: int) -> str | None:
+        """Why a new lock in hash slot ``slot`` must not stand, or None: the
+        slot's primary took over less than the grace ago."""
+        started = self.started(client, slot)
         if started is None:
             return None
+        node = client.nodes_manager.slots_cache[slot][0]
+        now = time.monotonic()
         left = started + settings.FAILOVER_GRACE - now
         if left <= 0:
             return None

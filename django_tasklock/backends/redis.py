@@ -148,7 +148,7 @@ class RedisBackend(LockBackend):
         return str(cast(Any, self.cache)._servers[0])
 
     def describe(self, key: str) -> str:
-        return f"Redis cache {self.alias!r} at {self._server()}"
+        return f"{self.kind} cache {self.alias!r} at {self._server()}"
 
     def close(self) -> None:
         # RedisCache.close() leaves its connection pools open.

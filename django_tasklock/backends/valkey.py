@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import pickle
-from typing import TYPE_CHECKING, Any
+import socket
+import time
+from typing import Any
 
-from ..keys import lock_group
+from ..conf import settings
+from ..keys import encodable_key, lock_group, record_id
+from ..tokens import keeps_record, this_process
+from .base import ONE_PLACE, Hold, LockBackend
 from .failover import Promotions
-from .redis import DjangoRedisBackend
+from .redis import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER, DjangoRedisBackend
 
-if TYPE_CHECKING:
-    from .base import Hold
-
-__all__ = ["ValkeyBackend", "ValkeyClusterBackend", "cluster_key"]
+__all__ = ["ValkeyBackend", "ValkeyClusterBackend", "cluster_key", "slot_tag"]
 
 
 class ValkeyBackend(DjangoRedisBackend):
@@ -51,15 +54,53 @@ class ValkeyBackend(DjangoRedisBackend):
         return super()._encode(token)
 
 
-def cluster_key(make_key: Any, lock_id: str) -> str:
-    """The key of ``lock_id`` on a cluster: Django's key for the id behind a hash
-    tag made from its lock's group (``keys.lock_group``), so the lock, its
-    fencing counter, a semaphore's slots, a call's run lock and its queued mark
-    hash to one slot. The tag is hex, so no brace in an id can end it early."""
+def cluster_key(cache: Any, lock_id: str) -> str:
+    """The key of ``lock_id`` on a cluster. A lock's own key is Django's, the
+    one ``cache.add(lock_id)`` uses (the cookbook's recipe contends for it, and
+    ``cache.get(lock_id)`` reads its owner). An id derived from it (its
+    fencing counter, a semaphore's slots, a call's run lock and queued mark:
+    ``keys.lock_group``) is Django's key behind the hash tag of its group's
+    key (``slot_tag``), so every key of one lock hashes to one slot."""
+    own = encodable_key(cache, lock_id)
     group = lock_group(lock_id)
-    tag = hashlib.md5(group.encode(), usedforsecurity=False).hexdigest()[:16]
-    key: str = make_key("{" + tag + "}" + lock_id)
-    return key
+    if group == lock_id:
+        return own
+    return slot_tag(encodable_key(cache, group)) + own
+
+
+# The Redis backend's scripts, with the holder's liveness record written
+# first (KEYS[2], in the lock's own slot; ARGV's last two: its value and
+# seconds): a lock taken with a token that promises a record has it beside
+# it from the same step on.
+_RECORD_FIRST = 'redis.call("set", KEYS[2], ARGV[#ARGV - 1], "EX", ARGV[#ARGV])\n'
+_WITH_RECORD = {
+    script: _RECORD_FIRST + script for script in (_ACQUIRE, _REPLACE, _TAKE_OVER)
+}
+_SHA.update(
+    (script, hashlib.sha1(script.encode()).hexdigest())
+    for script in _WITH_RECORD.values()
+)
+
+
+def slot_tag(key: str) -> str:
+    """A hash tag that puts another key in ``key``'s hash slot: ``key``'s own
+    tag (a cluster hashes only the part between the first ``{`` and the first
+    ``}`` after it, if that part is not empty), else the whole key in braces,
+    which hashes as the key does."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start : end + 1]
+    if "}" in key:
+        raise ValueError(
+            f"The cache key {key!r} has braces that are no hash tag (an empty "
+            "'{}', or a '}' with no '{' before it), so no other key can share "
+            "its cluster hash slot: a lock's fencing counter and liveness "
+            "records could not be kept beside it. Use a lock id without '}', or "
+            "one with a hash tag of its own ('{feeds}-import-1')."
+        )
+    return "{" + key + "}"
 
 
 class ValkeyClusterBackend(ValkeyBackend):
@@ -68,61 +109,220 @@ class ValkeyClusterBackend(ValkeyBackend):
     Every command goes to the primary that serves its key's slot now
     (valkey-py's cluster client follows ``MOVED`` and ``ASK``; it never reads
     from a replica unless ``read_from_replicas`` is set, which the system
-    checks refuse). Liveness records are not kept on a cluster yet: a record
-    must live on the primary of every lock it vouches for, and slots move
-    between primaries; so tokens promise none, and a crashed holder's lock
-    lasts until it expires (``LOCK_EXPIRE``), as on a store without records.
+    checks refuse).
+
+    A holder's liveness record lives beside each of its locks, in the lock's
+    own hash slot (``records_beside_locks``): written in the script that takes
+    the lock, renewed beside every lock still held at each beat (one pipelined
+    round trip per primary holding some), and moved and failed over with the
+    lock, never apart from it. A contender reads it in that slot, on the
+    slot's primary; on a primary that took over within the grace, it reads
+    nothing ("could not tell"), since the record may be one the failover lost.
     """
 
     kind = "Valkey cluster"
+    records_beside_locks = True
 
     def __init__(self, cache: Any, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
         self.promotions = Promotions(self.errors)
         #: key -> its hash slot, remembered (the CRC is computed in Python).
         self._slots: dict[str, int] = {}
+        #: lock key -> the key of this process's liveness record beside it.
+        self._beside: dict[str, str] = {}
+        self._record_id = record_id(socket.gethostname(), this_process())
 
     def key_for(self, lock_id: str) -> str:
-        return cluster_key(self.cache.make_key, lock_id)
+        return cluster_key(self.cache, lock_id)
+
+    # -- taking a lock: with the record beside it, refused after a failover --
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        hold = super().acquire(key, token, expire)
+        hold = self._take(_ACQUIRE, key, None, token, expire)
         if hold is not None:
             self._keep_unless_promoted(key, token)
         return hold
+
+    def reassert(self, key: str, token: str, expire: float) -> Hold | None:
+        # A lock the failover lost, put back by its live holder: never refused.
+        return self._take(_ACQUIRE, key, None, token, expire)
 
     def take_over(
         self, key: str, expected: str, token: str, expire: float
     ) -> Hold | None:
-        hold = super().take_over(key, expected, token, expire)
+        hold = self._take(_TAKE_OVER, key, expected, token, expire)
+        if hold is None:  # a mark another serializer wrote: compared decoded
+            hold = LockBackend.take_over(self, key, expected, token, expire)
         if hold is not None:
             self._keep_unless_promoted(key, token)
         return hold
 
-    def _keep_unless_promoted(self, key: str, token: str) -> None:
-        """Give back a lock just taken on a primary that took over within the
-        grace (``failover``), and raise; also when its run cannot be read."""
-        client = self._redis(key)
+    def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        value = self._encode(new)
+        milliseconds = math.ceil(expire * 1000)
+        keys, extra = self._with_record(key, new)
+        script = _WITH_RECORD[_REPLACE] if extra else _REPLACE
+        if self._script(script, keys, hold, value, milliseconds, *extra):
+            return value
+        return None
+
+    def _take(
+        self, script: str, key: str, expected: str | None, token: str, expire: float
+    ) -> Hold | None:
+        """Run ``_ACQUIRE`` or ``_TAKE_OVER`` (``expected``: the queued mark)
+        for ``token``, once more if the reply was lost (as the Redis backend's
+        acquire)."""
+        value = self._encode(token)
+        milliseconds = math.ceil(expire * 1000)
+        keys, extra = self._with_record(key, token)
+        if extra:
+            script = _WITH_RECORD[script]
+        head = () if expected is None else (self._encode(expected),)
+        arguments = (*head, value, milliseconds, *extra)
+        try:
+            taken = self._script(script, keys, *arguments)
+        except self._dropped:
+            taken = self._script(script, keys, *arguments)
+        return value if taken else None
+
+    def _with_record(
+        self, key: str, token: str
+    ) -> tuple[tuple[str, ...], tuple[object, ...]]:
+        """The keys of a script taking the lock at ``key`` for ``token``, and
+        the arguments that write its liveness record beside it (none for a
+        token that promises no record)."""
+        if not keeps_record(token):
+            return (key,), ()
+        ttl = settings.LIVENESS
+        if ttl is None:  # LIVENESS unset since the token was made
+            return (key,), ()
+        stamp = f"{time.time():.3f}".encode()
+        return (key, self._record_key(key)), (stamp, math.ceil(ttl))
+
+    def _record_key(self, key: str, record: str | None = None) -> str:
+        """The key of a liveness record (this process's by default) beside the
+        lock at ``key``: in its hash slot."""
+        if record is not None:
+            return slot_tag(key) + str(self.cache.make_key(record))
+        made = self._beside.get(key)
+        if made is None:
+            if len(self._beside) >= 10_000:
+                self._beside.clear()
+            made = self._beside[key] = slot_tag(key) + str(
+                self.cache.make_key(self._record_id)
+            )
+        return made
+
+    def _slot(self, client: Any, key: str) -> int:
         slot = self._slots.get(key)
         if slot is None:
             if len(self._slots) >= 10_000:
                 self._slots.clear()
             slot = self._slots[key] = client.keyslot(key)
-        try:
-            why = self.promotions.refusal(client, slot)
-        except self.errors as exc:
-            why = f"whether its primary took over lately could not be read ({exc})"
+        return slot
+
+    def _keep_unless_promoted(self, key: str, token: str) -> None:
+        """Give back a lock just taken on a primary that took over within the
+        grace (``failover``), and raise; also when its run cannot be read."""
+        why = self._promoted(key)
         if why is None:
             return
         with contextlib.suppress(*self.errors):  # else it expires, held by nobody
             self.discard(key, token)
         raise self.errors[0](why)
 
-    def _server(self) -> str:
-        return "cluster " + str(self._cache_client._server[0])
+    def _promoted(self, key: str) -> str | None:
+        """Why the primary of ``key``'s slot must not be trusted with new locks
+        (it took over within the grace, or whether it did could not be read),
+        or None."""
+        client = self._redis(key)
+        try:
+            return self.promotions.refusal(client, self._slot(client, key))
+        except self.errors as exc:
+            return f"whether its primary took over lately could not be read ({exc})"
+
+    def restarted_at(self, key: str) -> float | None:
+        client = self._redis(key)
+        return self.promotions.started(client, self._slot(client, key))
+
+    # -- liveness records, beside each lock ------------------------------------
 
     def record_places(self) -> list[object]:
-        return []
+        return [ONE_PLACE]
+
+    def write_records_beside(
+        self, record_id: str, value: str, ttl: int, keys: list[str]
+    ) -> None:
+        if not keys:
+            return
+        client = self._redis(keys[0])
+        pipe = client.pipeline()
+        stamp = value.encode()
+        for record_key in {self._record_key(key, record_id) for key in keys}:
+            pipe.set(record_key, stamp, ex=ttl)
+        pipe.execute()  # one round trip per primary; raises if any failed
+
+    def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
+        """Nothing: on a cluster a record lives beside each lock."""
+
+    def delete_record(self, place: object, record_id: str) -> None:
+        """Nothing: the records beside locks expire with ``LIVENESS``; a
+        process on its way out releases its locks first, so none needs them."""
+
+    def read_record(self, key: str, record_id: str) -> object | None:
+        why = self._promoted(key)
+        if why is not None:
+            raise self.errors[0](f"the record may be one the failover lost: {why}")
+        record_key = self._record_key(key, record_id)
+        raw = self._redis(record_key).get(record_key)
+        return None if raw is None else raw.decode()
+
+    # -- reads across primaries --------------------------------------------------
+
+    def held_many(self, keys: list[str]) -> list[bool]:
+        client = self._redis(keys[0])
+        tag = slot_tag(keys[0])
+        if all(slot_tag(key) == tag for key in keys):  # a semaphore's slots
+            values = client.mget(keys)
+        else:  # one MGET per slot, pipelined: a round trip per primary
+            values = client.mget_nonatomic(keys)
+        return [value is not None for value in values]
+
+    # django-valkey's cluster cache drops set_many's timeout: written here.
+
+    def add(self, key: str, value: str, timeout: int) -> bool:
+        made = self.key_for(key)
+        return bool(
+            self._redis(made).set(made, self._encode(value), ex=timeout, nx=True)
+        )
+
+    def write_many(self, items: dict[str, str], timeout: int) -> None:
+        pipe = self._redis("").pipeline()
+        for key, value in items.items():
+            pipe.set(self.key_for(key), self._encode(value), ex=timeout)
+        pipe.execute()  # a round trip per primary
+
+    def delete_many(self, keys: list[str]) -> None:
+        pipe = self._redis("").pipeline()
+        for key in keys:
+            pipe.delete(self.key_for(key))
+        pipe.execute()
+
+    def read_many(self, keys: list[str]) -> dict[str, Any]:
+        if not keys:
+            return {}
+        made = [self.key_for(key) for key in keys]
+        values = self._redis(made[0]).mget_nonatomic(made)
+        return {
+            key: self._decode(raw)
+            for key, raw in zip(keys, values, strict=True)
+            if raw is not None
+        }
+
+    def _server(self) -> str:
+        return str(self._cache_client._server[0])
 
     def uptimes(self) -> dict[str, float]:
         # Every primary's: a restarted one may have come back empty.
@@ -132,15 +332,6 @@ class ValkeyClusterBackend(ValkeyBackend):
             str(node): float(fields["uptime_in_seconds"])
             for node, fields in info.items()
         }
-
-    def read_many(self, keys: list[str]) -> dict[str, Any]:
-        found: dict[str, Any] = {}
-        for key in keys:  # each its own slot: no multi-key read across slots
-            made = self.key_for(key)
-            raw = self._redis(made).get(made)
-            if raw is not None:
-                found[key] = self._decode(raw)
-        return found
 
     def close(self) -> None:
         primary, self._primary = self._primary, None

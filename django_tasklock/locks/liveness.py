@@ -40,6 +40,7 @@ from django.core.signals import setting_changed
 
 from ..backends import backend_for, close_thread_connections
 from ..conf import settings
+from ..keys import RECORD_PREFIX, record_id
 from ..tokens import new_live_token, new_token, this_process
 from .loss import report_lost
 from .roster import Entry, Roster
@@ -63,14 +64,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-RECORD_PREFIX: Final = "tasklock-alive:"
-
-
-def record_id(host: str, process: str) -> str:
-    """The cache key (before Django's prefix) of a process's liveness record;
-    ``process`` as tokens write it, without the ``-s`` flag."""
-    return f"{RECORD_PREFIX}{host}:{process}"
 
 
 class Records:
@@ -180,7 +173,12 @@ class Record:
             # from this process, and stay reported lost even once it is
             # renewed.
             self.lapsed_at = sent
-        backend.write_record(self.place, self.id, f"{time.time():.3f}", self.timeout)
+        value = f"{time.time():.3f}"
+        if backend.records_beside_locks:  # a cluster: beside each lock held
+            keys = list({acq.key for acq in list(self.held.values())})
+            backend.write_records_beside(self.id, value, self.timeout, keys)
+        else:
+            backend.write_record(self.place, self.id, value, self.timeout)
         self.valid_until = sent + backend.shortest_life(self.timeout)
         self.due = sent + 3 * self.every
         self.beats += 1

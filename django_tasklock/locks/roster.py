@@ -36,6 +36,8 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
+from ..keys import ROSTER_PREFIX
+
 if TYPE_CHECKING:
     from ..backends import LockBackend
 
@@ -65,7 +67,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ROSTER_PREFIX: Final = "tasklock-roster:"
 #: How many processes one store's roster lists.
 SLOTS: Final = 1024
 #: Entries per roster item (memcached keeps items up to 1 MB by default).
@@ -265,9 +266,9 @@ class Roster:
         items = {slot_key(self.slot): json.dumps(head, separators=(",", ":"))}
         for i, chunk in enumerate(chunks[1:], start=1):
             items[slot_key(self.slot, i)] = json.dumps(chunk, separators=(",", ":"))
-        backend.cache.set_many(items, timeout=timeout)
+        backend.write_many(items, timeout)
         if self.chunks > len(chunks):
-            backend.cache.delete_many(
+            backend.delete_many(
                 [slot_key(self.slot, i) for i in range(len(chunks), self.chunks)]
             )
         self.chunks = len(chunks)
@@ -302,7 +303,7 @@ class Roster:
         for slot in range(SLOTS):
             if slot_key(slot) in taken:
                 continue
-            if backend.cache.add(slot_key(slot), "{}", timeout=60):
+            if backend.add(slot_key(slot), "{}", 60):
                 return slot
         if not self.full_warned:
             logger.warning(
@@ -318,7 +319,7 @@ class Roster:
         """Delete the slot, if it is still this process's (the process is on
         its way out); raises ``backend.errors``."""
         if self.slot is not None and self.slot >= 0 and self._still_ours(backend):
-            backend.cache.delete_many(
+            backend.delete_many(
                 [slot_key(self.slot, i) for i in range(max(self.chunks, 1))]
             )
         self.slot, self.listed = None, {}
