@@ -12,7 +12,7 @@ from django.core.cache import caches
 from django_tasklock import Lock, Semaphore, memcache_lock
 from django_tasklock.backends import backend_for
 from django_tasklock.keys import fence_id, lock_group
-from reliability.cluster import cluster_storm, failover, reshard
+from reliability.cluster import FAILOVER_GRACE, cluster_storm, failover, reshard
 from tests.workers import most_at_once, overlaps
 
 if TYPE_CHECKING:
@@ -226,21 +226,31 @@ def test_single_instance_skips_a_duplicate_and_status_reads_the_holder(on_cluste
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("grace", [0, 60], ids=["no grace (control)", "grace"])
+@pytest.mark.parametrize(
+    "grace", [0, FAILOVER_GRACE], ids=["no grace (control)", "grace"]
+)
 def test_a_failover_that_lost_locks_grants_none_of_them_again(grace):
     """Twenty locks acknowledged by a primary that never replicated them (its
-    replica cut off), then the primary SIGKILLed and its replica promoted. A
-    process that never saw the old primary takes none of them while the grace
-    runs; without the grace (the control) it takes every one: twenty second
-    holders, which is what the grace exists to prevent. Their holders are told
-    either way: the locks are gone."""
+    replica cut off), held by this process, then the primary SIGKILLed and its
+    replica promoted. A process that never saw the old primary takes none of
+    them while the grace runs; the holders, alive, put every one back, so
+    after the grace it still takes none, while a fresh lock on that primary
+    is granted. Without the grace (the control) it takes every one: twenty
+    second holders, which is what the grace exists to prevent, and each
+    holder is told."""
     result = failover(grace)
-    assert len(result.ids) == 20 and result.told == 20
+    assert len(result.ids) == 20
     if grace == 0:
         assert result.taken == 20, result.outcomes
+        assert result.told == 20 and result.put_back == 0
     else:
-        assert result.taken == 0, result.outcomes
+        assert result.taken == 0, (result.outcomes, result.later)
         assert result.refused_naming == 20, result.outcomes
+        assert result.put_back == 20 and result.told == 0
+        assert result.later == ["refused"] * 20, result.later
+        # Granted once the grace, counted from the promotion's first sight,
+        # is over: not before the kill plus the grace.
+        assert grace <= result.granted_after <= result.promoted_after + grace + 5
 
 
 @pytest.mark.slow
