@@ -6,7 +6,9 @@ each) through django-valkey's ClusterValkeyCache. Shared with
 45. a primary SIGKILLed holding twenty locks it never replicated (its replica cut
     off), the replica promoted: a process that never saw the old primary takes
     none of them while the grace runs (and, the control, every one without it);
-46. a lock's hash slot moved between two primaries, keys and all, under a storm.
+46. a lock's hash slot moved between two primaries, keys and all, under a storm;
+47. and 48. cases 28 and 29 (a Celery pool child SIGKILLed, a whole worker on
+    another host SIGKILLed) with the workers' locks on the cluster.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reliability.faults import Row
-from tests.services import RedisCluster
+from tests.services import Redis, RedisCluster
 from tests.workers import hammer, most_at_once, overlaps, storm
 
 if TYPE_CHECKING:
@@ -142,7 +144,13 @@ class Failover:
 
     @property
     def refused_naming(self) -> int:
+        """Tries refused naming the promotion (the others, refused as held,
+        came after the holders had put their locks back)."""
         return sum("took over its slots" in outcome for outcome in self.outcomes)
+
+    @property
+    def refused(self) -> int:
+        return self.refused_naming + self.outcomes.count("refused")
 
 
 def failover(grace: float, locks: int = 20) -> Failover:
@@ -300,17 +308,48 @@ def reshard(cluster: RedisCluster, alias: str, wanted: int, times: int = 6) -> R
     return result
 
 
-def run(quick: bool) -> list[Row]:
+def run(redis: Redis, quick: bool) -> list[Row]:
     cluster = RedisCluster().start()
     rows = []
     try:
         with on_cluster(cluster, "cluster"):
             rows.append(_storm_row(quick))
             rows.append(_reshard_row(cluster, quick))
+            rows += _celery_rows(redis, 1 if quick else 3)
         rows.append(_failover_row(quick))
     finally:
         cluster.stop()
-    return rows
+    return sorted(rows, key=lambda row: int(row.case.split(".", 1)[0]))
+
+
+def _celery_rows(redis: Redis, tries: int) -> list[Row]:
+    """Cases 28 and 29 with the locks on the cluster: real ``celery worker``
+    processes whose TASKLOCK CACHE is the cluster alias."""
+    from reliability import recovery
+    from reliability.calls import _broker
+    from tests import tasks
+    from tests.workers import start_workers, stop_workers
+
+    broker = _broker(redis)
+    tasks.forget_runs()
+    before = os.environ.get("TASKLOCK_TEST_CACHE")
+    os.environ["TASKLOCK_TEST_CACHE"] = "cluster"  # the workers', here and far
+    try:
+        workers = start_workers(broker, ["fault-cluster"], concurrency=4)
+        try:
+            return [
+                recovery.child_killed(tries, "47. cluster: pool child SIGKILLed"),
+                recovery.worker_killed_elsewhere(
+                    broker, tries, "48. cluster: worker elsewhere SIGKILLed"
+                ),
+            ]
+        finally:
+            stop_workers(workers)
+    finally:
+        if before is None:
+            os.environ.pop("TASKLOCK_TEST_CACHE", None)
+        else:
+            os.environ["TASKLOCK_TEST_CACHE"] = before
 
 
 def cluster_storm(wanted: int) -> tuple[list[tuple[float, float]], int]:
@@ -359,7 +398,7 @@ def _reshard_row(cluster: RedisCluster, quick: bool) -> Row:
 
 def _failover_row(quick: bool) -> Row:
     tries = 1 if quick else 3
-    attempts = wrong = second = refused = back = 0
+    attempts = wrong = second = refused = naming = back = 0
     promoted: list[float] = []
     settled: list[float] = []
     granted: list[float] = []
@@ -367,7 +406,8 @@ def _failover_row(quick: bool) -> Row:
         result = failover(grace=FAILOVER_GRACE)
         attempts += len(result.ids)
         second += result.taken
-        refused += result.refused_naming
+        refused += result.refused
+        naming += result.refused_naming
         back += result.put_back
         # Every holder keeps its lock (put back); a fresh lock is granted
         # once the grace is over.
@@ -385,8 +425,9 @@ def _failover_row(quick: bool) -> Row:
     )
     row.figures.append(
         f"second holders {second}/{attempts} (during and after the "
-        f"{FAILOVER_GRACE:.0f}s grace); refused naming the promotion "
-        f"{refused}/{attempts}; put back by their live holders {back}/{attempts}, "
+        f"{FAILOVER_GRACE:.0f}s grace); refused {refused}/{attempts} ({naming} "
+        f"naming the promotion, the others held again); put back by their live "
+        f"holders {back}/{attempts}, "
         f"{max(settled):.1f}s after the kill at most; replica promoted "
         f"{min(promoted):.1f}-{max(promoted):.1f}s after the kill; new locks "
         f"granted again {min(granted):.1f}-{max(granted):.1f}s after it; without "

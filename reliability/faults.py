@@ -119,7 +119,7 @@ PARTS: dict[str, tuple[int, ...]] = {
     "limits": (27,),
     "recovery": tuple(range(30, 34)),
     "deployments": tuple(range(34, 44)),
-    "cluster": (44, 45, 46),
+    "cluster": tuple(range(44, 49)),
 }
 
 
@@ -139,6 +139,7 @@ def run(quick: bool, parts: tuple[str, ...] = tuple(PARTS)) -> list[Row]:
         "semaphores": (main,),
         "pools": (main,),
         "calls": (redis_server,),
+        "cluster": (redis_server,),
     }
     rows = []
     try:

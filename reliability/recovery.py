@@ -103,7 +103,9 @@ def _slot_tokens(key: str) -> dict[int, object]:
     return {slot: lock_status(slot_id(lock_id, slot)).value for slot in range(2)}
 
 
-def child_killed(tries: int) -> Row:
+def child_killed(
+    tries: int, case: str = "28. pool child SIGKILLed, LOCK_EXPIRE 600"
+) -> Row:
     """28. A pool process SIGKILLed mid-body holding a 600 s lock
     (while_running, until_finished, a ``limit=2`` slot), after the same call
     was sent once more while it held it; the same call sent again once the
@@ -160,7 +162,7 @@ def child_killed(tries: int) -> Row:
         except AssertionError:
             wrong += 1
         tasks.let_go(key)
-    row = Row("28. pool child SIGKILLed, LOCK_EXPIRE 600", attempts, overlapping, wrong)
+    row = Row(case, attempts, overlapping, wrong)
     row.figures.append(
         f"the same call ran again {_spread(again)}s after the kill (while_running, "
         "until_finished, a limit=2 slot); the other slot's live holder kept it "
@@ -197,7 +199,11 @@ def _far_worker(broker: dict[str, str], host: str) -> subprocess.Popen[bytes]:
     return process
 
 
-def worker_killed_elsewhere(broker: dict[str, str], tries: int) -> Row:
+def worker_killed_elsewhere(
+    broker: dict[str, str],
+    tries: int,
+    case: str = "29. whole worker on another host SIGKILLed",
+) -> Row:
     """29. A whole worker (parent and child) on another host SIGKILLed while
     its call holds a 600 s lock; the same call, sent to a worker here, waits
     for the lock (``on_contention="wait"``). Wrong: it started later than
@@ -233,9 +239,7 @@ def worker_killed_elsewhere(broker: dict[str, str], tries: int) -> Row:
         took.append(started - killed)
         overlapping += took[-1] < 0
         wrong += took[-1] > LIVENESS + 2 + SLACK or took[-1] < LIVENESS - 2
-    row = Row(
-        "29. whole worker on another host SIGKILLed", attempts, overlapping, wrong
-    )
+    row = Row(case, attempts, overlapping, wrong)
     row.figures.append(
         f"the call ran on this host {_spread(took)}s after the kill "
         f"(LIVENESS {LIVENESS:.0f}s, LOCK_EXPIRE 600)"

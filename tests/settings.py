@@ -108,6 +108,10 @@ if os.environ.get("TASKLOCK_TEST_EXTRA_CACHES"):
     CACHES.update(json.loads(os.environ["TASKLOCK_TEST_EXTRA_CACHES"]))
 
 TASKLOCK: dict[str, object] = {"LOCK_EXPIRE": 60}
+# Worker processes of the cluster's fault cases (reliability/cluster.py) lock
+# in another alias.
+if os.environ.get("TASKLOCK_TEST_CACHE"):
+    TASKLOCK["CACHE"] = os.environ["TASKLOCK_TEST_CACHE"]
 # Worker processes of the metrics tests (tests/test_metrics.py) export them.
 if os.environ.get("TASKLOCK_TEST_METRICS"):
     TASKLOCK["METRICS"] = "prometheus"
