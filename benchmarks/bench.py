@@ -11,7 +11,9 @@ the ratios compare like with like on a shared, noisy machine:
    each median's ratio to the floor's: raw pymemcache ``add`` + ``delete`` on one
    connection.
 2. Contended: 8 processes on one lock id for a fixed time, acquisitions per
-   second, for the floor (raw ``add``/``delete``) and for ``Lock``, alternated.
+   second, for the floor (raw ``add``/``delete``) and for ``Lock``, alternated;
+   the same on a private Redis Cluster (three primaries, a replica each),
+   against valkey-py's cluster client (SET NX PX + Lua compare-and-delete).
 3. End to end: a storm of duplicate Celery tasks over real worker processes
    (prefork, on a private Redis broker), with and without ``@single_instance``,
    time until every task has finished, alternated.
@@ -41,7 +43,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tables import write_section  # noqa: E402
-from tests.services import Memcached, Redis, celery_worker, stop_process  # noqa: E402
+from tests.services import (  # noqa: E402
+    Memcached,
+    Redis,
+    RedisCluster,
+    celery_worker,
+    stop_process,
+)
 
 if TYPE_CHECKING:
     import subprocess
@@ -226,6 +234,58 @@ def measure_contended(
                 start_at = time.monotonic() + 1.0
                 counts = pool.starmap(
                     contend, [(memcached, variant, start_at, seconds)] * processes
+                )
+                totals[variant] += sum(counts)
+    return {variant: total / (seconds * rounds) for variant, total in totals.items()}
+
+
+def contend_cluster(variant: str, start_at: float, seconds: float) -> int:
+    """One of the processes contending on the cluster: acquisitions it made in
+    the window, through valkey-py's cluster client (SET NX PX, then a Lua
+    compare-and-delete) or a ``Lock`` on the ``cluster`` alias."""
+    from valkey.cluster import ValkeyCluster
+
+    from django_tasklock import Lock
+
+    raw = ValkeyCluster.from_url(os.environ["TASKLOCK_TEST_CLUSTER"])
+    delete_if = raw.register_script(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('del', KEYS[1]) end return 0"
+    )
+    token = f"{os.getpid()}".encode()
+    count = 0
+    while time.monotonic() < start_at:
+        time.sleep(0.001)
+    deadline = start_at + seconds
+    while time.monotonic() < deadline:
+        if variant == "floor":
+            if raw.set("bench-contended-floor", token, nx=True, px=60_000):
+                delete_if(keys=["bench-contended-floor"], args=[token])
+                count += 1
+        else:
+            lock = Lock("bench-contended-lock", cache="cluster")
+            if lock.acquire():
+                lock.release()
+                count += 1
+    raw.close()
+    return count
+
+
+def measure_contended_cluster(
+    memcached: str, processes: int, seconds: float, rounds: int
+) -> dict[str, float]:
+    """As ``measure_contended``, on the cluster (TASKLOCK_TEST_CLUSTER)."""
+    context = multiprocessing.get_context("spawn")
+    totals = {"floor": 0, "Lock": 0}
+    with context.Pool(
+        processes, initializer=setup_django, initargs=(memcached,)
+    ) as pool:
+        pool.map(time.sleep, [0.05] * processes * 4)
+        for _ in range(rounds):
+            for variant in random.sample(list(totals), len(totals)):
+                start_at = time.monotonic() + 1.0
+                counts = pool.starmap(
+                    contend_cluster, [(variant, start_at, seconds)] * processes
                 )
                 totals[variant] += sum(counts)
     return {variant: total / (seconds * rounds) for variant, total in totals.items()}
@@ -576,6 +636,7 @@ def render(
     storm: dict[str, float] | None,
     about: str,
     command: str,
+    cluster: dict[str, float] | None = None,
 ) -> tuple[str, list[str]]:
     floor = statistics.median(samples["floor (raw add+delete)"])
     misses: list[str] = []
@@ -622,6 +683,16 @@ def render(
         f"    {'Lock':<36} {contended['Lock']:>9.0f} {'':>9} {ratio:>7.2f}x  "
         f">= 0.9x {'met' if ratio >= 0.9 else 'MISSED'}",
     ]
+    if cluster is not None:
+        on_cluster = cluster["Lock"] / cluster["floor"]
+        lines += [
+            "",
+            f"    {'contended on a Redis Cluster':<36} {'acq/s':>9} {'':>9} {'x floor':>8}",
+            f"    {'floor (valkey-py SET NX + Lua del)':<36} {cluster['floor']:>9.0f} "
+            f"{'':>9} {1:>7.2f}x",
+            f"    {'Lock (ClusterValkeyCache)':<36} {cluster['Lock']:>9.0f} {'':>9} "
+            f"{on_cluster:>7.2f}x",
+        ]
     if storm is not None:
         slower = storm["@single_instance"] / storm["without lock"] - 1
         if slower > 0.10:
@@ -672,6 +743,18 @@ def main(argv: list[str] | None = None) -> int:
             seconds=0.5 if quick else 3.0,
             rounds=1 if quick else 2,
         )
+        print("contended on a cluster...", flush=True)
+        cluster = RedisCluster().start()
+        try:
+            os.environ["TASKLOCK_TEST_CLUSTER"] = cluster.url
+            on_cluster = measure_contended_cluster(
+                memcached.address,
+                processes=8,
+                seconds=0.5 if quick else 3.0,
+                rounds=1 if quick else 2,
+            )
+        finally:
+            cluster.stop()
         print("what the store keeps per lock id...", flush=True)
         scale = measure_scale((1_000,) if quick else (10_000, 100_000))
         storm = peers = None
@@ -700,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         command = "python -m benchmarks.bench" + (" --quick" if quick else "")
         table, misses = render(
-            samples, wire, contended, storm, versions(memcached), command
+            samples, wire, contended, storm, versions(memcached), command, on_cluster
         )
         table += "\n" + "\n".join(scale) + "\n"
         print()
