@@ -26,6 +26,7 @@ __all__ = [
     "FENCE_COUNTER_TTL",
     "KEEPS_RECORD",
     "KEPT_ELSEWHERE",
+    "TOKENS",
     "fence_counter",
     "holder_alive",
     "local_verdict",
@@ -115,16 +116,13 @@ KEEPS_RECORD: Final = "-s"
 KEPT_ELSEWHERE: Final = "-r"
 
 _tokens = _Tokens()
+#: This process's token maker: ``TOKENS.live_prefix in token`` tells whether a
+#: token this process made promises a liveness record (``new_live``).
+TOKENS = _tokens
 #: A new token for ``owner`` (see ``_Tokens.new``); bound methods, called once
 #: per acquire.
 new_token = _tokens.new
 new_live_token = _tokens.new_live
-
-
-def keeps_record(token: str) -> bool:
-    """Whether ``token``, made by this process, promises a liveness record
-    (``new_live_token``)."""
-    return _tokens.live_prefix in token
 
 
 def this_process() -> str:

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..conf import settings
 
-__all__ = ["MARK_PREFIX", "Promotions"]
+__all__ = ["LEARNT", "MARK_PREFIX", "Promotions"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ LEARN_EVERY = 2.0
 # Per primary address: (replication id, when its run as primary started on
 # time.monotonic(), or None when nothing is refused there, when to ask again).
 _learnt: dict[str, tuple[str, float | None, float]] = {}
+#: The same table, read by the cluster backend's fast path (a primary known,
+#: refusing nothing, and not due to be asked again).
+LEARNT = _learnt
 _tags: dict[str, str] = {}
 _mutex = threading.Lock()
 

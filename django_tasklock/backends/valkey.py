@@ -20,9 +20,9 @@ from typing import Any
 
 from ..conf import settings
 from ..keys import encodable_key, lock_group, record_id
-from ..tokens import keeps_record, this_process
+from ..tokens import TOKENS, this_process
 from .base import ONE_PLACE, Hold, LockBackend
-from .failover import Promotions
+from .failover import LEARNT, Promotions
 from .redis import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER, DjangoRedisBackend
 
 __all__ = ["ValkeyBackend", "ValkeyClusterBackend", "cluster_key", "slot_tag"]
@@ -130,6 +130,10 @@ class ValkeyClusterBackend(ValkeyBackend):
         self._slots: dict[str, int] = {}
         #: lock key -> the key of this process's liveness record beside it.
         self._beside: dict[str, str] = {}
+        #: record key -> until when (monotonic) this thread need not write the
+        #: record there again: half its life after it last did.
+        self._fresh: dict[str, float] = {}
+        self._tokens = TOKENS
         self._record_id = record_id(socket.gethostname(), this_process())
 
     def key_for(self, lock_id: str) -> str:
@@ -138,10 +142,17 @@ class ValkeyClusterBackend(ValkeyBackend):
     # -- taking a lock: with the record beside it, refused after a failover --
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        hold = self._take(_ACQUIRE, key, None, token, expire)
-        if hold is not None:
-            self._keep_unless_promoted(key, token)
-        return hold
+        # _take, inlined: the hot path.
+        value = self._encode(token)
+        arguments = (value, math.ceil(expire * 1000))
+        try:
+            taken = self._run(_ACQUIRE, key, token, arguments)
+        except self._dropped:
+            taken = self._run(_ACQUIRE, key, token, arguments)
+        if not taken:
+            return None
+        self._keep_unless_promoted(key, token)
+        return value
 
     def reassert(self, key: str, token: str, expire: float) -> Hold | None:
         # A lock the failover lost, put back by its live holder: never refused.
@@ -161,10 +172,8 @@ class ValkeyClusterBackend(ValkeyBackend):
         self, key: str, hold: Hold, old: object, new: str, expire: float
     ) -> Hold | None:
         value = self._encode(new)
-        milliseconds = math.ceil(expire * 1000)
-        keys, extra = self._with_record(key, new)
-        script = _WITH_RECORD[_REPLACE] if extra else _REPLACE
-        if self._script(script, keys, hold, value, milliseconds, *extra):
+        arguments = (hold, value, math.ceil(expire * 1000))
+        if self._run(_REPLACE, key, new, arguments):
             return value
         return None
 
@@ -176,30 +185,41 @@ class ValkeyClusterBackend(ValkeyBackend):
         acquire)."""
         value = self._encode(token)
         milliseconds = math.ceil(expire * 1000)
-        keys, extra = self._with_record(key, token)
-        if extra:
-            script = _WITH_RECORD[script]
-        head = () if expected is None else (self._encode(expected),)
-        arguments = (*head, value, milliseconds, *extra)
+        arguments: tuple[object, ...] = (value, milliseconds)
+        if expected is not None:
+            arguments = (self._encode(expected), *arguments)
         try:
-            taken = self._script(script, keys, *arguments)
+            taken = self._run(script, key, token, arguments)
         except self._dropped:
-            taken = self._script(script, keys, *arguments)
+            taken = self._run(script, key, token, arguments)
         return value if taken else None
 
-    def _with_record(
-        self, key: str, token: str
-    ) -> tuple[tuple[str, ...], tuple[object, ...]]:
-        """The keys of a script taking the lock at ``key`` for ``token``, and
-        the arguments that write its liveness record beside it (none for a
-        token that promises no record)."""
-        if not keeps_record(token):
-            return (key,), ()
-        ttl = settings.LIVENESS
-        if ttl is None:  # LIVENESS unset since the token was made
-            return (key,), ()
-        stamp = f"{time.time():.3f}".encode()
-        return (key, self._record_key(key)), (stamp, math.ceil(ttl))
+    def _run(
+        self, script: str, key: str, token: str, arguments: tuple[object, ...]
+    ) -> Any:
+        """Run ``script`` on the lock at ``key`` for ``token``: with this
+        process's liveness record written first, beside the lock, when the
+        token promises one and this thread has not written it there within
+        half its life (the record's thread renews it beside every lock held,
+        every beat)."""
+        if self._tokens.live_prefix in token:  # it promises a record
+            record_key = self._beside.get(key) or self._record_key(key)
+            sent = time.monotonic()
+            ttl = None if self._fresh.get(record_key, 0.0) > sent else settings.LIVENESS
+            if ttl is not None:
+                stamp = b"%.3f" % time.time()
+                result = self._script(
+                    _WITH_RECORD[script],
+                    (key, record_key),
+                    *arguments,
+                    stamp,
+                    math.ceil(ttl),
+                )
+                if len(self._fresh) >= 10_000:
+                    self._fresh.clear()
+                self._fresh[record_key] = sent + ttl / 2
+                return result
+        return self._script(script, (key,), *arguments)
 
     def _record_key(self, key: str, record: str | None = None) -> str:
         """The key of a liveness record (this process's by default) beside the
@@ -226,6 +246,16 @@ class ValkeyClusterBackend(ValkeyBackend):
     def _keep_unless_promoted(self, key: str, token: str) -> None:
         """Give back a lock just taken on a primary that took over within the
         grace (``failover``), and raise; also when its run cannot be read."""
+        client = self._primary or self._redis(key)
+        slot = self._slots.get(key)
+        if slot is not None:  # the fast path: its primary known and quiet
+            learnt = LEARNT.get(client.nodes_manager.slots_cache[slot][0].name)
+            if (
+                learnt is not None
+                and learnt[1] is None
+                and learnt[2] > time.monotonic()
+            ):
+                return
         why = self._promoted(key)
         if why is None:
             return
