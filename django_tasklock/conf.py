@@ -426,11 +426,11 @@ class Settings:
     @property
     def FAILOVER_GRACE(self) -> float:
         """Seconds after a cluster primary was promoted (or restarted) during
-        which new locks on it are refused: ``RESTART_GRACE`` if set, else
-        ``LOCK_EXPIRE`` (a cluster keeps no liveness records yet, so no live
-        holder puts back a lock the promotion lost)."""
-        value: float | None = self._get("RESTART_GRACE")
-        return self.LOCK_EXPIRE if value is None else value
+        which new locks on it are refused: ``RESTART_GRACE``, and for the same
+        reason (holders that keep liveness records put back within a beat
+        what the promotion lost; without records, a lost lock's holder may
+        run until its expiry)."""
+        return self.RESTART_GRACE
 
     @property
     def QUEUE_EXPIRE(self) -> float:

@@ -23,7 +23,9 @@ __all__ = [
     "MEMCACHED_MAX_KEY_BYTES",
     "QUEUE_SUFFIX",
     "RECORD_PREFIX",
+    "ROSTER_GROUP",
     "ROSTER_PREFIX",
+    "ROSTER_SLOTS",
     "RUN_MARK",
     "SLOT_MARK",
     "check_lock_id",
@@ -97,6 +99,8 @@ def lock_group(lock_id: str) -> str:
 #: a cluster.
 ROSTER_PREFIX: Final = "tasklock-roster:"
 ROSTER_GROUP: Final = 64
+#: How many processes one store's roster lists.
+ROSTER_SLOTS: Final = 1024
 
 #: A process's liveness record (``locks.liveness``) is stored under the id
 #: ``RECORD_PREFIX + host:process``.

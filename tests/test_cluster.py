@@ -268,3 +268,36 @@ def test_a_slot_moved_back_and_forth_under_a_storm_loses_and_doubles_nothing(
     assert len(result.holds) >= 3000
     assert overlaps(result.holds) == 0 and most_at_once(result.holds) == 1
     assert result.kept and result.fence_grew
+
+
+def test_the_console_reads_sixteen_hash_slots_of_a_clusters_roster(on_cluster):
+    """Listing every lock of a cluster costs what listing one server does, not
+    one read per roster slot: the 1,024 roster slots sit 64 to a hash slot, so
+    the listing is 16 MGETs, pipelined (a round trip per primary that serves
+    any), and its restart check asks only those primaries."""
+    from django_tasklock.keys import ROSTER_GROUP, ROSTER_SLOTS
+    from django_tasklock.locks.roster import read_roster
+
+    lock = Lock("listed-on-cluster", expire=60)
+    assert lock.acquire()
+    backend = backend_for("cluster")
+    primaries = [
+        node
+        for node in on_cluster.nodes
+        if on_cluster.ask(node, "INFO", "replication").get("role") == "master"
+    ]
+    for node in primaries:
+        on_cluster.ask(node, "CONFIG", "RESETSTAT")
+    read_roster(backend)
+    mgets = sum(
+        int(
+            on_cluster.ask(node, "INFO", "commandstats")
+            .get("cmdstat_mget", {})
+            .get("calls", 0)
+        )
+        for node in primaries
+    )
+    assert mgets == ROSTER_SLOTS // ROSTER_GROUP == 16
+    asked = backend.uptimes()
+    assert 1 <= len(asked) <= 16
+    assert lock.release()

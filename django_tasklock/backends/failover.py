@@ -3,8 +3,9 @@
 Replication is asynchronous: a lock the old primary acknowledged may be missing
 on the replica promoted in its place, while its holder still runs. Like a
 memcached restart (``memcached/restarts.py``), such a primary refuses new locks
-for a grace (``TASKLOCK['RESTART_GRACE']``, by default ``LOCK_EXPIRE``), by
-which time every lock it may have lost has expired anyway.
+for a grace (``TASKLOCK['RESTART_GRACE']``: by default ``LIVENESS``, within
+which live holders put back what it lost, or ``LOCK_EXPIRE`` without liveness
+records, by which time every lock it may have lost has expired anyway).
 
 How a process knows (``Promotions.learn``), per primary, from the primary
 itself (never a replica, and "could not tell" refuses rather than grants):
@@ -86,7 +87,7 @@ class Promotions:
             f"{now - started:.0f}s ago (a failover, or a restart that came back "
             "empty): locks the old primary held may be gone while their holders "
             f"still run, so new locks on it are refused for {math.ceil(left)}s "
-            "more (TASKLOCK['RESTART_GRACE'], by default LOCK_EXPIRE)"
+            "more (TASKLOCK['RESTART_GRACE'], by default LIVENESS)"
         )
 
     def learn(self, client: Any, node: Any) -> tuple[str, float | None, float]:
@@ -173,7 +174,7 @@ class Promotions:
         logger.warning(
             "Cluster primary %s %s%s: locks its slots held before may be gone "
             "while their holders still run. %s (TASKLOCK['RESTART_GRACE'], by "
-            "default LOCK_EXPIRE).",
+            "default LIVENESS).",
             node.name,
             what,
             when,

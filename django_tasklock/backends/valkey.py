@@ -19,7 +19,14 @@ import time
 from typing import Any
 
 from ..conf import settings
-from ..keys import encodable_key, lock_group, record_id
+from ..keys import (
+    ROSTER_GROUP,
+    ROSTER_PREFIX,
+    ROSTER_SLOTS,
+    encodable_key,
+    lock_group,
+    record_id,
+)
 from ..tokens import TOKENS, this_process
 from .base import ONE_PLACE, Hold, LockBackend
 from .failover import LEARNT, Promotions
@@ -355,13 +362,22 @@ class ValkeyClusterBackend(ValkeyBackend):
         return str(self._cache_client._server[0])
 
     def uptimes(self) -> dict[str, float]:
-        # Every primary's: a restarted one may have come back empty.
+        # What the console asks, to tell whether its listing may be missing
+        # locks: the primaries that serve the roster's hash slots (at most
+        # ROSTER_SLOTS / ROSTER_GROUP of them, however large the cluster); a
+        # restart elsewhere loses no listing.
         client = self._redis("")
-        info = client.info("server", target_nodes=client.PRIMARIES)
-        return {
-            str(node): float(fields["uptime_in_seconds"])
-            for node, fields in info.items()
-        }
+        keys = [
+            self.key_for(f"{ROSTER_PREFIX}{n}")
+            for n in range(0, ROSTER_SLOTS, ROSTER_GROUP)
+        ]
+        nodes = {client.get_node_from_key(key).name: None for key in keys}
+        found: dict[str, float] = {}
+        for name in nodes:
+            node = client.get_node(node_name=name)
+            info = node.valkey_connection.info("server")
+            found[name] = float(info["uptime_in_seconds"])
+        return found
 
     def close(self) -> None:
         primary, self._primary = self._primary, None

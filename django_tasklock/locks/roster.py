@@ -36,7 +36,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
-from ..keys import ROSTER_PREFIX
+from ..keys import ROSTER_PREFIX, ROSTER_SLOTS
 
 if TYPE_CHECKING:
     from ..backends import LockBackend
@@ -68,7 +68,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: How many processes one store's roster lists.
-SLOTS: Final = 1024
+SLOTS: Final = ROSTER_SLOTS
 #: Entries per roster item (memcached keeps items up to 1 MB by default).
 CHUNK: Final = 2000
 #: Queued marks listed per process, at most (the newest).
