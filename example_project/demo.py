@@ -38,7 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from django_tasklock.locks.liveness import forget_records  # noqa: E402
-from tests.services import Memcached, Redis, celery_worker, stop_process  # noqa: E402
+from tests.services import (  # noqa: E402
+    Memcached,
+    Redis,
+    RedisCluster,
+    celery_worker,
+    stop_process,
+)
 
 if TYPE_CHECKING:
     from example_project.feedserver import FeedServer
@@ -50,17 +56,30 @@ def say(message: str = "") -> None:
     print(message, flush=True)
 
 
-def start_lock_store(stack: ExitStack) -> str:
-    """A private lock store: memcached, or Redis when memcached is missing."""
-    if shutil.which("memcached"):
+def start_lock_store(stack: ExitStack, store: str = "auto") -> str:
+    """A private lock store: memcached (``auto``: Redis when memcached is
+    missing), Redis, or a Redis Cluster of three primaries with a replica each
+    (through django-valkey's ``ClusterValkeyCache``)."""
+    if store == "cluster":
+        cluster = RedisCluster().start()
+        stack.callback(cluster.stop)
+        say(
+            "Lock store: a private Redis Cluster (3 primaries, a replica each) on "
+            + ", ".join(node.address for node in cluster.nodes)
+        )
+        return "valkey-cluster://" + cluster.nodes[0].address
+    if store in ("auto", "memcached") and shutil.which("memcached"):
         server = Memcached().start()
         stack.callback(server.stop)
         say(f"Lock store: private memcached on {server.address}")
         return f"memcached://{server.address}"
-    say(
-        "memcached is not installed (apt-get install -y memcached); falling back to a "
-        "private Redis, which also holds locks across processes."
-    )
+    if store == "memcached":
+        raise SystemExit("memcached is not installed: apt-get install -y memcached")
+    if store == "auto":
+        say(
+            "memcached is not installed (apt-get install -y memcached); falling "
+            "back to a private Redis, which also holds locks across processes."
+        )
     if not shutil.which("redis-server"):
         raise SystemExit(
             "Neither memcached nor redis-server is installed: apt-get install -y memcached"
@@ -351,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         "--delay", type=float, default=0.3, help="feed server delay, seconds"
     )
     parser.add_argument(
+        "--store",
+        choices=("auto", "memcached", "redis", "cluster"),
+        default="auto",
+        help="the lock store: memcached (auto: Redis when memcached is missing), "
+        "Redis, or a Redis Cluster through django-valkey",
+    )
+    parser.add_argument(
         "--keep",
         action="store_true",
         help="keep the run folder (database, worker logs, metrics) and, after the "
@@ -363,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(tempfile.mkdtemp(prefix="tasklock-demo-"))
         if not options.keep:
             stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
-        os.environ["EXAMPLE_LOCK_STORE"] = start_lock_store(stack)
+        os.environ["EXAMPLE_LOCK_STORE"] = start_lock_store(stack, options.store)
         # Before the store stops: this process's liveness record (it publishes
         # calls, which its roster lists for the console) goes with it.
         stack.callback(forget_records, delete=True)

@@ -1,8 +1,9 @@
 """Settings of the example project. Everything that differs between a developer's
 machine and the demo comes from the environment:
 
-- ``EXAMPLE_LOCK_STORE``: ``memcached://HOST:PORT`` (default 127.0.0.1:11211) or
-  ``redis://HOST:PORT/DB``: the cache that holds the task locks;
+- ``EXAMPLE_LOCK_STORE``: ``memcached://HOST:PORT`` (default 127.0.0.1:11211),
+  ``redis://HOST:PORT/DB`` or ``valkey-cluster://HOST:PORT`` (a node of a Redis
+  or Valkey Cluster, through django-valkey): the cache that holds the task locks;
 - ``EXAMPLE_DATABASE``: the SQLite file (default ``.tasklock-run/example.sqlite3``);
 - ``CELERY_BROKER_URL``: the broker; without it, kombu's filesystem transport in
   ``EXAMPLE_BROKER_DIR`` (default ``.tasklock-run/broker``), which needs no server.
@@ -75,7 +76,14 @@ DATABASES = {
 }
 
 LOCK_STORE = os.environ.get("EXAMPLE_LOCK_STORE", "memcached://127.0.0.1:11211")
-if LOCK_STORE.startswith("redis://"):
+if LOCK_STORE.startswith("valkey-cluster://"):
+    CACHES = {
+        "default": {
+            "BACKEND": "django_valkey.cluster_cache.cache.ClusterValkeyCache",
+            "LOCATION": "redis://" + LOCK_STORE.removeprefix("valkey-cluster://"),
+        }
+    }
+elif LOCK_STORE.startswith("redis://"):
     CACHES = {
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",

@@ -204,7 +204,7 @@ def test_both_tasks_through_a_worker(feeds, example_worker):
     assert Entry.objects.filter(feed__url=url).count() == 3
 
 
-def run_demo(env=None):
+def run_demo(env=None, *extra: str):
     return subprocess.run(
         [
             sys.executable,
@@ -214,6 +214,7 @@ def run_demo(env=None):
             "2",
             "--producers",
             "2",
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -386,3 +387,13 @@ def test_a_429_pauses_the_hosts_limit_for_every_worker(settings):
     finally:
         server.stop()
     limiter.reset()
+
+
+@pytest.mark.slow
+def test_demo_locks_on_a_redis_cluster():
+    """``--store cluster``: the whole demo, its locks, marks, limits and
+    console on a private three-primary Redis Cluster through django-valkey."""
+    result = run_demo(None, "--store", "cluster")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Lock store: a private Redis Cluster (3 primaries" in result.stdout
+    assert "RESULT: OK" in result.stdout
