@@ -15,9 +15,10 @@ from django.dispatch import receiver
 
 from ..exceptions import LockConfigurationError
 from .base import FenceCounter, Hold, LockBackend, Peek
+from .cluster import ValkeyClusterBackend
 from .redis import DjangoRedisBackend
 from .supported import UNSUPPORTED, recommended_paths, supported_for, supported_names
-from .valkey import ValkeyBackend, ValkeyClusterBackend
+from .valkey import ValkeyBackend
 
 __all__ = [
     "IMPLICIT_CACHES",

@@ -16,11 +16,12 @@ from django.core.cache.backends.filebased import FileBasedCache
 from django.core.cache.backends.memcached import BaseMemcachedCache
 from django.utils.module_loading import import_string
 
+from .cluster import ValkeyClusterBackend
 from .locmem import LocMemBackend
 from .memcached import MemcachedBackend
 from .pylibmc import PyLibMCBackend
 from .redis import DjangoRedisBackend, RedisBackend
-from .valkey import ValkeyBackend, ValkeyClusterBackend
+from .valkey import ValkeyBackend
 
 if TYPE_CHECKING:
     from .base import LockBackend

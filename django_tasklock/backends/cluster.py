@@ -1,0 +1,371 @@
+"""Owner-checked locks on a Valkey or Redis Cluster, through django-valkey's
+``ClusterValkeyCache`` (valkey-py's cluster client).
+
+Every key of one lock, and its holder's liveness record, carries the hash tag
+of the lock's own key (``cluster_key``, ``slot_tag``), so a script that touches
+a lock and its fencing counter or record, or a read of a semaphore's slots,
+stays in one hash slot, on one primary. ``ClusterKeys`` places keys and reads
+across primaries; ``ValkeyClusterBackend`` takes locks on them, refuses new
+ones on a primary that took over lately (``failover``), and keeps records
+beside locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import socket
+import time
+from typing import Any
+
+from ..conf import settings
+from ..keys import (
+    ROSTER_GROUP,
+    ROSTER_PREFIX,
+    ROSTER_SLOTS,
+    encodable_key,
+    lock_group,
+    record_id,
+)
+from ..tokens import TOKENS, this_process
+from .base import Hold, LockBackend
+from .failover import LEARNT, Promotions
+from .redis import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER
+from .valkey import ValkeyBackend
+
+__all__ = ["ClusterKeys", "ValkeyClusterBackend", "cluster_key", "slot_tag"]
+
+
+def cluster_key(cache: Any, lock_id: str) -> str:
+    """The key of ``lock_id`` on a cluster. A lock's own key is Django's, the
+    one ``cache.add(lock_id)`` uses (the cookbook's recipe contends for it, and
+    ``cache.get(lock_id)`` reads its owner). An id derived from it (its
+    fencing counter, a semaphore's slots, a call's run lock and queued mark:
+    ``keys.lock_group``) is Django's key behind the hash tag of its group's
+    key (``slot_tag``), so every key of one lock hashes to one slot."""
+    own = encodable_key(cache, lock_id)
+    group = lock_group(lock_id)
+    if group == lock_id:
+        return own
+    return slot_tag(encodable_key(cache, group)) + own
+
+
+# The Redis backend's scripts, with the holder's liveness record written
+# first (KEYS[2], in the lock's own slot; ARGV's last two: its value and
+# seconds): a lock taken with a token that promises a record has it beside
+# it from the same step on.
+_RECORD_FIRST = 'redis.call("set", KEYS[2], ARGV[#ARGV - 1], "EX", ARGV[#ARGV])\n'
+_WITH_RECORD = {
+    script: _RECORD_FIRST + script for script in (_ACQUIRE, _REPLACE, _TAKE_OVER)
+}
+_SHA.update(
+    (script, hashlib.sha1(script.encode()).hexdigest())
+    for script in _WITH_RECORD.values()
+)
+
+
+#: The one place of a cluster's records, as warnings name it.
+_BESIDE_LOCKS = "the primaries of its locks"
+
+
+def slot_tag(key: str) -> str:
+    """A hash tag that puts another key in ``key``'s hash slot: ``key``'s own
+    tag (a cluster hashes only the part between the first ``{`` and the first
+    ``}`` after it, if that part is not empty), else the whole key in braces,
+    which hashes as the key does."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start : end + 1]
+    if "}" in key:
+        raise ValueError(
+            f"The cache key {key!r} has braces that are no hash tag (an empty "
+            "'{}', or a '}' with no '{' before it), so no other key can share "
+            "its cluster hash slot: a lock's fencing counter and liveness "
+            "records could not be kept beside it. Use a lock id without '}', or "
+            "one with a hash tag of its own ('{feeds}-import-1')."
+        )
+    return "{" + key + "}"
+
+
+class ClusterKeys(ValkeyBackend):
+    """Where a cluster keeps each key (``cluster_key``), and the reads and
+    plain writes that span primaries: one pipelined round trip per primary
+    (django-valkey's cluster cache drops ``set_many``'s timeout: written
+    here)."""
+
+    def key_for(self, lock_id: str) -> str:
+        return cluster_key(self.cache, lock_id)
+
+    def held_many(self, keys: list[str]) -> list[bool]:
+        client = self._redis(keys[0])
+        tag = slot_tag(keys[0])
+        if all(slot_tag(key) == tag for key in keys):  # a semaphore's slots
+            values = client.mget(keys)
+        else:  # one MGET per slot, pipelined: a round trip per primary
+            values = client.mget_nonatomic(keys)
+        return [value is not None for value in values]
+
+    def add(self, key: str, value: str, timeout: int) -> bool:
+        made = self.key_for(key)
+        return bool(
+            self._redis(made).set(made, self._encode(value), ex=timeout, nx=True)
+        )
+
+    def write_many(self, items: dict[str, str], timeout: int) -> None:
+        pipe = self._redis("").pipeline()
+        for key, value in items.items():
+            pipe.set(self.key_for(key), self._encode(value), ex=timeout)
+        pipe.execute()  # a round trip per primary
+
+    def delete_many(self, keys: list[str]) -> None:
+        pipe = self._redis("").pipeline()
+        for key in keys:
+            pipe.delete(self.key_for(key))
+        pipe.execute()
+
+    def read_many(self, keys: list[str]) -> dict[str, Any]:
+        if not keys:
+            return {}
+        made = [self.key_for(key) for key in keys]
+        values = self._redis(made[0]).mget_nonatomic(made)
+        return {
+            key: self._decode(raw)
+            for key, raw in zip(keys, values, strict=True)
+            if raw is not None
+        }
+
+    def _server(self) -> str:
+        return str(self._cache_client._server[0])
+
+    def uptimes(self) -> dict[str, float]:
+        # What the console asks, to tell whether its listing may be missing
+        # locks: the primaries that serve the roster's hash slots (at most
+        # ROSTER_SLOTS / ROSTER_GROUP of them, however large the cluster); a
+        # restart elsewhere loses no listing.
+        client = self._redis("")
+        keys = [
+            self.key_for(f"{ROSTER_PREFIX}{n}")
+            for n in range(0, ROSTER_SLOTS, ROSTER_GROUP)
+        ]
+        nodes = {client.get_node_from_key(key).name: None for key in keys}
+        found: dict[str, float] = {}
+        for name in nodes:
+            node = client.get_node(node_name=name)
+            info = node.valkey_connection.info("server")
+            found[name] = float(info["uptime_in_seconds"])
+        return found
+
+    def close(self) -> None:
+        primary, self._primary = self._primary, None
+        if primary is not None:
+            primary.disconnect_connection_pools()
+
+
+class ValkeyClusterBackend(ClusterKeys):
+    """Locks on a django-valkey ``ClusterValkeyCache``.
+
+    Every command goes to the primary that serves its key's slot now
+    (valkey-py's cluster client follows ``MOVED`` and ``ASK``; it never reads
+    from a replica unless ``read_from_replicas`` is set, which the system
+    checks refuse).
+
+    A holder's liveness record lives beside each of its locks, in the lock's
+    own hash slot (``records_beside_locks``): written in the script that takes
+    the lock, renewed beside every lock still held at each beat (one pipelined
+    round trip per primary holding some), and moved and failed over with the
+    lock, never apart from it. A contender reads it in that slot, on the
+    slot's primary; on a primary that took over within the grace, it reads
+    nothing ("could not tell"), since the record may be one the failover lost.
+    """
+
+    kind = "Valkey cluster"
+    records_beside_locks = True
+
+    def __init__(self, cache: Any, alias: str, protocol: str = "auto") -> None:
+        super().__init__(cache, alias, protocol)
+        self.promotions = Promotions(self.errors)
+        #: key -> its hash slot, remembered (the CRC is computed in Python).
+        self._slots: dict[str, int] = {}
+        #: lock key -> the key of this process's liveness record beside it.
+        self._beside: dict[str, str] = {}
+        #: record key -> until when (monotonic) this thread need not write the
+        #: record there again: half its life after it last did.
+        self._fresh: dict[str, float] = {}
+        self._tokens = TOKENS
+        self._record_id = record_id(socket.gethostname(), this_process())
+
+    # -- taking a lock: with the record beside it, refused after a failover --
+
+    def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        # _take, inlined: the hot path.
+        value = self._encode(token)
+        arguments = (value, math.ceil(expire * 1000))
+        try:
+            taken = self._run(_ACQUIRE, key, token, arguments)
+        except self._dropped:
+            taken = self._run(_ACQUIRE, key, token, arguments)
+        if not taken:
+            return None
+        self._keep_unless_promoted(key, token)
+        return value
+
+    def reassert(self, key: str, token: str, expire: float) -> Hold | None:
+        # A lock the failover lost, put back by its live holder: never refused.
+        return self._take(_ACQUIRE, key, None, token, expire)
+
+    def take_over(
+        self, key: str, expected: str, token: str, expire: float
+    ) -> Hold | None:
+        hold = self._take(_TAKE_OVER, key, expected, token, expire)
+        if hold is None:  # a mark another serializer wrote: compared decoded
+            hold = LockBackend.take_over(self, key, expected, token, expire)
+        if hold is not None:
+            self._keep_unless_promoted(key, token)
+        return hold
+
+    def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        value = self._encode(new)
+        arguments = (hold, value, math.ceil(expire * 1000))
+        if self._run(_REPLACE, key, new, arguments):
+            return value
+        return None
+
+    def _take(
+        self, script: str, key: str, expected: str | None, token: str, expire: float
+    ) -> Hold | None:
+        """Run ``_ACQUIRE`` or ``_TAKE_OVER`` (``expected``: the queued mark)
+        for ``token``, once more if the reply was lost (as the Redis backend's
+        acquire)."""
+        value = self._encode(token)
+        milliseconds = math.ceil(expire * 1000)
+        arguments: tuple[object, ...] = (value, milliseconds)
+        if expected is not None:
+            arguments = (self._encode(expected), *arguments)
+        try:
+            taken = self._run(script, key, token, arguments)
+        except self._dropped:
+            taken = self._run(script, key, token, arguments)
+        return value if taken else None
+
+    def _run(
+        self, script: str, key: str, token: str, arguments: tuple[object, ...]
+    ) -> Any:
+        """Run ``script`` on the lock at ``key`` for ``token``: with this
+        process's liveness record written first, beside the lock, when the
+        token promises one and this thread has not written it there within
+        half its life (the record's thread renews it beside every lock held,
+        every beat)."""
+        if self._tokens.live_prefix in token:  # it promises a record
+            record_key = self._beside.get(key) or self._record_key(key)
+            sent = time.monotonic()
+            ttl = None if self._fresh.get(record_key, 0.0) > sent else settings.LIVENESS
+            if ttl is not None:
+                stamp = b"%.3f" % time.time()
+                result = self._script(
+                    _WITH_RECORD[script],
+                    (key, record_key),
+                    *arguments,
+                    stamp,
+                    math.ceil(ttl),
+                )
+                if len(self._fresh) >= 10_000:
+                    self._fresh.clear()
+                self._fresh[record_key] = sent + ttl / 2
+                return result
+        return self._script(script, (key,), *arguments)
+
+    def _record_key(self, key: str, record: str | None = None) -> str:
+        """The key of a liveness record (this process's by default) beside the
+        lock at ``key``: in its hash slot."""
+        if record is not None:
+            return slot_tag(key) + str(self.cache.make_key(record))
+        made = self._beside.get(key)
+        if made is None:
+            if len(self._beside) >= 10_000:
+                self._beside.clear()
+            made = self._beside[key] = slot_tag(key) + str(
+                self.cache.make_key(self._record_id)
+            )
+        return made
+
+    def _slot(self, client: Any, key: str) -> int:
+        slot = self._slots.get(key)
+        if slot is None:
+            if len(self._slots) >= 10_000:
+                self._slots.clear()
+            slot = self._slots[key] = client.keyslot(key)
+        return slot
+
+    def _keep_unless_promoted(self, key: str, token: str) -> None:
+        """Give back a lock just taken on a primary that took over within the
+        grace (``failover``), and raise; also when its run cannot be read."""
+        client = self._primary or self._redis(key)
+        slot = self._slots.get(key)
+        if slot is not None:  # the fast path: its primary known and quiet
+            learnt = LEARNT.get(client.nodes_manager.slots_cache[slot][0].name)
+            if (
+                learnt is not None
+                and learnt[1] is None
+                and learnt[2] > time.monotonic()
+            ):
+                return
+        why = self._promoted(key)
+        if why is None:
+            return
+        with contextlib.suppress(*self.errors):  # else it expires, held by nobody
+            self.discard(key, token)
+        raise self.errors[0](why)
+
+    def _promoted(self, key: str) -> str | None:
+        """Why the primary of ``key``'s slot must not be trusted with new locks
+        (it took over within the grace, or whether it did could not be read),
+        or None."""
+        client = self._redis(key)
+        try:
+            return self.promotions.refusal(client, self._slot(client, key))
+        except self.errors as exc:
+            return f"whether its primary took over lately could not be read ({exc})"
+
+    def restarted_at(self, key: str) -> float | None:
+        client = self._redis(key)
+        return self.promotions.started(client, self._slot(client, key))
+
+    # -- liveness records, beside each lock ------------------------------------
+
+    def record_places(self) -> list[object]:
+        return [_BESIDE_LOCKS]
+
+    def record_place(self, key: str) -> object:
+        return _BESIDE_LOCKS
+
+    def write_records_beside(
+        self, record_id: str, value: str, ttl: int, keys: list[str]
+    ) -> None:
+        if not keys:
+            return
+        client = self._redis(keys[0])
+        pipe = client.pipeline()
+        stamp = value.encode()
+        for record_key in {self._record_key(key, record_id) for key in keys}:
+            pipe.set(record_key, stamp, ex=ttl)
+        pipe.execute()  # one round trip per primary; raises if any failed
+
+    def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
+        """Nothing: on a cluster a record lives beside each lock."""
+
+    def delete_record(self, place: object, record_id: str) -> None:
+        """Nothing: the records beside locks expire with ``LIVENESS``; a
+        process on its way out releases its locks first, so none needs them."""
+
+    def read_record(self, key: str, record_id: str) -> object | None:
+        why = self._promoted(key)
+        if why is not None:
+            raise self.errors[0](f"the record may be one the failover lost: {why}")
+        record_key = self._record_key(key, record_id)
+        raw = self._redis(record_key).get(record_key)
+        return None if raw is None else raw.decode()
