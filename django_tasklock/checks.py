@@ -34,6 +34,10 @@ Ids are stable and documented in docs/reference/checks.rst:
   'auto': locks use the classic commands; set it to 'classic' to say so.
 - W003 an installed app's ``tasks`` module could not be imported, so the
   ``cache=`` aliases of its ``@single_instance`` tasks were not checked.
+- E022 a cluster lock cache's keys (KEY_PREFIX, KEY_FUNCTION) have braces that
+  are no hash tag, so no key can share a lock's hash slot.
+- W004 a cluster lock cache's keys carry a hash tag of their own: every lock in
+  one hash slot, on one primary.
 
 Each of E003-E006, E012, E015, W001 and W002 is reported for TASKLOCK['CACHE']
 and for every alias a ``@single_instance(cache=...)`` names: those of the task
@@ -50,6 +54,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings as django_settings
+from django.core.cache import caches
 from django.core.cache.backends.locmem import LocMemCache
 from django.core.cache.backends.memcached import PyMemcacheCache
 from django.core.checks import CheckMessage, Error, Warning
@@ -61,8 +66,9 @@ from .backends import (
     unsafe_options,
     unsupported_reason,
 )
+from .backends.cluster import ValkeyClusterBackend, key_tag_problem
 from .backends.memcached import meta_support
-from .backends.supported import recommended_paths
+from .backends.supported import recommended_paths, supported_for
 from .conf import DEFAULTS, setting_problems, suggested_key
 from .declared import import_task_modules, named_aliases
 
@@ -260,6 +266,25 @@ def _unsafe_options(
     ]
 
 
+def _check_key_tags(alias: str, backend_class: type[Any]) -> list[CheckMessage]:
+    """E022/W004: the hash tags in a cluster alias's keys."""
+    entry = supported_for(backend_class)
+    if entry is None or entry.backend is not ValkeyClusterBackend:
+        return []
+    problem = key_tag_problem(caches[alias])
+    if problem is None:
+        return []
+    what, fatal = problem
+    hint = (
+        "Use a KEY_PREFIX (and KEY_FUNCTION) that puts no '{' or '}' in keys, "
+        f"or give locks an alias of their own. {_HINT_ALIAS}"
+    )
+    message = f"CACHES[{alias!r}] is a cluster, and {what}."
+    if fatal:
+        return [Error(message, hint=hint, id="django_tasklock.E022")]
+    return [Warning(message, hint=hint, id="django_tasklock.W004")]
+
+
 def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessage]:
     """The alias's backend and options; with ``protocol`` (None: skip, another
     setting is already wrong), how its memcached servers meet meta commands.
@@ -290,6 +315,7 @@ def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessa
             )
         ]
     messages = _unsafe_options(alias, backend_class, config.get("OPTIONS") or {})
+    messages += _check_key_tags(alias, backend_class)
     if issubclass(backend_class, LocMemCache) and not caches_implicit():
         messages.append(
             Warning(

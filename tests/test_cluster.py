@@ -301,3 +301,36 @@ def test_the_console_reads_sixteen_hash_slots_of_a_clusters_roster(on_cluster):
     asked = backend.uptimes()
     assert 1 <= len(asked) <= 16
     assert lock.release()
+
+
+@pytest.mark.parametrize(
+    ("prefix", "check", "locks"),
+    [
+        ("site}a", "django_tasklock.E022", False),
+        ("{site}", "django_tasklock.W004", True),
+    ],
+    ids=["braces that are no tag", "a tag of its own"],
+)
+def test_a_cluster_alias_whose_keys_carry_braces_is_checked(
+    redis_cluster, settings, prefix, check, locks
+):
+    """A KEY_PREFIX with a lone '}' would leave a lock's fencing counter and
+    records out of its slot: an error, and the first lock refuses. One with a
+    tag of its own puts every lock in one slot: a warning, and locks hold."""
+    from django.core.checks import run_checks
+
+    from django_tasklock import LockConfigurationError
+
+    config = {"BACKEND": CLUSTER, "LOCATION": redis_cluster.url, "KEY_PREFIX": prefix}
+    settings.CACHES = {**settings.CACHES, "tagged": config}
+    settings.TASKLOCK = {"CACHE": "tagged", "LOCK_EXPIRE": 60}
+    found = [m for m in run_checks() if m.id.startswith("django_tasklock.")]
+    assert [m.id for m in found] == [check], found
+    assert "Use a KEY_PREFIX" in found[0].hint
+    lock = Lock("tagged-lock")
+    if locks:
+        assert lock.acquire() and lock.fence and lock.release()
+    else:
+        with pytest.raises(LockConfigurationError, match="E022"):
+            lock.acquire()
+    caches["tagged"].close()

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from ..conf import settings
+from ..exceptions import LockConfigurationError
 from ..keys import (
     ROSTER_GROUP,
     ROSTER_PREFIX,
@@ -34,7 +35,13 @@ from .failover import LEARNT, Promotions
 from .redis import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER
 from .valkey import ValkeyBackend
 
-__all__ = ["ClusterKeys", "ValkeyClusterBackend", "cluster_key", "slot_tag"]
+__all__ = [
+    "ClusterKeys",
+    "ValkeyClusterBackend",
+    "cluster_key",
+    "key_tag_problem",
+    "slot_tag",
+]
 
 
 def cluster_key(cache: Any, lock_id: str) -> str:
@@ -88,6 +95,30 @@ def slot_tag(key: str) -> str:
             "one with a hash tag of its own ('{feeds}-import-1')."
         )
     return "{" + key + "}"
+
+
+def key_tag_problem(cache: Any) -> tuple[str, bool] | None:
+    """What is wrong with the keys a cluster alias makes (its KEY_PREFIX,
+    VERSION and KEY_FUNCTION), and whether it is an error (no other key could
+    share a lock's slot) or a warning (every lock in one slot); None if
+    nothing."""
+    key = str(cache.make_key("tasklock-check"))
+    try:
+        tag = slot_tag(key)
+    except ValueError:
+        return (
+            f"its keys have braces that are no hash tag (an id 'tasklock-check' "
+            f"becomes {key!r}), so a lock's fencing counter and liveness records "
+            "cannot share its hash slot",
+            True,
+        )
+    if tag != "{" + key + "}":
+        return (
+            f"its keys carry a hash tag of their own ({tag}, from KEY_PREFIX or "
+            "KEY_FUNCTION): every lock lands in one hash slot, on one primary",
+            False,
+        )
+    return None
 
 
 class ClusterKeys(ValkeyBackend):
@@ -186,6 +217,13 @@ class ValkeyClusterBackend(ClusterKeys):
 
     def __init__(self, cache: Any, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
+        problem = key_tag_problem(cache)
+        if problem is not None and problem[1]:
+            raise LockConfigurationError(
+                f"CACHES[{alias!r}] is a cluster, and {problem[0]}. Use a "
+                "KEY_PREFIX (and KEY_FUNCTION) that puts no '{' or '}' in keys, "
+                "or give locks an alias of their own (check E022)."
+            )
         self.promotions = Promotions(self.errors)
         #: key -> its hash slot, remembered (the CRC is computed in Python).
         self._slots: dict[str, int] = {}
