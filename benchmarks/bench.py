@@ -195,34 +195,74 @@ def p99(values: list[int]) -> float:
 # -- 2. contended ------------------------------------------------------------------
 
 
-def contend(memcached: str, variant: str, start_at: float, seconds: float) -> int:
-    """One of the contending processes: acquisitions it made in the window."""
-    from pymemcache.client.base import Client
-
+def _tries(memcached: str, on_cluster: bool) -> dict[str, Callable[[], bool]]:
+    """One try at the contended lock, per variant: the floor (raw ``add`` and
+    ``delete`` on memcached; on a cluster valkey-py's ``SET NX PX`` and a Lua
+    compare-and-delete) and ``Lock``; each True if it held the lock."""
     from django_tasklock import Lock
 
-    host, port = memcached.split(":")
-    raw = Client((host, int(port)), default_noreply=False)
+    if on_cluster:
+        from valkey.cluster import ValkeyCluster
+
+        raw = ValkeyCluster.from_url(os.environ["TASKLOCK_TEST_CLUSTER"])
+        delete_if = raw.register_script(
+            "if redis.call('get', KEYS[1]) == ARGV[1] then "
+            "return redis.call('del', KEYS[1]) end return 0"
+        )
+        token = f"{os.getpid()}".encode()
+
+        def floor() -> bool:
+            if not raw.set("bench-contended-floor", token, nx=True, px=60_000):
+                return False
+            delete_if(keys=["bench-contended-floor"], args=[token])
+            return True
+    else:
+        from pymemcache.client.base import Client
+
+        host, port = memcached.split(":")
+        client = Client((host, int(port)), default_noreply=False)
+
+        def floor() -> bool:
+            if not client.add("bench-contended-floor", b"1", 60):
+                return False
+            client.delete("bench-contended-floor")
+            return True
+
+    cache = "cluster" if on_cluster else None
+
+    def with_lock() -> bool:
+        lock = Lock("bench-contended-lock", cache=cache)
+        if not lock.acquire():
+            return False
+        lock.release()
+        return True
+
+    return {"floor": floor, "Lock": with_lock}
+
+
+def contend(
+    memcached: str, variant: str, start_at: float, seconds: float, on_cluster: bool
+) -> int:
+    """One of the contending processes: acquisitions it made in the window."""
+    attempt = _tries(memcached, on_cluster)[variant]
     count = 0
     while time.monotonic() < start_at:
         time.sleep(0.001)
     deadline = start_at + seconds
     while time.monotonic() < deadline:
-        if variant == "floor":
-            if raw.add("bench-contended-floor", b"1", 60):
-                raw.delete("bench-contended-floor")
-                count += 1
-        else:
-            lock = Lock("bench-contended-lock")
-            if lock.acquire():
-                lock.release()
-                count += 1
+        count += attempt()
     return count
 
 
 def measure_contended(
-    memcached: str, processes: int, seconds: float, rounds: int
+    memcached: str,
+    processes: int,
+    seconds: float,
+    rounds: int,
+    on_cluster: bool = False,
 ) -> dict[str, float]:
+    """Acquisitions a second of ``processes`` processes on one lock id, per
+    variant; on the cluster of TASKLOCK_TEST_CLUSTER with ``on_cluster``."""
     context = multiprocessing.get_context("spawn")
     totals = {"floor": 0, "Lock": 0}
     with context.Pool(
@@ -232,61 +272,8 @@ def measure_contended(
         for _ in range(rounds):
             for variant in random.sample(list(totals), len(totals)):
                 start_at = time.monotonic() + 1.0
-                counts = pool.starmap(
-                    contend, [(memcached, variant, start_at, seconds)] * processes
-                )
-                totals[variant] += sum(counts)
-    return {variant: total / (seconds * rounds) for variant, total in totals.items()}
-
-
-def contend_cluster(variant: str, start_at: float, seconds: float) -> int:
-    """One of the processes contending on the cluster: acquisitions it made in
-    the window, through valkey-py's cluster client (SET NX PX, then a Lua
-    compare-and-delete) or a ``Lock`` on the ``cluster`` alias."""
-    from valkey.cluster import ValkeyCluster
-
-    from django_tasklock import Lock
-
-    raw = ValkeyCluster.from_url(os.environ["TASKLOCK_TEST_CLUSTER"])
-    delete_if = raw.register_script(
-        "if redis.call('get', KEYS[1]) == ARGV[1] then "
-        "return redis.call('del', KEYS[1]) end return 0"
-    )
-    token = f"{os.getpid()}".encode()
-    count = 0
-    while time.monotonic() < start_at:
-        time.sleep(0.001)
-    deadline = start_at + seconds
-    while time.monotonic() < deadline:
-        if variant == "floor":
-            if raw.set("bench-contended-floor", token, nx=True, px=60_000):
-                delete_if(keys=["bench-contended-floor"], args=[token])
-                count += 1
-        else:
-            lock = Lock("bench-contended-lock", cache="cluster")
-            if lock.acquire():
-                lock.release()
-                count += 1
-    raw.close()
-    return count
-
-
-def measure_contended_cluster(
-    memcached: str, processes: int, seconds: float, rounds: int
-) -> dict[str, float]:
-    """As ``measure_contended``, on the cluster (TASKLOCK_TEST_CLUSTER)."""
-    context = multiprocessing.get_context("spawn")
-    totals = {"floor": 0, "Lock": 0}
-    with context.Pool(
-        processes, initializer=setup_django, initargs=(memcached,)
-    ) as pool:
-        pool.map(time.sleep, [0.05] * processes * 4)
-        for _ in range(rounds):
-            for variant in random.sample(list(totals), len(totals)):
-                start_at = time.monotonic() + 1.0
-                counts = pool.starmap(
-                    contend_cluster, [(variant, start_at, seconds)] * processes
-                )
+                arguments = (memcached, variant, start_at, seconds, on_cluster)
+                counts = pool.starmap(contend, [arguments] * processes)
                 totals[variant] += sum(counts)
     return {variant: total / (seconds * rounds) for variant, total in totals.items()}
 
@@ -747,11 +734,12 @@ def main(argv: list[str] | None = None) -> int:
         cluster = RedisCluster().start()
         try:
             os.environ["TASKLOCK_TEST_CLUSTER"] = cluster.url
-            on_cluster = measure_contended_cluster(
+            on_cluster = measure_contended(
                 memcached.address,
                 processes=8,
                 seconds=0.5 if quick else 3.0,
                 rounds=1 if quick else 2,
+                on_cluster=True,
             )
         finally:
             cluster.stop()
