@@ -241,11 +241,13 @@ class Sentinel(Server):
 
 
 def _cluster_port() -> int:
-    """A free port whose cluster bus port (10000 above) is free too."""
+    """A free port whose cluster bus port (10000 above) is free too; both below
+    the kernel's range of ephemeral ports (32768 on), where an outgoing
+    connection could take one between this check and the server's bind."""
     import random
 
     for _ in range(200):
-        port = random.randrange(20000, 45000)
+        port = random.randrange(10000, 22700)
         sockets = []
         try:
             for candidate in (port, port + 10000):
@@ -292,8 +294,8 @@ class RedisCluster:
         return f"redis://{self.nodes[0].address}"
 
     def start(self) -> RedisCluster:
-        for node in self.nodes:
-            node.start()
+        for index in range(len(self.nodes)):
+            self._start_node(index)
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RuntimeError(f"redis-cli {INSTALL_HINT}")
@@ -304,6 +306,25 @@ class RedisCluster:
         )  # fmt: skip
         self.wait_until_ok()
         return self
+
+    def _start_node(self, index: int) -> None:
+        """Start node ``index``; on another port pair if its own was taken
+        meanwhile (another test session's server, started side by side)."""
+        for _ in range(5):
+            node = self.nodes[index]
+            try:
+                node.start()
+                return
+            except RuntimeError:
+                if node.process is not None:
+                    node.process.kill()
+                    node.process.wait()
+                    node.process = None
+                (self.workdir / f"nodes-{index}.conf").unlink(missing_ok=True)
+                self.nodes[index] = Redis(
+                    args=self._node_args(index), port=_cluster_port()
+                )
+        raise RuntimeError(f"cluster node {index} would not start on 5 port pairs")
 
     def ask(self, node: Redis, *command: str) -> Any:
         import redis
