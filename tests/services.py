@@ -30,13 +30,21 @@ def free_port() -> int:
         return port
 
 
-def wait_for_port(port: int, timeout: float = 10.0) -> None:
+def wait_for_port(
+    port: int, timeout: float = 10.0, process: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Until something listens on ``port``; raises after ``timeout`` seconds,
+    or at once if ``process`` (the server meant to listen) exited."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
         except OSError:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(
+                    f"the server for 127.0.0.1:{port} exited ({process.returncode})"
+                ) from None
             if time.monotonic() > deadline:
                 raise RuntimeError(f"nothing listens on 127.0.0.1:{port}") from None
             time.sleep(0.02)
@@ -79,7 +87,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_for_port(self.port)
+        wait_for_port(self.port, process=self.process)
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -240,6 +248,12 @@ class Sentinel(Server):
         return int(host_port[1])  # type: ignore[index]
 
 
+def redis_errors() -> type[Exception]:
+    import redis
+
+    return redis.RedisError
+
+
 def _cluster_port() -> int:
     """A free port whose cluster bus port (10000 above) is free too; both below
     the kernel's range of ephemeral ports (32768 on), where an outgoing
@@ -314,8 +328,12 @@ class RedisCluster:
             node = self.nodes[index]
             try:
                 node.start()
-                return
-            except RuntimeError:
+                # Its own process answers (not another listener on the port),
+                # and still runs (its bus port bound too).
+                if self.ask(node, "PING") is True and node.process.poll() is None:  # type: ignore[union-attr]
+                    return
+                raise RuntimeError(f"cluster node {node.address} did not start")
+            except (RuntimeError, OSError, redis_errors()):
                 if node.process is not None:
                     node.process.kill()
                     node.process.wait()
@@ -329,7 +347,9 @@ class RedisCluster:
     def ask(self, node: Redis, *command: str) -> Any:
         import redis
 
-        with redis.Redis(port=node.port, decode_responses=True) as client:
+        with redis.Redis(
+            port=node.port, decode_responses=True, socket_timeout=10
+        ) as client:
             return client.execute_command(*command)
 
     def wait_until_ok(self, timeout: float = 60) -> None:

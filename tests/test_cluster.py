@@ -334,3 +334,28 @@ def test_a_cluster_alias_whose_keys_carry_braces_is_checked(
         with pytest.raises(LockConfigurationError, match="E022"):
             lock.acquire()
     caches["tagged"].close()
+
+
+def test_a_cluster_node_whose_port_is_taken_starts_on_another():
+    """A port pair taken between the check and the server's bind (another
+    session's listener): the node starts on another pair, and the cluster
+    forms."""
+    import socket
+
+    from tests.services import Redis, RedisCluster, _cluster_port
+
+    taken = _cluster_port()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", taken + 10000))  # its bus port
+    blocker.listen()
+    cluster = RedisCluster()
+    cluster.nodes[0] = Redis(args=cluster._node_args(0), port=taken)
+    try:
+        cluster.start()
+        assert cluster.nodes[0].port != taken
+        assert cluster.ask(cluster.nodes[0], "CLUSTER", "INFO").startswith(
+            "cluster_state:ok"
+        )
+    finally:
+        cluster.stop()
+        blocker.close()
