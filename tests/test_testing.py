@@ -1,0 +1,70 @@
+"""The pytest plugin and the TestCase mixin (``django_tasklock.testing``), used
+as a project would: a sample test module run in a pytest process of its own,
+twice in one run, in random order, on the session's real memcached and Redis."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = Path(__file__).resolve().parent / "plugin_sample"
+
+
+def run_sample(module: str, cache: str, *extra: str, **env: str) -> str:
+    """Run a sample module in a pytest process of its own (no conftest of
+    this suite: nothing flushes the stores between its tests); its output,
+    after asserting it exited as the caller expects (``extra``)."""
+    environment = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+        "PYTHONPATH": str(ROOT),
+        "SAMPLE_CACHE": cache,
+        **env,
+    }
+    for name in ("TASKLOCK_TEST_BROKER", "TASKLOCK_TEST_RESULTS"):
+        environment.pop(name, None)  # the memory broker: calls stay pending
+    path = str(SAMPLES / module)
+    seed = random.randrange(2**32)  # a new order each time: printed if it fails
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider",
+            "-p", "no:xdist", "--ds", "tests.settings", "--rootdir", str(SAMPLES),
+            "-p", "randomly", f"--randomly-seed={seed}", "--keep-duplicates", "-q",
+            *extra, path, path,
+        ],
+        capture_output=True, text=True, timeout=300, env=environment, cwd=SAMPLES,
+    )  # fmt: skip
+    return f"exit {result.returncode}\n(seed {seed})\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.parametrize("cache", ["default", "redis"], ids=["memcached", "redis"])
+def test_a_projects_tests_run_twice_in_random_order_and_leak_nothing(cache):
+    """Every test leaves state that would break another, or its own second
+    run: a held lock, a used-up 1/h limit, a full semaphore, a pending call.
+    Isolated, all pass in any order, twice."""
+    out = run_sample("sample_isolation.py", cache)
+    assert out.startswith("exit 0"), out
+    assert "14 passed" in out, out
+
+
+def test_without_isolation_the_same_tests_fail():
+    """The control: the same module with a fixture that does not isolate."""
+    out = run_sample("sample_isolation.py", "default", SAMPLE_CONTROL="1")
+    assert out.startswith("exit 1"), out
+    failed = re.search(r"(\d+) failed", out)
+    assert failed and int(failed.group(1)) >= 2, out  # the limit's second run too
+
+
+def test_a_test_that_leaves_a_lock_held_fails_and_releases_it():
+    out = run_sample("sample_leak.py", "default")
+    assert out.startswith("exit 1"), out
+    assert out.count("The test left 1 lock(s) held: 'sample-forgotten'") == 2, out
+    # Released at the end of the first run: the second took it again, and
+    # failed for the same reason, not for finding it held.
+    assert "2 errors" in out or "2 failed" in out, out
