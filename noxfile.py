@@ -2,7 +2,7 @@
 
 ``make test`` runs these (``nox``) beside the main run (python3, Django 5.2),
 after lint, types, docs and the package check; ``nox -s
-"tests(python='3.13', django='6.0')"`` runs one.
+"tests(python='3.13', django='6.1')"`` runs one.
 Environments are made with uv when it is installed (``make venv`` installs it),
 and kept between runs. A pair whose Python is missing fails the run.
 
@@ -30,9 +30,10 @@ nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["tests"]
 
 ROOT = Path(__file__).resolve().parent
-#: (Python, Django): the oldest pair, Django 6 on the oldest Python it takes, the
-#: newest of all (the main run is python3, 3.11, with Django 5.2).
-PAIRS = [("3.10", "5.2"), ("3.12", "6.0"), ("3.13", "6.0")]
+#: (Python, Django): every supported Django release once. The oldest pair;
+#: Django 6.0 on the oldest Python it takes; the newest of all, 6.1 on 3.13
+#: (the main run is python3, 3.11, with Django 5.2).
+PAIRS = [("3.10", "5.2"), ("3.12", "6.0"), ("3.13", "6.1")]
 
 
 def _interpreters_on_path() -> None:

@@ -41,22 +41,15 @@ def redis_server() -> Iterator[Redis]:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(_services: None) -> Iterator[RedisCluster]:
-    """A Redis Cluster of this session's (three primaries, a replica each), as
-    the CACHES alias ``cluster``, here and in children; started when a test
-    first asks for it."""
-    from django.conf import settings
-
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A Redis Cluster of this session's (three primaries, a replica each), the
+    CACHES alias ``cluster`` here and in children. Started with the session,
+    not when a test first asks for it: its settings must lie under every
+    test's own (a test's override_settings, when it ends, puts back what was
+    there when it began)."""
     server = RedisCluster().start()
-    os.environ["TASKLOCK_TEST_CLUSTER"] = server.url
-    cache_settings = {alias: dict(config) for alias, config in settings.CACHES.items()}
-    cache_settings["cluster"]["LOCATION"] = server.url
-    try:
-        with override_settings(CACHES=cache_settings):
-            yield server
-            close_connections()
-    finally:
-        server.stop()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -65,6 +58,7 @@ def _services(
     memcached: Memcached,
     memcached_pair: tuple[Memcached, Memcached],
     redis_server: Redis,
+    redis_cluster: RedisCluster,
 ) -> Iterator[None]:
     """Point every CACHES alias at this session's servers, here and in children."""
     from django.conf import settings
@@ -73,6 +67,7 @@ def _services(
         "TASKLOCK_TEST_MEMCACHED": memcached.address,
         "TASKLOCK_TEST_MEMCACHED_PAIR": ",".join(s.address for s in memcached_pair),
         "TASKLOCK_TEST_REDIS": redis_server.url,
+        "TASKLOCK_TEST_CLUSTER": redis_cluster.url,
     }
     os.environ.update(env)
     cache_settings = {alias: dict(config) for alias, config in settings.CACHES.items()}
@@ -81,6 +76,7 @@ def _services(
     cache_settings["pair"]["LOCATION"] = [s.address for s in memcached_pair]
     cache_settings["redis"]["LOCATION"] = redis_server.url
     cache_settings["django_redis"]["LOCATION"] = redis_server.url
+    cache_settings["cluster"]["LOCATION"] = redis_cluster.url
     with override_settings(CACHES=cache_settings):
         yield
         close_connections()
