@@ -51,13 +51,17 @@ def wait_for(condition, timeout: float, step: float = 0.02) -> float:
 
 @pytest.mark.slow
 def test_renewal_keeps_lock_past_several_expiries(store):
-    lock = Lock("renewed", expire=EXPIRE, renew=True)
+    # Twice the module's expiry: a heartbeat starved for the whole of a 2 s
+    # lock (three beats) on a machine running the matrix beside this suite
+    # lost it once; this test is about renewal, not about starvation.
+    expire = 2 * EXPIRE
+    lock = Lock("renewed", expire=expire, renew=True)
     assert lock.acquire()
     heartbeat = lock._heartbeat
     assert heartbeat is not None and lock.renewing
     started = time.monotonic()
     checked: list[float] = []  # when another owner tried, since the acquire
-    while time.monotonic() - started < 3 * EXPIRE + 0.5:
+    while time.monotonic() - started < 3 * expire + 0.5:
         assert not taken_by_other("renewed"), "another owner took a renewed lock"
         checked.append(time.monotonic() - started)
         time.sleep(0.2)
@@ -65,14 +69,14 @@ def test_renewal_keeps_lock_past_several_expiries(store):
     # a connection of its own, slow on a busy machine: counted by time, not
     # by number).
     for n in range(3):
-        assert any(n * EXPIRE <= t < (n + 1) * EXPIRE for t in checked), checked
-    assert checked[-1] >= 3 * EXPIRE, checked
+        assert any(n * expire <= t < (n + 1) * expire for t in checked), checked
+    assert checked[-1] >= 3 * expire, checked
     assert lock.owned() and not lock.lost
     assert lock.release() is True
     heartbeat.join(timeout=2)
     assert not heartbeat._thread.is_alive(), "the heartbeat outlived the release"
     assert not lock.locked()
-    time.sleep(EXPIRE / 2)
+    time.sleep(expire / 2)
     assert not lock.locked(), "a stopped heartbeat wrote the lock back"
 
 
@@ -120,16 +124,29 @@ def test_lost_lock_reported_within_one_heartbeat(store, caplog):
         lock = Lock("stolen", expire=EXPIRE, renew=True, on_lost="raise")
         assert lock.acquire()
         fence = lock.fence
-        beat = lock._heartbeat.interval  # type: ignore[union-attr]
+        heartbeat = lock._heartbeat
+        assert heartbeat is not None
+        beat = heartbeat.interval
+        # When each beat begins (observed, not changed): the first to begin
+        # after the theft must be the one that finds it.
+        began: list[float] = []
+        one_beat = heartbeat.beat
+
+        def observed() -> float | None:
+            began.append(time.monotonic())
+            return one_beat()
+
+        heartbeat.beat = observed  # type: ignore[method-assign]
         assert lock.check() is True
+        stolen_at = time.monotonic()
         caches[store.alias].delete("stolen")  # flushed, evicted, forced...
         thief = Lock("stolen")
         assert thief.acquire()
         with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
-            elapsed = wait_for(lambda: lock.lost, timeout=beat * 3)
-        # The first beat after the theft finds it (a beat either renews or finds
-        # the lock gone); a second of slack is for a busy machine's scheduler.
-        assert elapsed <= beat + 1.0, f"reported after {elapsed:.2f}s, beat {beat}s"
+            wait_for(lambda: lock.lost, timeout=beat * 3 + 3)
+        after = [t - stolen_at for t in began if t >= stolen_at]
+        # (None: a beat that began just before the theft found it.)
+        assert len(after) <= 1, f"beats after the theft: {after}, beat {beat}s"
         assert "no longer held" in caplog.text
         with pytest.raises(LockLost, match="stolen"):
             lock.check()
@@ -160,9 +177,17 @@ def test_max_hold_stops_renewal(store, caplog):
     started = time.monotonic()
     time.sleep(EXPIRE + 0.3)
     assert not taken_by_other("capped"), "renewal stopped before max_hold"
+    tries: list[float] = []  # when each try began
+
+    def taken() -> bool:
+        tries.append(time.monotonic())
+        return taken_by_other("capped")
+
     with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
-        wait_for(lambda: taken_by_other("capped"), timeout=4, step=0.1)
-    freed_after = time.monotonic() - started
+        wait_for(taken, timeout=4, step=0.1)
+    # From the start of the try that took it: a try opens a connection of
+    # its own, which on a busy cluster takes a good part of a second.
+    freed_after = tries[-1] - started
     # Held past its expiry, gone by max_hold. The last renewal asks for exactly
     # the time left; memcached, counting whole seconds, may end it a second early.
     assert EXPIRE + 0.3 < freed_after <= 2 * EXPIRE + 0.3, freed_after
