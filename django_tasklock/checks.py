@@ -66,7 +66,7 @@ from .backends import (
     unsafe_options,
     unsupported_reason,
 )
-from .backends.cluster import ValkeyClusterBackend, key_tag_problem
+from .backends.cluster import KEY_TAG_ADVICE, ValkeyClusterBackend, key_tag_problem
 from .backends.memcached import meta_support
 from .backends.supported import recommended_paths, supported_for
 from .conf import DEFAULTS, setting_problems, suggested_key
@@ -275,10 +275,7 @@ def _check_key_tags(alias: str, backend_class: type[Any]) -> list[CheckMessage]:
     if problem is None:
         return []
     what, fatal = problem
-    hint = (
-        "Use a KEY_PREFIX (and KEY_FUNCTION) that puts no '{' or '}' in keys, "
-        f"or give locks an alias of their own. {_HINT_ALIAS}"
-    )
+    hint = f"{KEY_TAG_ADVICE}. {_HINT_ALIAS}"
     message = f"CACHES[{alias!r}] is a cluster, and {what}."
     if fatal:
         return [Error(message, hint=hint, id="django_tasklock.E022")]

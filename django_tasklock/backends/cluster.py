@@ -36,6 +36,7 @@ from .redis import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER
 from .valkey import ValkeyBackend
 
 __all__ = [
+    "KEY_TAG_ADVICE",
     "ClusterKeys",
     "ValkeyClusterBackend",
     "cluster_key",
@@ -97,6 +98,14 @@ def slot_tag(key: str) -> str:
     return "{" + key + "}"
 
 
+#: What to write instead, for a cluster alias whose keys break hash tags
+#: (check E022/W004, and the first lock's refusal).
+KEY_TAG_ADVICE = (
+    "Use a KEY_PREFIX (and KEY_FUNCTION) that puts no '{' or '}' in keys, or "
+    "give locks an alias of their own"
+)
+
+
 def key_tag_problem(cache: Any) -> tuple[str, bool] | None:
     """What is wrong with the keys a cluster alias makes (its KEY_PREFIX,
     VERSION and KEY_FUNCTION), and whether it is an error (no other key could
@@ -130,14 +139,14 @@ class ClusterKeys(ValkeyBackend):
     def key_for(self, lock_id: str) -> str:
         return cluster_key(self.cache, lock_id)
 
-    def held_many(self, keys: list[str]) -> list[bool]:
+    def _mget(self, keys: list[str]) -> list[Any]:
         client = self._redis(keys[0])
         tag = slot_tag(keys[0])
         if all(slot_tag(key) == tag for key in keys):  # a semaphore's slots
-            values = client.mget(keys)
+            values: list[Any] = client.mget(keys)
         else:  # one MGET per slot, pipelined: a round trip per primary
             values = client.mget_nonatomic(keys)
-        return [value is not None for value in values]
+        return values
 
     def add(self, key: str, value: str, timeout: int) -> bool:
         made = self.key_for(key)
@@ -156,17 +165,6 @@ class ClusterKeys(ValkeyBackend):
         for key in keys:
             pipe.delete(self.key_for(key))
         pipe.execute()
-
-    def read_many(self, keys: list[str]) -> dict[str, Any]:
-        if not keys:
-            return {}
-        made = [self.key_for(key) for key in keys]
-        values = self._redis(made[0]).mget_nonatomic(made)
-        return {
-            key: self._decode(raw)
-            for key, raw in zip(keys, values, strict=True)
-            if raw is not None
-        }
 
     def _server(self) -> str:
         return str(self._cache_client._server[0])
@@ -220,9 +218,8 @@ class ValkeyClusterBackend(ClusterKeys):
         problem = key_tag_problem(cache)
         if problem is not None and problem[1]:
             raise LockConfigurationError(
-                f"CACHES[{alias!r}] is a cluster, and {problem[0]}. Use a "
-                "KEY_PREFIX (and KEY_FUNCTION) that puts no '{' or '}' in keys, "
-                "or give locks an alias of their own (check E022)."
+                f"CACHES[{alias!r}] is a cluster, and {problem[0]}. "
+                f"{KEY_TAG_ADVICE} (check E022)."
             )
         self.promotions = Promotions(self.errors)
         #: key -> its hash slot, remembered (the CRC is computed in Python).

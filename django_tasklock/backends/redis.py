@@ -197,11 +197,17 @@ class RedisBackend(LockBackend):
         info = self._redis("").info("server")
         return {self._server(): float(info["uptime_in_seconds"])}
 
+    def _mget(self, keys: list[str]) -> list[Any]:
+        """The values at the store keys ``keys``, in order: one MGET on the
+        primary."""
+        values: list[Any] = self._redis(keys[0]).mget(keys)
+        return values
+
     def read_many(self, keys: list[str]) -> dict[str, Any]:
         if not keys:
             return {}
         made = [self.key_for(key) for key in keys]
-        values = self._redis(made[0]).mget(made)
+        values = self._mget(made)
         return {
             key: self._decode(raw)
             for key, raw in zip(keys, values, strict=True)
@@ -267,7 +273,7 @@ class RedisBackend(LockBackend):
         return bool(self._redis(key).exists(key))
 
     def held_many(self, keys: list[str]) -> list[bool]:
-        return [value is not None for value in self._redis(keys[0]).mget(keys)]
+        return [value is not None for value in self._mget(keys)]
 
     def ttl(self, key: str) -> float | None:
         milliseconds = self._redis(key).pttl(key)

@@ -175,7 +175,7 @@ class Record:
             self.lapsed_at = sent
         value = f"{time.time():.3f}"
         if backend.records_beside_locks:  # a cluster: beside each lock held
-            keys = list({acq.key for acq in list(self.held.values())})
+            keys = [acq.key for acq in list(self.held.values())]
             backend.write_records_beside(self.id, value, self.timeout, keys)
         else:
             backend.write_record(self.place, self.id, value, self.timeout)
