@@ -261,7 +261,9 @@ def _cluster_port() -> int:
     import random
 
     for _ in range(200):
-        port = random.randrange(10000, 22700)
+        # Client ports 10000-19999, bus ports 20000-29999: no node's client port
+        # is another node's bus port.
+        port = random.randrange(10000, 20000)
         sockets = []
         try:
             for candidate in (port, port + 10000):
@@ -307,19 +309,39 @@ class RedisCluster:
         """A URL of one node, from which a cluster client finds the others."""
         return f"redis://{self.nodes[0].address}"
 
-    def start(self) -> RedisCluster:
-        for index in range(len(self.nodes)):
-            self._start_node(index)
+    def start(self, attempts: int = 3) -> RedisCluster:
+        """Start the nodes and join them; a cluster that has not formed in 30 s
+        (a node that never met the others, seen once on a busy machine) is
+        stopped and formed again from new nodes on new ports."""
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RuntimeError(f"redis-cli {INSTALL_HINT}")
-        subprocess.run(
-            [cli, "--cluster", "create", *(n.address for n in self.nodes),
-             "--cluster-replicas", "1", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
-        self.wait_until_ok()
-        return self
+        problem = ""
+        for _ in range(attempts):
+            for index in range(len(self.nodes)):
+                self._start_node(index)
+            try:
+                subprocess.run(
+                    [cli, "--cluster", "create", *(n.address for n in self.nodes),
+                     "--cluster-replicas", "1", "--cluster-yes"],
+                    check=True, capture_output=True, timeout=60,
+                )  # fmt: skip
+                self.wait_until_ok(timeout=30, joined=True)
+                return self
+            except (RuntimeError, subprocess.SubprocessError) as error:
+                problem = str(error)
+                self._discard_nodes()
+        raise RuntimeError(f"no cluster formed in {attempts} tries: {problem}")
+
+    def _discard_nodes(self) -> None:
+        """Stop every node and forget its configuration; new nodes on new ports."""
+        for index, node in enumerate(self.nodes):
+            if node.process is not None:
+                node.process.kill()
+                node.process.wait()
+                node.process = None
+            (self.workdir / f"nodes-{index}.conf").unlink(missing_ok=True)
+            self.nodes[index] = Redis(args=self._node_args(index), port=_cluster_port())
 
     def _start_node(self, index: int) -> None:
         """Start node ``index``; on another port pair if its own was taken
@@ -328,9 +350,13 @@ class RedisCluster:
             node = self.nodes[index]
             try:
                 node.start()
-                # Its own process answers (not another listener on the port),
-                # and still runs (its bus port bound too).
-                if self.ask(node, "PING") is True and node.process.poll() is None:  # type: ignore[union-attr]
+                # Its own process answers (not another listener on the port:
+                # its own configuration file), and still runs (its bus port
+                # bound too).
+                mine = str(self.workdir / f"nodes-{index}.conf")
+                answer = self.ask(node, "CONFIG", "GET", "cluster-config-file")
+                running = node.process.poll() is None  # type: ignore[union-attr]
+                if answer.get("cluster-config-file") == mine and running:
                     return
                 raise RuntimeError(f"cluster node {node.address} did not start")
             except (RuntimeError, OSError, redis_errors()):
@@ -352,16 +378,23 @@ class RedisCluster:
         ) as client:
             return client.execute_command(*command)
 
-    def wait_until_ok(self, timeout: float = 60) -> None:
+    def wait_until_ok(self, timeout: float = 60, *, joined: bool = False) -> None:
         """Until every running node says the cluster is ok, every slot served,
-        and each primary has its replica."""
+        and each primary has its replica; with ``joined``, until every node
+        knows every other too."""
         deadline = time.monotonic() + timeout
         while True:
             running = [n for n in self.nodes if n.process is not None]
             states = [self.ask(n, "CLUSTER", "INFO") for n in running]
-            if all("cluster_state:ok" in state for state in states) and all(
-                self.ask(n, "INFO", "replication").get("role") in ("master", "slave")
-                for n in running
+            known = f"cluster_known_nodes:{len(self.nodes)}\r\n"
+            if (
+                all("cluster_state:ok" in state for state in states)
+                and all(known in state for state in states if joined)
+                and all(
+                    self.ask(n, "INFO", "replication").get("role")
+                    in ("master", "slave")
+                    for n in running
+                )
             ):
                 replicas = sum(
                     self.ask(n, "INFO", "replication").get("role") == "slave"
