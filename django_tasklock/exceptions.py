@@ -29,12 +29,17 @@ class LockNotAcquired(TaskLockError):
     False) where contention is a normal outcome rather than an error.
     """
 
-    def __init__(self, lock_id: str) -> None:
+    def __init__(self, lock_id: str, reason: str = "") -> None:
         self.lock_id = lock_id
+        #: Why the call could not wait for the lock, where it could not (a call
+        #: run in place, inside a run that holds the lock); else "".
+        self.reason = reason
         # args are the constructor's: Celery rebuilds a task's exception from them.
-        super().__init__(lock_id)
+        super().__init__(lock_id, reason) if reason else super().__init__(lock_id)
 
     def __str__(self) -> str:
+        if self.reason:
+            return f"Lock {self.lock_id!r} is held; the protected code did not run: {self.reason}"
         return (
             f"Lock {self.lock_id!r} is held by another owner; the protected code did "
             "not run. Try again later, or wait for it with Lock.acquire(blocking=True, "

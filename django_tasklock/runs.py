@@ -23,7 +23,16 @@ if TYPE_CHECKING:
     from .options import Options
     from .semaphores import Semaphore
 
-__all__ = ["DEFER", "DROP", "FREED", "Host", "Run", "current_lock", "held"]
+__all__ = [
+    "DEFER",
+    "DROP",
+    "FREED",
+    "Host",
+    "Run",
+    "current_lock",
+    "enclosing",
+    "held",
+]
 
 #: What a call finds when the lock it meets names the call itself (see
 #: ``Host.verdict``): drop this copy, run it (the dead run's lock was freed),
@@ -44,6 +53,13 @@ def current_lock() -> Lock | Semaphore | None:
     """
     runs = held.get()
     return runs[-1].lock if runs else None
+
+
+def enclosing(lock_id: str) -> bool:
+    """True if a run this context is inside of holds ``lock_id``."""
+    return any(
+        run.lock is not None and run.lock.lock_id == lock_id for run in held.get()
+    )
 
 
 def retry_unbound(name: str) -> str:

@@ -14,6 +14,7 @@ from ..runs import PLAIN, Run
 from .celery import (
     CELERY,
     current_task,
+    install_eager,
     install_publish,
     sender_over_limit,
 )
@@ -39,7 +40,8 @@ _install_lock = threading.Lock()
 
 
 def install() -> None:
-    """Wrap ``Celery.send_task`` and ``django.tasks``' ``Task.enqueue``, and
+    """Wrap ``Celery.send_task`` (and ``Task.apply``, for eager calls) and
+    ``django.tasks``' ``Task.enqueue``, and
     connect the signals of either side, once per process."""
     if _installed:
         return
@@ -47,6 +49,7 @@ def install() -> None:
         if _installed:
             return
         install_publish()
+        install_eager()
         install_enqueue()
         _installed.append(True)
 

@@ -58,16 +58,38 @@ return resume - now
 )
 
 
+#: Milliseconds every rate limit's clock is moved forward by: the client's
+#: and, in Lua, the store's. 0 but in a test that moves its clock
+#: (``django_tasklock.testing``: ``Isolation.advance``); never set otherwise.
+shift_ms = 0
+
+# The scripts with the store's clock moved by their last argument, by text.
+_shifted: dict[str, str] = {}
+
+
 def now_ms() -> int:
     """The client's wall clock in whole milliseconds (shared across hosts)."""
-    return time.time_ns() // 1_000_000
+    return time.time_ns() // 1_000_000 + shift_ms
+
+
+def _script(lua: str, args: tuple[object, ...]) -> tuple[str, tuple[object, ...]]:
+    """``lua`` and its arguments, or, while a test moves the clock, the same
+    script reading the store's clock moved by a last argument."""
+    if not shift_ms:
+        return lua, args
+    shifted = _shifted.get(lua)
+    if shifted is None:
+        moved = LUA_NOW + "now = now + tonumber(ARGV[#ARGV])\n"
+        shifted = _shifted[lua] = lua.replace(LUA_NOW, moved)
+    return shifted, (*args, shift_ms)
 
 
 def admit(backend: LockBackend, key: str, kind: Kind) -> Verdict:
     """One admission; raises ``backend.errors`` (and ValueError for a key that
     holds something else)."""
     if backend.runs_scripts:
-        admitted, at, retry_ms, paused = backend.script(kind.lua, (key,), *kind.args())
+        lua, args = _script(kind.lua, kind.args())
+        admitted, at, retry_ms, paused = backend.script(lua, (key,), *args)
         return Verdict(
             bool(admitted), int(at), int(retry_ms) / 1000, None, 0, bool(paused)
         )
@@ -94,9 +116,8 @@ def pause(backend: LockBackend, key: str, kind: Kind, seconds: float) -> float:
     """Stop admissions for ``seconds`` (a longer pause already set stays);
     the seconds until admissions resume."""
     if backend.runs_scripts:
-        left = backend.script(
-            _PAUSE, (key,), round(seconds * 1000), kind.period, kind.tag
-        )
+        lua, args = _script(_PAUSE, (round(seconds * 1000), kind.period, kind.tag))
+        left = backend.script(lua, (key,), *args)
         return int(left) / 1000
     for _ in range(MAX_ROUNDS):
         peek = backend.peek(key)
@@ -118,7 +139,7 @@ def read(backend: LockBackend, key: str) -> tuple[object, int] | None:
         if raw is None:
             return None
         seconds, micro = backend.script("return redis.call('time')", (key,))
-        return raw, int(seconds) * 1000 + int(micro) // 1000
+        return raw, int(seconds) * 1000 + int(micro) // 1000 + shift_ms
     peek = backend.peek(key)
     return None if peek is None else (peek.value, now_ms())
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..calls import Marks, queued
 from ..conf import settings
+from ..exceptions import LockNotAcquired
 from ..locks import Lock
 from ..locks.recovery import judge
 from ..locks.roster import note_run
 from ..logs import module_logger
 from ..policies import CONTENTION, ContentionPolicy
-from ..runs import DEFER, DROP, FREED, held, retry_unbound
+from ..runs import DEFER, DROP, FREED, enclosing, held, retry_unbound
 
 if TYPE_CHECKING:
     from ..backends import LockBackend
@@ -98,22 +100,27 @@ class Mode:
             # A duplicate that met the lock could no longer be retried, and
             # would be lost.
             raise TypeError(retry_unbound(run.name))
-        if run.call_id is None:
-            acquired = policy.acquire(lock, run) if policy.waits else lock.acquire()
+        if self.call_policy is not None and run.call_id is not None:
+            policy = CONTENTION[self.call_policy]
+        if run.call_id is None and policy.waits and not held.get():
+            acquired = policy.acquire(lock, run)
         else:
-            if self.call_policy is not None:
-                policy = CONTENTION[self.call_policy]
-            # A worker's call: a lock held by this very call is a second
-            # delivery of its message, told apart before any wait.
             acquired = lock.acquire()
             if not acquired:
-                verdict = run.host.verdict(run, lock)
-                if verdict is DROP:
-                    return run.host.drop(run)
-                if verdict is DEFER:
-                    return run.host.defer(run, lock)
-                if verdict is FREED or policy.waits:
-                    acquired = policy.acquire(lock, run)
+                if enclosing(lock.lock_id):
+                    return self.nested(run, lock, policy)
+                if run.call_id is None:
+                    acquired = policy.waits and policy.acquire(lock, run)
+                else:
+                    # A worker's call: a lock held by this very call is a
+                    # second delivery of its message, told apart before any wait.
+                    verdict = run.host.verdict(run, lock)
+                    if verdict is DROP:
+                        return run.host.drop(run)
+                    if verdict is DEFER:
+                        return run.host.defer(run, lock)
+                    if verdict is FREED or policy.waits:
+                        acquired = policy.acquire(lock, run)
         if not acquired:
             return self.contended(run, lock, policy)
         note_run(lock, run)
@@ -131,6 +138,32 @@ class Mode:
         finally:
             held.reset(reset)
             lock.release_quietly()
+
+    def nested(self, run: Run, lock: Lock | Semaphore, policy: ContentionPolicy) -> Any:
+        """The lock is held by a run this thread is inside of (a call run in
+        place: eagerly, by ``apply()`` or directly, from the body of a run of
+        the same lock id). Skip and raise do as they always do; a call that
+        would wait or be sent again cannot wait for its own caller, and fails
+        at once with ``LockNotAcquired`` (its pending mark cleared) instead of
+        waiting out its timeout or its caller's lock."""
+        if not (policy.waits or policy.bound_only or self.call_policy):
+            return self.contended(run, lock, policy)
+        self.forget_pending(run)
+        raise LockNotAcquired(
+            lock.lock_id,
+            f"a run of it encloses this call of {run.name} in the same thread "
+            "(a task run in place: eagerly, by apply() or called directly), and a "
+            "call cannot wait for its own caller; a worker would run it after that "
+            "run ends. Send it from outside that run, or with other arguments.",
+        )
+
+    def forget_pending(self, run: Run) -> None:
+        """Clear the pending mark of a call that ends here without running (it
+        will not be sent again), so that later calls do not join it."""
+        if run.call_id is not None and self.publishes:
+            Marks(run.options.cache, self.on_publish(run.lock_id)).clear(
+                queued(run.call_id), "Could not clear the pending mark of lock %r"
+            )
 
     def lock_for(self, run: Run) -> Lock | Semaphore:
         """The run's lock: one slot, named after the call if a worker runs it."""

@@ -64,6 +64,7 @@ class Isolation:
         self._guard = threading.Lock()
         self._settings: Any = None
         self._receivers: list[tuple[Any, Any]] = []
+        self._shift_before: int | None = None
 
     # -- set-up and tear-down -------------------------------------------------
 
@@ -113,6 +114,10 @@ class Isolation:
         self._receivers.clear()
         left = self._release_leftovers()
         close_thread_connections()
+        if self._shift_before is not None:
+            from ..limits import store
+
+            store.shift_ms, self._shift_before = self._shift_before, None
         if self._settings is not None:
             self._settings.disable()
             self._settings = None
@@ -129,6 +134,37 @@ class Isolation:
             self._allowed = None
         elif self._allowed is not None:
             self._allowed.update(lock_ids)
+
+    # -- time -------------------------------------------------------------------
+
+    def advance(self, seconds: float) -> None:
+        """Move every rate limit's clock ``seconds`` forward, for this test:
+        the client's, which judges limits on memcached, pylibmc and LocMem,
+        and Redis's own, which the limits' Lua scripts read (they add the
+        step). Admissions, ``retry_after`` and pauses see the time moved; no
+        test sleeps. Locks' expiries are counted by the store itself, which
+        no client can move: ``expire()`` ends a lock as its expiry would."""
+        from ..limits import store
+
+        if seconds < 0:
+            raise ValueError(f"the clock only moves forward, not by {seconds}s")
+        if self._shift_before is None:
+            self._shift_before = store.shift_ms
+        store.shift_ms += round(seconds * 1000)
+
+    def expire(self, lock_id: str, *, cache: str | None = None) -> None:
+        """End ``lock_id`` in the store now, as its expiry would: whoever
+        holds it is not told, and finds it lost at its next check, renewal or
+        release, as after a real expiry. Fails if nobody holds it."""
+        from ..calls import store
+
+        backend, _alias = store(cache)
+        key = backend.keys_for(lock_id)[0]
+        peek = backend.peek(key)
+        assert peek is not None, f"lock {lock_id!r} is not held: nothing to expire"
+        assert backend.release(key, peek.hold, peek.value), (
+            f"lock {lock_id!r} changed hands while it was being expired"
+        )
 
     def _record(self, name: str, details: dict[str, Any]) -> None:
         lock = details.get("lock")

@@ -15,6 +15,7 @@ from ...calls import queue_life, queued
 from ...exceptions import LockBackendError, LockNotAcquired
 from ...locks import Lock
 from ...logs import module_logger
+from ...modes import MODES
 from ...runs import Host, held
 from ..redelivery import defer_for, verdict
 from .worker import handed_to_autoretry
@@ -130,6 +131,16 @@ class CeleryHost(Host):
         self._send_back(run, defer_for(run, lock))
 
     def send_back(self, run: Run, lock: Lock | Semaphore, countdown: float) -> NoReturn:
+        if getattr(run.task.request, "is_eager", False):
+            # Sent back, an eager call would run again at once, in place, and
+            # wait again: it fails instead, visibly, and leaves no mark.
+            MODES[run.options.mode].forget_pending(run)
+            raise LockNotAcquired(
+                lock.lock_id,
+                f"{run.name}[{run.call_id}] waited for it in vain, and a call run "
+                "in place (eagerly, or by apply()) cannot be sent back to wait "
+                "for its turn as a worker's is.",
+            )
         self._send_back(run, countdown)
 
     def _send_back(self, run: Run, countdown: float) -> NoReturn:
