@@ -6,7 +6,9 @@ machine and the demo comes from the environment:
   or Valkey Cluster, through django-valkey): the cache that holds the task locks;
 - ``EXAMPLE_DATABASE``: the SQLite file (default ``.tasklock-run/example.sqlite3``);
 - ``CELERY_BROKER_URL``: the broker; without it, kombu's filesystem transport in
-  ``EXAMPLE_BROKER_DIR`` (default ``.tasklock-run/broker``), which needs no server.
+  ``EXAMPLE_BROKER_DIR`` (default ``.tasklock-run/broker``), which needs no server;
+- ``CELERY_RESULT_BACKEND``: where results go; without it, Celery's filesystem
+  backend in ``EXAMPLE_RESULTS_DIR`` (default ``.tasklock-run/results``).
 """
 
 from __future__ import annotations
@@ -113,8 +115,14 @@ if CELERY_BROKER_URL == "filesystem://":
     }
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_RESULT_BACKEND = None
-CELERY_TASK_IGNORE_RESULT = True
+# Results on Celery's filesystem backend (no server either), so that .get()
+# and a joined duplicate's result work here as the docs show.
+RESULTS_DIR = Path(os.environ.get("EXAMPLE_RESULTS_DIR", str(RUN_DIR / "results")))
+RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+CELERY_RESULT_BACKEND = os.environ.get(
+    "CELERY_RESULT_BACKEND", f"file://{RESULTS_DIR.resolve()}"
+)
+CELERY_RESULT_EXPIRES = 3600
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
