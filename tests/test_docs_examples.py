@@ -38,9 +38,7 @@ def test_every_python_example_is_collected(page):
         for e in examples
         if "invisible" not in str(e.region) and "Skipper" not in str(e.region)
     ]
-    assert len(shown) == (
-        page.read_text().count(".. code-block:: python")
-    )
+    assert len(shown) == (page.read_text().count(".. code-block:: python"))
 
 
 @pytest.fixture(scope="module")
