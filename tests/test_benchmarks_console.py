@@ -47,11 +47,10 @@ def test_console_page_cost_does_not_grow_with_the_cache():
     assert evicted == 0 and stored >= written + total, fill.group(0)
     assert listed == total and held == 200, fill.group(0)
     # A lock the holders found lost must be one memcached says it dropped
-    # itself (its slab mover evicts what it has no room to move): then the
-    # holder was rightly told. Any other loss fails.
+    # itself (evicted; or its slab mover had no room to move it, or found it
+    # busy too long, and deleted it): then the holder was rightly told. Any
+    # other loss fails.
     lost = re.search(r"found lost when they released them: (\d+)", out)
-    dropped = re.search(
-        r"dropped itself \(evictions, slab moves with no room\): (\d+)", out
-    )
+    dropped = re.search(r"dropped itself \([^)]*\): (\d+)", out)
     assert lost and dropped, out
     assert int(lost.group(1)) <= int(dropped.group(1)), out

@@ -49,22 +49,47 @@ def wait_for(condition, timeout: float, step: float = 0.02) -> float:
     return time.monotonic() - started
 
 
-@pytest.mark.slow
-def test_renewal_keeps_lock_past_several_expiries(store):
-    # Twice the module's expiry: a heartbeat starved for the whole of a 2 s
-    # lock (three beats) on a machine running the matrix beside this suite
-    # lost it once; this test is about renewal, not about starvation.
-    expire = 2 * EXPIRE
+def _renewed_through_three_expiries(expire: float) -> tuple[Lock, list[float]] | None:
+    """Hold a renewed lock past three expiries while another owner keeps
+    trying to take it: the lock and when each try began (seconds after the
+    acquire); None if the machine starved the heartbeat so long that the
+    lock's last renewal ran out before a try took it (a true expiry, which
+    this test is not about). A try that takes the lock while its renewal
+    still held it fails the test."""
     lock = Lock("renewed", expire=expire, renew=True)
     assert lock.acquire()
-    heartbeat = lock._heartbeat
-    assert heartbeat is not None and lock.renewing
+    assert lock._heartbeat is not None and lock.renewing
     started = time.monotonic()
-    checked: list[float] = []  # when another owner tried, since the acquire
+    checked: list[float] = []
     while time.monotonic() - started < 3 * expire + 0.5:
-        assert not taken_by_other("renewed"), "another owner took a renewed lock"
-        checked.append(time.monotonic() - started)
+        valid_until = lock._acq.valid_until  # by the holder's last renewal
+        tried_at = time.monotonic()
+        if taken_by_other("renewed"):
+            assert tried_at >= valid_until, (
+                "another owner took a renewed lock "
+                f"{valid_until - tried_at:.2f}s before its renewal ran out"
+            )
+            lock.release_quietly()
+            return None
+        checked.append(tried_at - started)
         time.sleep(0.2)
+    return lock, checked
+
+
+@pytest.mark.slow
+def test_renewal_keeps_lock_past_several_expiries(store):
+    # Twice the module's expiry; and a try that finds the heartbeat starved
+    # past the lock's last renewal (a machine running the matrix beside this
+    # suite did so) is tried again, up to three times.
+    expire = 2 * EXPIRE
+    for _ in range(3):
+        outcome = _renewed_through_three_expiries(expire)
+        if outcome is not None:
+            break
+    assert outcome is not None, "the heartbeat was starved past expiry three times"
+    lock, checked = outcome
+    heartbeat = lock._heartbeat
+    assert heartbeat is not None
     # Tried within each expiry it outlived, and after the last (each try opens
     # a connection of its own, slow on a busy machine: counted by time, not
     # by number).
