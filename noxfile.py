@@ -10,7 +10,9 @@ The pairs run the suite without its ``slow`` tests: those (many processes
 fighting for locks, expiry waits, worker kills, the fault and benchmark smoke
 runs) measure the lock against the store and the operating system, which do not
 change with the Python or Django version; every code path they take is run by
-quicker tests here as well. The main run has them all.
+quicker tests here as well. Their store tests run on the stores ``STORES``
+names (below), and each test module on one worker process (``--dist
+loadfile``: a module's Celery workers start once). The main run has them all.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ ROOT = Path(__file__).resolve().parent
 #: Django 6.0 on the oldest Python it takes; the newest of all, 6.1 on 3.13
 #: (the main run is python3, 3.11, with Django 5.2).
 PAIRS = [("3.10", "5.2"), ("3.12", "6.0"), ("3.13", "6.1")]
+#: The stores the store tests run on here: those whose client code is
+#: Django's (``PyMemcacheCache``, ``RedisCache``) or changes with the Python or
+#: Django version (django-redis; pylibmc, a C extension). The memcached classic
+#: protocol and the Redis Cluster are this package's code and the servers',
+#: run on every store by the main run; ``tests/test_cluster.py`` runs here too,
+#: on django-valkey.
+STORES = "memcached-meta,redis,django-redis,pylibmc"
 
 
 def _interpreters_on_path() -> None:
@@ -94,9 +103,14 @@ def tests(session: nox.Session, django: str) -> None:
         "not slow",
         "-n",
         os.environ.get("TASKLOCK_MATRIX_WORKERS", "2"),
+        "--dist",
+        "loadfile",
         "--cov",
         "--cov-report=",
         "--cov-fail-under=0",
         *session.posargs,
-        env={"COVERAGE_FILE": str(coverage / f"{session.python}")},
+        env={
+            "COVERAGE_FILE": str(coverage / f"{session.python}"),
+            "TASKLOCK_TEST_STORES": os.environ.get("TASKLOCK_TEST_STORES", STORES),
+        },
     )

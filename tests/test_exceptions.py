@@ -23,7 +23,14 @@ from django_tasklock.exceptions import (
 #: One of each, with the attributes README documents.
 EXAMPLES = [
     (TaskLockError("something went wrong"), {}),
-    (LockNotAcquired("feeds-lock-abc"), {"lock_id": "feeds-lock-abc"}),
+    (LockNotAcquired("feeds-lock-abc"), {"lock_id": "feeds-lock-abc", "reason": ""}),
+    (
+        LockNotAcquired("feeds-lock-abc", "a call cannot wait for its own caller"),
+        {
+            "lock_id": "feeds-lock-abc",
+            "reason": "a call cannot wait for its own caller",
+        },
+    ),
     (
         AlreadyQueued("5e0c-id", "feeds-lock-abc"),
         {"task_id": "5e0c-id", "lock_id": "feeds-lock-abc"},
