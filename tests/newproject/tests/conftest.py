@@ -11,7 +11,6 @@ def celery_worker_in_process():
         yield None
         return
     from celery.contrib.testing.worker import start_worker
-
     from proj.celery import app
 
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):

@@ -1,7 +1,7 @@
 import pytest
+from shop.tasks import call_partner_api, rebuild_invoice, sync_account
 
 from django_tasklock import Lock, RateLimited, lock_id_for
-from shop.tasks import call_partner_api, rebuild_invoice, sync_account
 
 
 def test_a_second_rebuild_while_one_runs_joins_it(tasklock, run):
