@@ -46,3 +46,14 @@ def summarize_once(context, text):
 @single_instance(mode="until_finished", on_duplicate="replace")
 def replaced(text):
     return text
+
+
+@task
+@single_instance(key="text", on_contention="wait", timeout=30)
+def waits_for_itself(text, nested=False):
+    """Enqueues itself from inside its run (ImmediateBackend runs it in place):
+    a call that cannot wait for its own caller."""
+    if not nested:
+        return "ran"
+    inner = waits_for_itself.enqueue(text)
+    return [inner.status, [error.exception_class.__name__ for error in inner.errors]]

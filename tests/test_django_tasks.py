@@ -118,3 +118,19 @@ def test_replace_is_refused_under_django_tasks():
 
     with pytest.raises(LockUsageError, match="revoke"):
         djtasks.replaced.enqueue("z")
+
+
+def test_a_nested_call_that_would_wait_for_its_caller_fails_at_once():
+    """ImmediateBackend runs a call in place: one enqueued from inside a run
+    of the same lock id cannot wait for it (30 s here), and fails at once."""
+    import time
+
+    from django_tasklock.status import lock_status
+    from tests import djtasks
+
+    started = time.monotonic()
+    result = djtasks.waits_for_itself.enqueue("w", nested=True)
+    assert time.monotonic() - started < 20
+    assert result.status == "SUCCESSFUL", result.errors
+    assert result.return_value == ["FAILED", ["LockNotAcquired"]]
+    assert not lock_status(lock_id(djtasks.waits_for_itself, "w")).held
