@@ -18,6 +18,10 @@ from tests.services import Memcached, Redis, RedisCluster
 pytest_plugins = ["tests.fixtures"]
 
 
+# A project of its own, run by tests/test_new_project.py in its own
+# environment: its tests are not this suite's.
+collect_ignore = ["newproject"]
+
 @pytest.fixture(scope="session")
 def memcached() -> Iterator[Memcached]:
     server = Memcached().start()

@@ -40,6 +40,19 @@ def taken_by_other(lock_id: str) -> bool:
     return bool(in_thread(attempt))
 
 
+def taken_while_valid(lock: Lock, lock_id: str) -> bool | None:
+    """Whether another owner takes ``lock_id`` from ``lock``'s holder: False
+    (refused); True (taken while the holder's last renewal still held it: a
+    robbed holder); None (taken once that renewal had run out, as when a busy
+    machine starves the heartbeat, or a new thread's first connection to a
+    cluster is slow: a true expiry, which tells nothing of renewal)."""
+    valid_until = lock._acq.valid_until  # by the holder's last renewal
+    tried_at = time.monotonic()
+    if not taken_by_other(lock_id):
+        return False
+    return True if tried_at < valid_until else None
+
+
 def wait_for(condition, timeout: float, step: float = 0.02) -> float:
     """Seconds until ``condition()`` is true; fails after ``timeout``."""
     started = time.monotonic()
@@ -62,13 +75,10 @@ def _renewed_through_three_expiries(expire: float) -> tuple[Lock, list[float]] |
     started = time.monotonic()
     checked: list[float] = []
     while time.monotonic() - started < 3 * expire + 0.5:
-        valid_until = lock._acq.valid_until  # by the holder's last renewal
         tried_at = time.monotonic()
-        if taken_by_other("renewed"):
-            assert tried_at >= valid_until, (
-                "another owner took a renewed lock "
-                f"{valid_until - tried_at:.2f}s before its renewal ran out"
-            )
+        taken = taken_while_valid(lock, "renewed")
+        assert taken is not True, "another owner took a renewed lock"
+        if taken is None:
             lock.release_quietly()
             return None
         checked.append(tried_at - started)
@@ -197,11 +207,19 @@ def test_check_warns_without_raising_by_default(store):
 
 @pytest.mark.slow
 def test_max_hold_stops_renewal(store, caplog):
-    lock = Lock("capped", expire=EXPIRE, renew=True, max_hold=2 * EXPIRE)
-    assert lock.acquire()
-    started = time.monotonic()
-    time.sleep(EXPIRE + 0.3)
-    assert not taken_by_other("capped"), "renewal stopped before max_hold"
+    # A run whose heartbeat was starved past the lock's last renewal (a true
+    # expiry: taken_while_valid) is tried again, up to three times.
+    for _ in range(3):
+        lock = Lock("capped", expire=EXPIRE, renew=True, max_hold=2 * EXPIRE)
+        assert lock.acquire()
+        started = time.monotonic()
+        time.sleep(EXPIRE + 0.3)
+        taken = taken_while_valid(lock, "capped")
+        assert taken is not True, "renewal stopped before max_hold"
+        if taken is False:
+            break
+        lock.release_quietly()
+    assert taken is False, "the heartbeat was starved past expiry three times"
     tries: list[float] = []  # when each try began
 
     def taken() -> bool:
