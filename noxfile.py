@@ -11,8 +11,7 @@ fighting for locks, expiry waits, worker kills, the fault and benchmark smoke
 runs) measure the lock against the store and the operating system, which do not
 change with the Python or Django version; every code path they take is run by
 quicker tests here as well. Their store tests run on the stores ``STORES``
-names (below), and each test module on one worker process (``--dist
-loadfile``: a module's Celery workers start once). The main run has them all.
+names (below). The main run has them all.
 """
 
 from __future__ import annotations
@@ -103,8 +102,6 @@ def tests(session: nox.Session, django: str) -> None:
         "not slow",
         "-n",
         os.environ.get("TASKLOCK_MATRIX_WORKERS", "2"),
-        "--dist",
-        "loadfile",
         "--cov",
         "--cov-report=",
         "--cov-fail-under=0",
