@@ -22,6 +22,7 @@ pytest_plugins = ["tests.fixtures"]
 # environment: its tests are not this suite's.
 collect_ignore = ["newproject"]
 
+
 @pytest.fixture(scope="session")
 def memcached() -> Iterator[Memcached]:
     server = Memcached().start()
