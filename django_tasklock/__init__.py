@@ -14,6 +14,7 @@ from .exceptions import (
     RateLimited,
     TaskLockError,
 )
+from .leader import Leadership
 from .limits.decorator import current_admission, rate_limited
 from .limits.limiter import Admission, RateLimiter
 from .locks import Lock, memcache_lock
@@ -27,6 +28,7 @@ __all__ = [
     "Admission",
     "AlreadyQueued",
     "InvalidLockExpire",
+    "Leadership",
     "Lock",
     "LockBackendError",
     "LockConfigurationError",

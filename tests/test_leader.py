@@ -1,0 +1,187 @@
+"""``Leadership``: one leader among processes, on the real stores. Leaders and
+standbys are processes of their own, on other hosts as far as liveness goes
+(``unshare --uts``): a standby takes over a killed leader within LIVENESS plus
+a poll, with a larger fence; a paused leader that was replaced learns it at its
+next look and never reports itself leader again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from django_tasklock import Leadership
+from tests.services import stop_and_wait
+
+ROOT = Path(__file__).resolve().parent.parent
+LIVENESS = 3.0
+POLL = 0.2  # the processes' (tests/leader_process.py)
+STORES = pytest.mark.parametrize(
+    "alias", ["default", "redis"], ids=["memcached", "redis"]
+)
+
+
+class Candidate:
+    """``python -m tests.leader_process`` on a host of its own."""
+
+    def __init__(self, alias: str, name: str, host: str) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "tests.leader_process",
+            alias,
+            str(LIVENESS),
+            name,
+        ]
+        rename = f'hostname {host} && exec "$@"'
+        self.process = subprocess.Popen(
+            ["unshare", "--uts", "sh", "-c", rename, "-", *command],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.expect("standing by", timeout=60)
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self._new:
+                self.lines.append(line.strip())
+                self._new.notify_all()
+
+    def expect(self, start: str, timeout: float) -> str | None:
+        """The first line starting with ``start`` (waiting up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        with self._new:
+            while True:
+                found = next(
+                    (line for line in self.lines if line.startswith(start)), None
+                )
+                left = deadline - time.monotonic()
+                if found is not None or left <= 0:
+                    return found
+                self._new.wait(left)
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+        self.process.wait()
+        self._reader.join(timeout=10)  # at the end of its output
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def candidates():
+    made: list[Candidate] = []
+
+    def make(alias: str, name: str, host: str) -> Candidate:
+        made.append(Candidate(alias, name, host))
+        return made[-1]
+
+    yield make
+    for candidate in made:
+        candidate.close()
+
+
+def gained(candidate: Candidate, timeout: float) -> tuple[int, float] | None:
+    line = candidate.expect("gained ", timeout)
+    if line is None:
+        return None
+    _, fence, at = line.split()
+    return int(fence), float(at)
+
+
+@pytest.mark.slow
+@STORES
+def test_a_standby_takes_over_a_killed_leader_within_liveness_and_a_poll(
+    alias, candidates
+):
+    first = candidates(alias, "killed", "tasklock-leader-a")
+    first_gain = gained(first, timeout=30)
+    assert first_gain is not None
+    standby = candidates(alias, "killed", "tasklock-leader-b")
+    # Alive and leading: the standby stands by.
+    assert gained(standby, timeout=2 * LIVENESS) is None
+    first.process.kill()
+    killed_at = time.time()
+    first.process.wait()
+    second_gain = gained(standby, timeout=LIVENESS + 30)
+    assert second_gain is not None, standby.lines
+    took = second_gain[1] - killed_at
+    # The dead leader's record lapses LIVENESS after its last renewal (at most
+    # a third of LIVENESS before the kill); a try comes every poll.
+    print(f"{alias}: a standby took over {took:.2f}s after the leader's kill")
+    assert took <= LIVENESS + POLL + 2, f"took over {took:.1f}s after the kill"
+    assert second_gain[0] > first_gain[0]  # the fence grew
+
+
+@pytest.mark.slow
+@STORES
+def test_a_paused_leader_that_was_replaced_learns_it_and_never_leads_again(
+    alias, candidates
+):
+    first = candidates(alias, "paused", "tasklock-leader-c")
+    first_gain = gained(first, timeout=30)
+    assert first_gain is not None
+    standby = candidates(alias, "paused", "tasklock-leader-d")
+    stop_and_wait(first.process.pid)
+    try:
+        second_gain = gained(standby, timeout=LIVENESS + 30)
+        assert second_gain is not None, standby.lines
+    finally:
+        os.kill(first.process.pid, signal.SIGCONT)
+    # Woken, its first look says it no longer leads, and on_loss ran.
+    first.send("is_leader")
+    assert first.expect("is_leader ", timeout=30) == "is_leader False"
+    assert first.expect("lost ", timeout=30) is not None, first.lines
+    assert second_gain[0] > first_gain[0]
+    standby.send("is_leader")
+    assert standby.expect("is_leader ", timeout=30) == "is_leader True"
+
+
+@STORES
+def test_in_one_process_the_role_passes_when_given_up(alias, settings):
+    settings.TASKLOCK = {"CACHE": alias, "LIVENESS": LIVENESS}
+    events: list[tuple[str, str, int | None]] = []
+
+    def on_gain(leadership: Leadership) -> None:
+        events.append(("gained", leadership.name, leadership.fence))
+
+    def on_loss(leadership: Leadership) -> None:
+        events.append(("lost", leadership.name, None))
+
+    with Leadership("given-up", poll=0.05, on_gain=on_gain, on_loss=on_loss) as first:
+        assert first.wait(10) and first.is_leader
+        second = Leadership("given-up", poll=0.05, on_gain=on_gain).start()
+        assert not second.wait(0.5) and second.fence is None
+    assert not first.is_leader and first.fence is None
+    assert second.wait(10) and second.is_leader
+    assert second.fence > events[0][2]  # type: ignore[operator]
+    second.stop()
+    assert not second.is_leader
+    assert [e[0] for e in events] == ["gained", "lost", "gained"]
+
+
+def test_a_leadership_needs_a_name():
+    with pytest.raises(ValueError, match="needs a name"):
+        Leadership("")
