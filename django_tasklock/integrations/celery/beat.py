@@ -1,0 +1,145 @@
+"""Celery beat, highly available: run it on several hosts, one sends.
+
+    celery -A proj beat -S django_tasklock.integrations.celery.beat:LeaderScheduler
+
+Every beat process asks for the leadership of its app's beat
+(``Leadership("celery-beat-<app name>")``); only the leader's ticks send, the
+others stand by and take over when it dies (within ``TASKLOCK["LIVENESS"]``
+plus a poll) or is paused past its liveness.
+
+Each periodic run is sent at most once, across a change of leader too. The
+time an entry last ran is kept in the lock store as well as in the leader's
+own schedule file, under ``tasklock-beat:<app>:<entry>``; a run is sent only
+by the beat that moves it, in one conditional write, from the time of the run
+before it to the time of this one. A leader that sent a run and died before
+its schedule file was saved, or a paused leader that wakes up and sends what
+it thought due, finds the stored time moved on and sends nothing; a new
+leader starts from the stored times (a run that fell due while no leader was
+up is sent once, late, as Celery's own beat sends a missed run). If the store
+cannot be reached, nothing is sent: the run is skipped (at most once), logged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+from celery.beat import PersistentScheduler, ScheduleEntry
+
+from ...calls import store
+from ...leader import Leadership
+
+__all__ = ["LeaderMixin", "LeaderScheduler"]
+
+logger = logging.getLogger(__name__)
+
+#: How long the store keeps an entry's last run time (30 days, memcached's
+#: longest relative expiry): an entry idle longer starts again from its own.
+KEEP = 30 * 86400
+
+
+def _ms(when: datetime.datetime) -> int:
+    return round(when.timestamp() * 1000)
+
+
+def _at(ms: int, like: datetime.datetime) -> datetime.datetime:
+    """``ms`` as a datetime of the same kind as ``like`` (aware or naive)."""
+    if like.tzinfo is None:
+        return datetime.datetime.fromtimestamp(ms / 1000)
+    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc)
+
+
+class LeaderMixin:
+    """What makes a Celery beat scheduler one of several: mix it in before the
+    scheduler class (see ``LeaderScheduler``)."""
+
+    leadership: Leadership
+    _synced: int | None = None
+
+    def setup_schedule(self) -> None:
+        super().setup_schedule()  # type: ignore[misc]
+        app: Any = self.app  # type: ignore[attr-defined]
+        self.leadership = Leadership(f"celery-beat-{app.main or 'celery'}").start()
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        leadership = self.leadership
+        if not leadership.is_leader:
+            return min(leadership.poll, self.max_interval)  # type: ignore[attr-defined]
+        if self._synced != leadership.fence:
+            self._sync()
+            self._synced = leadership.fence
+        return float(super().tick(*args, **kwargs))  # type: ignore[misc]
+
+    def _key(self, name: str) -> str:
+        app: Any = self.app  # type: ignore[attr-defined]
+        return f"tasklock-beat:{app.main or 'celery'}:{name}"
+
+    def _sync(self) -> None:
+        """On becoming leader: start each entry from the time it last ran by
+        any leader, if later than this beat's own."""
+        backend, _alias = store(None)
+        schedule: dict[str, ScheduleEntry] = self.schedule  # type: ignore[attr-defined]
+        for name, entry in schedule.items():
+            key = backend.keys_for(self._key(name))[0]
+            try:
+                peek = backend.peek(key)
+            except backend.errors:
+                logger.exception("Could not read when %s last ran", name)
+                continue
+            if peek is None or entry.last_run_at is None:
+                continue
+            stored = int(str(peek.value))
+            if stored > _ms(entry.last_run_at):
+                entry.last_run_at = _at(stored, entry.last_run_at)
+        self._heap = None  # rebuilt from the times read
+
+    def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
+        if self._claim(entry):
+            super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+
+    def _claim(self, entry: ScheduleEntry) -> bool:
+        """Move the entry's stored time from its run before to this run's
+        (``reserve()`` made it): True if this beat moved it, and sends."""
+        schedule: dict[str, ScheduleEntry] = self.schedule  # type: ignore[attr-defined]
+        now = schedule[entry.name].last_run_at
+        before = _ms(entry.last_run_at) if entry.last_run_at is not None else None
+        backend, _alias = store(None)
+        key = backend.keys_for(self._key(entry.name))[0]
+        value = str(_ms(now))
+        try:
+            peek = backend.peek(key)
+            if peek is None:
+                claimed = backend.acquire(key, value, KEEP) is not None
+            elif before is None or int(str(peek.value)) <= before:
+                claimed = (
+                    backend.replace(key, peek.hold, peek.value, value, KEEP) is not None
+                )
+            else:
+                claimed = False
+        except backend.errors:
+            logger.exception(
+                "Not sent %s: could not record its run in the lock store (a run "
+                "is sent only once it is recorded, so that no other beat sends it)",
+                entry.name,
+            )
+            return False
+        if not claimed:
+            logger.warning(
+                "Not sent %s: another beat sent this run already (it was leader "
+                "before this one)",
+                entry.name,
+            )
+            self._heap = None  # start again from the stored times
+            self._synced = None
+        return claimed
+
+    def close(self) -> None:
+        leadership = getattr(self, "leadership", None)
+        if leadership is not None:
+            leadership.stop()
+        super().close()  # type: ignore[misc]
+
+
+class LeaderScheduler(LeaderMixin, PersistentScheduler):
+    """Celery's default scheduler (``PersistentScheduler``), one of several."""

@@ -1,0 +1,48 @@
+"""The Celery app of the highly available beat tests (tests/test_beat.py):
+``celery -A tests.beat_app beat``. Its schedule: ``BEAT_ENTRIES`` entries,
+each every second. Every message a beat publishes is recorded, with the time
+and the beat's host, in the Redis list ``beat-sends`` (Celery's own
+``before_task_publish`` signal, sent by the beat that publishes): what was
+sent, counted apart from the scheduler that decides it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+django.setup()
+
+import redis  # noqa: E402
+from celery import Celery  # noqa: E402
+from celery.signals import before_task_publish  # noqa: E402
+from django.conf import settings  # noqa: E402
+
+settings.TASKLOCK = {"CACHE": os.environ.get("BEAT_CACHE", "default"), "LIVENESS": 3}
+
+app = Celery("beatha", set_as_current=True)
+app.conf.update(
+    broker_url=os.environ["BEAT_BROKER"],
+    beat_max_loop_interval=0.2,
+    beat_schedule={
+        f"entry-{n}": {"task": "beatha.tick", "schedule": 1.0, "args": [f"entry-{n}"]}
+        for n in range(int(os.environ.get("BEAT_ENTRIES", "2")))
+    },
+)
+_sends = redis.Redis.from_url(os.environ["BEAT_BROKER"])
+
+
+@before_task_publish.connect
+def _record(sender=None, headers=None, **_):
+    entry = (headers or {}).get("argsrepr", "")
+    record = {
+        "entry": entry.strip("[]()', "),
+        "at": time.time(),
+        "host": socket.gethostname(),
+    }
+    _sends.rpush("beat-sends", json.dumps(record))
