@@ -8,6 +8,7 @@ every run twice (the control)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -94,7 +95,7 @@ def doubles(records: list[dict]) -> int:
     count = 0
     for entry in {r["entry"] for r in records}:
         times = sorted(r["at"] for r in records if r["entry"] == entry)
-        count += sum(1 for a, b in zip(times, times[1:]) if b - a < 0.5)
+        count += sum(1 for a, b in itertools.pairwise(times) if b - a < 0.5)
     return count
 
 

@@ -65,7 +65,8 @@ class LeaderMixin:
     def tick(self, *args: Any, **kwargs: Any) -> float:
         leadership = self.leadership
         if not leadership.is_leader:
-            return min(leadership.poll, self.max_interval)  # type: ignore[attr-defined]
+            max_interval: float = self.max_interval  # type: ignore[attr-defined]
+            return min(leadership.poll, max_interval)
         if self._synced != leadership.fence:
             self._sync()
             self._synced = leadership.fence
@@ -141,5 +142,5 @@ class LeaderMixin:
         super().close()  # type: ignore[misc]
 
 
-class LeaderScheduler(LeaderMixin, PersistentScheduler):
+class LeaderScheduler(LeaderMixin, PersistentScheduler):  # type: ignore[misc]
     """Celery's default scheduler (``PersistentScheduler``), one of several."""
