@@ -25,11 +25,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .conf import validate_seconds
 from .exceptions import LockBackendError
 from .locks import Lock
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["Leadership"]
 
