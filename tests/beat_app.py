@@ -1,5 +1,6 @@
 """The Celery app of the highly available beat tests (tests/test_beat.py):
-``celery -A tests.beat_app beat``. Its schedule: ``BEAT_ENTRIES`` entries,
+``celery -A tests.beat_app beat`` (with ``BEAT_DATABASE``, on
+django-celery-beat's tables in that SQLite file). Its schedule: ``BEAT_ENTRIES`` entries,
 each every second. Every message a beat publishes is recorded, with the time
 and the beat's host, in the Redis list ``beat-sends`` (Celery's own
 ``before_task_publish`` signal, sent by the beat that publishes): what was
@@ -15,6 +16,8 @@ import time
 
 import django
 
+if os.environ.get("BEAT_DATABASE"):
+    os.environ["DJANGO_SETTINGS_MODULE"] = "tests.beat_settings"
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 django.setup()
 

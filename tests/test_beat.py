@@ -24,6 +24,7 @@ from tests.services import stop_and_wait
 
 ROOT = Path(__file__).resolve().parent.parent
 LEADER = "django_tasklock.integrations.celery.beat:LeaderScheduler"
+LEADER_DB = "django_tasklock.integrations.celery.beat_db:LeaderDatabaseScheduler"
 PLAIN = "celery.beat:PersistentScheduler"
 LIVENESS = 3  # tests/beat_app.py
 
@@ -38,9 +39,28 @@ def broker(redis_server):
         yield url, client
 
 
+def beat_database(workdir: Path) -> str:
+    """A SQLite file with django-celery-beat's tables, for the beats to share."""
+    path = str(workdir / "beat.sqlite3")
+    migrated = subprocess.run(
+        [sys.executable, "-m", "django", "migrate", "--verbosity", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "BEAT_DATABASE": path,
+             "DJANGO_SETTINGS_MODULE": "tests.beat_settings"},
+    )  # fmt: skip
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    return path
+
+
 class Beat:
     def __init__(
-        self, scheduler: str, host: str, broker: str, cache: str, workdir: Path
+        self,
+        scheduler: str,
+        host: str,
+        broker: str,
+        cache: str,
+        workdir: Path,
+        database: str = "",
     ):
         command = [
             sys.executable, "-m", "celery", "-A", "tests.beat_app", "beat",
@@ -56,7 +76,7 @@ class Beat:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "BEAT_BROKER": broker,
-                 "BEAT_CACHE": cache, "BEAT_ENTRIES": "2"},
+                 "BEAT_CACHE": cache, "BEAT_ENTRIES": "2", "BEAT_DATABASE": database},
         )  # fmt: skip
 
     def stop(self) -> None:
@@ -103,8 +123,10 @@ def doubles(records: list[dict]) -> int:
 def beats(tmp_path):
     started: list[Beat] = []
 
-    def start(scheduler: str, host: str, broker: str, cache: str) -> Beat:
-        started.append(Beat(scheduler, host, broker, cache, tmp_path))
+    def start(
+        scheduler: str, host: str, broker: str, cache: str, database: str = ""
+    ) -> Beat:
+        started.append(Beat(scheduler, host, broker, cache, tmp_path, database))
         return started[-1]
 
     yield start
@@ -112,15 +134,20 @@ def beats(tmp_path):
         beat.stop()
 
 
-@pytest.mark.parametrize("cache", ["default", "redis"], ids=["memcached", "redis"])
+@pytest.mark.parametrize(
+    ("scheduler", "cache"),
+    [(LEADER, "default"), (LEADER, "redis"), (LEADER_DB, "default")],
+    ids=["persistent-memcached", "persistent-redis", "database-memcached"],
+)
 @pytest.mark.parametrize("fault", ["kill", "pause"])
 def test_two_beats_send_each_run_once_through_a_change_of_leader(
-    broker, beats, cache, fault
+    broker, beats, scheduler, cache, fault, tmp_path
 ):
     url, client = broker
-    first = beats(LEADER, "tasklock-beat-a", url, cache)
+    database = beat_database(tmp_path) if scheduler == LEADER_DB else ""
+    first = beats(scheduler, "tasklock-beat-a", url, cache, database)
     assert wait_for_sends(client, "tasklock-beat-a", timeout=60) is not None
-    second = beats(LEADER, "tasklock-beat-b", url, cache)
+    second = beats(scheduler, "tasklock-beat-b", url, cache, database)
     time.sleep(4)  # both up: the second stands by
     assert not [s for s in sends(client) if s["host"] == "tasklock-beat-b"]
     faulted = time.time()
@@ -144,7 +171,8 @@ def test_two_beats_send_each_run_once_through_a_change_of_leader(
             if s["host"] == "tasklock-beat-a" and took_over < s["at"] < stopping
         ], records
     print(
-        f"{cache}, {fault}: the standby sent {took_over - faulted:.2f}s after the "
+        f"{scheduler.rsplit(':')[1]}, {cache}, {fault}: the standby sent "
+        f"{took_over - faulted:.2f}s after the "
         f"fault; {len(records)} sends, 0 doubles"
     )
     assert took_over - faulted <= LIVENESS + 3

@@ -2,6 +2,9 @@
 
     celery -A proj beat -S django_tasklock.integrations.celery.beat:LeaderScheduler
 
+or, with django-celery-beat's schedules in the database,
+``-S django_tasklock.integrations.celery.beat_db:LeaderDatabaseScheduler``.
+
 Every beat process asks for the leadership of its app's beat
 (``Leadership("celery-beat-<app name>")``); only the leader's ticks send, the
 others stand by and take over when it dies (within ``TASKLOCK["LIVENESS"]``
@@ -56,6 +59,7 @@ class LeaderMixin:
 
     leadership: Leadership
     _synced: int | None = None
+    _reserved: ScheduleEntry
 
     def setup_schedule(self) -> None:
         super().setup_schedule()  # type: ignore[misc]
@@ -93,7 +97,16 @@ class LeaderMixin:
             stored = int(str(peek.value))
             if stored > _ms(entry.last_run_at):
                 entry.last_run_at = _at(stored, entry.last_run_at)
+                model = getattr(entry, "model", None)  # django-celery-beat's
+                if model is not None:
+                    model.last_run_at = entry.last_run_at
         self._heap = None  # rebuilt from the times read
+
+    def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
+        # The entry of the run about to be sent: its time is this run's.
+        reserved: ScheduleEntry = super().reserve(entry)  # type: ignore[misc]
+        self._reserved = reserved
+        return reserved
 
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
         if self._claim(entry):
@@ -102,8 +115,7 @@ class LeaderMixin:
     def _claim(self, entry: ScheduleEntry) -> bool:
         """Move the entry's stored time from its run before to this run's
         (``reserve()`` made it): True if this beat moved it, and sends."""
-        schedule: dict[str, ScheduleEntry] = self.schedule  # type: ignore[attr-defined]
-        now = schedule[entry.name].last_run_at
+        now = self._reserved.last_run_at
         before = _ms(entry.last_run_at) if entry.last_run_at is not None else None
         backend, _alias = store(None)
         key = backend.keys_for(self._key(entry.name))[0]
