@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lock-demo bench bench-cpu bench-rates bench-console faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
+.PHONY: demo lock-demo bench bench-cpu bench-rates bench-console bench-beat faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -86,6 +86,11 @@ bench-rates: services $(STAMP)
 # docs/explanation/performance.rst); BENCH_ARGS="--write-docs" updates it.
 bench-console: services $(STAMP)
 	$(BIN)/python -m benchmarks.console $(BENCH_ARGS)
+
+# Highly available Celery beat: three beats, the leader killed and paused, five
+# minutes (see docs/howto/leader.rst); BENCH_ARGS="--cache redis" on Redis.
+bench-beat: services $(STAMP)
+	$(BIN)/python -m benchmarks.beat $(BENCH_ARGS)
 
 # The fault suite at full size (see README.rst, Reliability).
 faults: services $(STAMP)

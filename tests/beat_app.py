@@ -47,5 +47,6 @@ def _record(sender=None, headers=None, **_):
         "entry": entry.strip("[]()', "),
         "at": time.time(),
         "host": socket.gethostname(),
+        "pid": os.getpid(),
     }
     _sends.rpush("beat-sends", json.dumps(record))

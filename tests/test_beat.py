@@ -8,25 +8,25 @@ every run twice (the control)."""
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import redis
 
+from tests.beats import (
+    LEADER,
+    LEADER_DB,
+    LIVENESS,
+    PLAIN,
+    Beat,
+    beat_database,
+    doubles,
+    sends,
+    wait_for_sends,
+)
 from tests.services import stop_and_wait
-
-ROOT = Path(__file__).resolve().parent.parent
-LEADER = "django_tasklock.integrations.celery.beat:LeaderScheduler"
-LEADER_DB = "django_tasklock.integrations.celery.beat_db:LeaderDatabaseScheduler"
-PLAIN = "celery.beat:PersistentScheduler"
-LIVENESS = 3  # tests/beat_app.py
 
 pytestmark = pytest.mark.slow
 
@@ -37,86 +37,6 @@ def broker(redis_server):
     with redis.Redis.from_url(url) as client:
         client.flushdb()
         yield url, client
-
-
-def beat_database(workdir: Path) -> str:
-    """A SQLite file with django-celery-beat's tables, for the beats to share."""
-    path = str(workdir / "beat.sqlite3")
-    migrated = subprocess.run(
-        [sys.executable, "-m", "django", "migrate", "--verbosity", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "BEAT_DATABASE": path,
-             "DJANGO_SETTINGS_MODULE": "tests.beat_settings"},
-    )  # fmt: skip
-    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
-    return path
-
-
-class Beat:
-    def __init__(
-        self,
-        scheduler: str,
-        host: str,
-        broker: str,
-        cache: str,
-        workdir: Path,
-        database: str = "",
-    ):
-        command = [
-            sys.executable, "-m", "celery", "-A", "tests.beat_app", "beat",
-            "-S", scheduler, "-s", str(workdir / f"schedule-{host}"),
-            "--pidfile=", "-l", "warning",
-        ]  # fmt: skip
-        rename = f'hostname {host} && exec "$@"'
-        self.host = host
-        self.log = (workdir / f"{host}.log").open("w")
-        self.process = subprocess.Popen(
-            ["unshare", "--uts", "sh", "-c", rename, "-", *command],
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "BEAT_BROKER": broker,
-                 "BEAT_CACHE": cache, "BEAT_ENTRIES": "2", "BEAT_DATABASE": database},
-        )  # fmt: skip
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-
-
-def sends(client: redis.Redis) -> list[dict]:
-    return [json.loads(raw) for raw in client.lrange("beat-sends", 0, -1)]
-
-
-def wait_for_sends(
-    client, host: str, timeout: float, after: float = 0.0
-) -> float | None:
-    """When ``host`` first published after ``after``, waiting up to ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [
-            s["at"] for s in sends(client) if s["host"] == host and s["at"] > after
-        ]
-        if found:
-            return min(found)
-        time.sleep(0.1)
-    return None
-
-
-def doubles(records: list[dict]) -> int:
-    """Sends of an entry less than half its 1 s period after its previous send."""
-    count = 0
-    for entry in {r["entry"] for r in records}:
-        times = sorted(r["at"] for r in records if r["entry"] == entry)
-        count += sum(1 for a, b in itertools.pairwise(times) if b - a < 0.5)
-    return count
 
 
 @pytest.fixture

@@ -1,0 +1,169 @@
+"""Highly available Celery beat under faults: three beats, one sending.
+
+    python -m benchmarks.beat [--quick] [--minutes M] [--cache default|redis]
+
+Three real ``celery beat`` processes on three hosts (``unshare --uts``), each
+with ``LeaderScheduler``, a 1-second schedule of five entries, on a private
+Redis broker and the lock store named by ``--cache`` (memcached or Redis). For
+``--minutes`` (5; ``--quick``: 1), the current leader is SIGKILLed every 30 s
+(and started again, as a supervisor would) and SIGSTOPped past ``LIVENESS``
+every 45 s (then woken). Every message the beats publish is counted by
+Celery's own ``before_task_publish`` signal (tests/beat_app.py), and for each
+entry the report gives:
+
+- doubles: two sends less than half a period apart (a run sent twice);
+- gaps: more than 1.5 periods without a send. A gap across which the sending
+  process changed is a change of leader (the runs missed meanwhile are sent
+  once, late: Celery beat's own catch-up); a gap in one leader's sends is a
+  lost run;
+- takeover: from each fault to the next send by another beat process (on
+  another host, or the killed one's replacement), median and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.beats import LEADER, LIVENESS, Beat, doubles, sends  # noqa: E402
+from tests.services import Memcached, Redis, stop_and_wait  # noqa: E402
+
+ENTRIES = 5
+HOSTS = ("tasklock-beat-1", "tasklock-beat-2", "tasklock-beat-3")
+
+
+def leader_now(client: object, since: float) -> tuple[str, int] | None:
+    """The host and pid of the beat whose send is the latest since ``since``."""
+    recent = [s for s in sends(client) if s["at"] > since]  # type: ignore[arg-type]
+    if not recent:
+        return None
+    latest = max(recent, key=lambda s: s["at"])
+    return latest["host"], latest["pid"]
+
+
+def run(minutes: float, cache: str, workdir: Path) -> dict[str, object]:
+    memcached, redis_server = Memcached().start(), Redis().start()
+    os.environ["TASKLOCK_TEST_MEMCACHED"] = memcached.address
+    os.environ["TASKLOCK_TEST_REDIS"] = redis_server.url
+    broker = redis_server.url.rsplit("/", 1)[0] + "/9"
+    import redis
+
+    client = redis.Redis.from_url(broker)
+    beats: dict[str, Beat] = {}
+    faults: list[tuple[str, float, int]] = []  # (kind, at, pid of the leader)
+    try:
+        for host in HOSTS:
+            beats[host] = Beat(LEADER, host, broker, cache, workdir, entries=ENTRIES)
+        started = time.time()
+        deadline = started + minutes * 60
+        next_kill, next_pause = started + 30, started + 45
+        while time.time() < deadline:
+            time.sleep(0.5)
+            now = time.time()
+            if now < min(next_kill, next_pause):
+                continue
+            leading = leader_now(client, now - 2)
+            if leading is None:
+                continue  # between leaders: try again shortly
+            host, pid = leading
+            if beats[host].process.pid != pid:
+                continue  # (unshare execs the beat: its pid is the process's)
+            if now >= next_kill:
+                beats[host].process.kill()
+                faults.append(("kill", time.time(), pid))
+                beats[host].process.wait()
+                beats[host].log.close()
+                beats[host] = Beat(
+                    LEADER, host, broker, cache, workdir, entries=ENTRIES
+                )
+                next_kill += 30
+            else:
+                stop_and_wait(beats[host].process.pid)
+                faults.append(("pause", time.time(), pid))
+                time.sleep(LIVENESS + 2)
+                os.kill(beats[host].process.pid, signal.SIGCONT)
+                next_pause += 45
+        records = [r for r in sends(client) if r["at"] >= started]
+    finally:
+        for beat in beats.values():
+            beat.stop()
+        client.close()
+        memcached.stop()
+        redis_server.stop()
+    return judge(records, faults, started)
+
+
+def judge(
+    records: list[dict], faults: list[tuple[str, float, int]], started: float
+) -> dict[str, object]:
+    takeovers = []
+    for _kind, at, pid in faults:
+        after = [r["at"] for r in records if r["at"] > at and r["pid"] != pid]
+        if after:
+            takeovers.append(min(after) - at)
+    takeover_gaps, unexplained = 0, []
+    for entry in sorted({r["entry"] for r in records}):
+        sent = sorted((r["at"], r["pid"]) for r in records if r["entry"] == entry)
+        for (a, pid_a), (b, pid_b) in itertools.pairwise(sent):
+            if b - a <= 1.5:
+                continue
+            if pid_a != pid_b:
+                takeover_gaps += 1  # a change of leader: the catch-up rule
+                continue
+            nearest = min(faults, key=lambda f: abs(f[1] - a), default=None)
+            near = f", {a - nearest[1]:+.1f}s from a {nearest[0]}" if nearest else ""
+            unexplained.append(f"{entry} {a - started:.1f}s-{b - started:.1f}s{near}")
+    senders = [r["pid"] for r in sorted(records, key=lambda r: r["at"])]
+    changes = sum(1 for a, b in itertools.pairwise(senders) if a != b)
+    return {
+        "sends": len(records),
+        "leader changes": changes,
+        "entries": len({r["entry"] for r in records}),
+        "doubles": doubles(records),
+        "takeover gaps": takeover_gaps,
+        "lost beyond catch-up": len(unexplained),
+        "faults": len(faults),
+        "takeover median": statistics.median(takeovers) if takeovers else None,
+        "takeover max": max(takeovers) if takeovers else None,
+        "seconds": time.time() - started,
+        "gaps not at a fault": "; ".join(unexplained) or "none",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one minute")
+    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--cache", default="default", choices=["default", "redis"])
+    options = parser.parse_args(argv)
+    minutes = 1.0 if options.quick else options.minutes
+    with tempfile.TemporaryDirectory(prefix="tasklock-beat-bench-") as workdir:
+        result = run(minutes, options.cache, Path(workdir))
+    store = "memcached" if options.cache == "default" else "Redis"
+    print(
+        f"three beats, {ENTRIES} entries every second, {minutes:g} min on {store}, "
+        f"leader SIGKILLed every 30 s and SIGSTOPped past LIVENESS ({LIVENESS} s) "
+        "every 45 s:"
+    )
+    for name, value in result.items():
+        if isinstance(value, float):
+            value = f"{value:.2f}"
+        print(f"  {name}: {value}")
+    with contextlib.suppress(BrokenPipeError):
+        sys.stdout.flush()
+    return 0 if result["doubles"] == 0 and result["lost beyond catch-up"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
