@@ -137,10 +137,27 @@ class Failover:
     #: Seconds from the kill until a new lock on the promoted primary was
     #: granted (-1: not within the grace and 15 s).
     granted_after: float = -1.0
+    #: Per id, whether its holder already knew its lock lost (its own
+    #: liveness record may have lapsed: a process starved past LIVENESS is
+    #: told so) when the later try came.
+    knew: list[bool] = field(default_factory=list)
 
     @property
     def taken(self) -> int:
-        return self.outcomes.count("taken") + self.later.count("taken")
+        """Second holders: a lock taken while its holder still held it by its
+        own clock (a holder that knew it lost the lock is not robbed)."""
+        knew = self.knew or [False] * len(self.later)
+        later = sum(
+            o == "taken" and not k for o, k in zip(self.later, knew, strict=True)
+        )
+        return self.outcomes.count("taken") + later
+
+    @property
+    def taken_from_told(self) -> int:
+        """Locks taken once the grace was over from holders that knew them lost."""
+        return sum(
+            o == "taken" and k for o, k in zip(self.later, self.knew, strict=False)
+        )
 
     @property
     def refused_naming(self) -> int:
@@ -218,6 +235,7 @@ def failover(grace: float, locks: int = 20) -> Failover:
                     granted = pool.apply(first_granted, (tasklock, fresh, limit))
                     if granted > 0:
                         result.granted_after = granted - killed_at
+                    result.knew = [holder.lost for holder in holders]
                     result.later = pool.apply(try_to_take, (tasklock, ids))
             for holder in holders:
                 holder.release_quietly()
@@ -398,7 +416,7 @@ def _reshard_row(cluster: RedisCluster, quick: bool) -> Row:
 
 def _failover_row(quick: bool) -> Row:
     tries = 1 if quick else 3
-    attempts = wrong = second = refused = naming = back = 0
+    attempts = wrong = second = refused = naming = back = from_told = knew = 0
     promoted: list[float] = []
     settled: list[float] = []
     granted: list[float] = []
@@ -409,9 +427,12 @@ def _failover_row(quick: bool) -> Row:
         refused += result.refused
         naming += result.refused_naming
         back += result.put_back
-        # Every holder keeps its lock (put back); a fresh lock is granted
-        # once the grace is over.
-        wrong += result.taken + (len(result.ids) - result.put_back)
+        from_told += result.taken_from_told
+        knew += sum(result.knew)
+        # Every holder keeps its lock (put back) or, starved past LIVENESS,
+        # knows it lost it; a fresh lock is granted once the grace is over.
+        missing = len(result.ids) - result.put_back
+        wrong += result.taken + max(0, missing - sum(result.knew))
         wrong += int(result.granted_after < 0)
         promoted.append(result.promoted_after)
         settled.append(result.settled_after)
@@ -427,7 +448,9 @@ def _failover_row(quick: bool) -> Row:
         f"second holders {second}/{attempts} (during and after the "
         f"{FAILOVER_GRACE:.0f}s grace); refused {refused}/{attempts} ({naming} "
         f"naming the promotion, the others held again); put back by their live "
-        f"holders {back}/{attempts}, "
+        f"holders {back}/{attempts} (holders starved past LIVENESS that knew "
+        f"their lock lost {knew}, taken from them once the grace was over "
+        f"{from_told}), "
         f"{max(settled):.1f}s after the kill at most; replica promoted "
         f"{min(promoted):.1f}-{max(promoted):.1f}s after the kill; new locks "
         f"granted again {min(granted):.1f}-{max(granted):.1f}s after it; without "

@@ -189,7 +189,14 @@ def _cluster(out: str, rows: dict[str, Table]) -> None:
     assert storm and storm.group(1) == "1"
     failover = rows["45."][5]
     assert "second holders 0/20 " in failover and "refused 20/20 " in failover
-    assert "put back by their live holders 20/20" in failover
+    # Every holder had its lock put back, or (starved past LIVENESS on a busy
+    # machine) knew it lost: never taken from a holder that did not know.
+    kept = re.search(
+        r"put back by their live holders (\d+)/20 \(holders starved past "
+        r"LIVENESS that knew their lock lost (\d+),",
+        failover,
+    )
+    assert kept and int(kept.group(1)) + int(kept.group(2)) >= 20, failover
     assert "without the grace 20/20 retaken and 20 holders told" in failover
     moved = re.search(r"slot moved (\d+) times", rows["46."][5])
     assert moved and int(moved.group(1)) >= 2
