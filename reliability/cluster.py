@@ -185,7 +185,11 @@ def failover(grace: float, locks: int = 20) -> Failover:
 
     cluster = RedisCluster().start()
     try:
-        with on_cluster(cluster, "failover", RESTART_GRACE=grace) as alias:
+        # LIVENESS no longer than the grace, as by default (the grace is
+        # LIVENESS): a holder that could not put its locks back within the
+        # grace has let its record lapse too, and knows its locks lost.
+        options = {"RESTART_GRACE": grace, "LIVENESS": FAILOVER_GRACE}
+        with on_cluster(cluster, "failover", **options) as alias:
             from django.conf import settings
 
             tasklock = dict(settings.TASKLOCK)
