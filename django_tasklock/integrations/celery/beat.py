@@ -92,11 +92,14 @@ class LeaderMixin:
             except backend.errors:
                 logger.exception("Could not read when %s last ran", name)
                 continue
-            if peek is None or entry.last_run_at is None:
+            if peek is None:
                 continue
             stored = int(str(peek.value))
-            if stored > _ms(entry.last_run_at):
-                entry.last_run_at = _at(stored, entry.last_run_at)
+            # An entry that never ran here (django-celery-beat keeps None
+            # until its rows are synced) takes the stored time too.
+            last = entry.last_run_at
+            if last is None or stored > _ms(last):
+                entry.last_run_at = _at(stored, last or entry.default_now())
                 model = getattr(entry, "model", None)  # django-celery-beat's
                 if model is not None:
                     model.last_run_at = entry.last_run_at
@@ -114,7 +117,9 @@ class LeaderMixin:
 
     def _claim(self, entry: ScheduleEntry) -> bool:
         """Move the entry's stored time from its run before to this run's
-        (``reserve()`` made it): True if this beat moved it, and sends."""
+        (``reserve()`` made it): True if this beat moved it, and sends. An
+        entry that does not know its run before (never ran here) never moves
+        a stored time: it starts again from it."""
         now = self._reserved.last_run_at
         before = _ms(entry.last_run_at) if entry.last_run_at is not None else None
         backend, _alias = store(None)
@@ -124,7 +129,7 @@ class LeaderMixin:
             peek = backend.peek(key)
             if peek is None:
                 claimed = backend.acquire(key, value, KEEP) is not None
-            elif before is None or int(str(peek.value)) <= before:
+            elif before is not None and int(str(peek.value)) <= before:
                 claimed = (
                     backend.replace(key, peek.hold, peek.value, value, KEEP) is not None
                 )
