@@ -13,9 +13,7 @@ holder, so everything the lock guarantees holds for leadership:
 - **A dead leader is replaced within** ``TASKLOCK["LIVENESS"]`` **plus one
   poll**: its liveness record stops being renewed, and a standby's next try
   judges it dead and takes the lock (crash recovery). A paused leader that was
-  replaced finds ``is_leader`` false and ``on_loss`` runs (a known issue: on a
-  busy machine its first look after waking has said it still leads, for up
-  to about 3 s; see the docs, One leader among processes).
+  replaced finds ``is_leader`` false at its first look, and ``on_loss`` runs.
 - **A fence (epoch) that grows with every new leader**: ``fence``, drawn when
   the leadership is gained. Pass it with whatever the leader writes, so that a
   store which saw a newer leader's fence refuses an older one's (a leader that

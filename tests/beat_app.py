@@ -1,8 +1,9 @@
 """The Celery app of the highly available beat tests (tests/test_beat.py):
 ``celery -A tests.beat_app beat`` (with ``BEAT_DATABASE``, on
 django-celery-beat's tables in that SQLite file). Its schedule: ``BEAT_ENTRIES`` entries,
-each every second. Every message a beat publishes is recorded, with the time
-and the beat's host, in the Redis list ``beat-sends`` (Celery's own
+each every second. Every message a beat publishes is recorded, with the time,
+the beat's host and the run it is (the time ``LeaderScheduler`` stored for it,
+from the message's headers), in the Redis list ``beat-sends`` (Celery's own
 ``before_task_publish`` signal, sent by the beat that publishes): what was
 sent, counted apart from the scheduler that decides it.
 """
@@ -42,9 +43,12 @@ _sends = redis.Redis.from_url(os.environ["BEAT_BROKER"])
 
 @before_task_publish.connect
 def _record(sender=None, headers=None, **_):
-    entry = (headers or {}).get("argsrepr", "")
+    headers = headers or {}
+    entry = headers.get("argsrepr", "")
+    run = headers.get("tasklock_beat_run")  # LeaderScheduler's
     record = {
         "entry": entry.strip("[]()', "),
+        "run": None if run is None else run / 1000,
         "at": time.time(),
         "host": socket.gethostname(),
         "pid": os.getpid(),

@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -42,15 +43,16 @@ def taken_by_other(lock_id: str) -> bool:
 
 def taken_while_valid(lock: Lock, lock_id: str) -> bool | None:
     """Whether another owner takes ``lock_id`` from ``lock``'s holder: False
-    (refused); True (taken while the holder's last renewal still held it: a
-    robbed holder); None (taken once that renewal had run out, as when a busy
-    machine starves the heartbeat, or a new thread's first connection to a
-    cluster is slow: a true expiry, which tells nothing of renewal)."""
+    (refused); True (taken, and the take had returned before the holder's
+    last renewal ran out: a robbed holder); None (the take returned once that
+    renewal had run out, as when a busy machine starves the heartbeat, or a
+    new thread's first connection to a cluster is slow: the store may have
+    let the lock expire before the take reached it, a true expiry, which
+    tells nothing of renewal)."""
     valid_until = lock._acq.valid_until  # by the holder's last renewal
-    tried_at = time.monotonic()
     if not taken_by_other(lock_id):
         return False
-    return True if tried_at < valid_until else None
+    return True if time.monotonic() < valid_until else None
 
 
 def wait_for(condition, timeout: float, step: float = 0.02) -> float:
@@ -182,6 +184,8 @@ def test_lost_lock_reported_within_one_heartbeat(store, caplog):
         assert thief.acquire()
         with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
             wait_for(lambda: lock.lost, timeout=beat * 3 + 3)
+            # (Lost at once; told just after, in the heartbeat's thread.)
+            wait_for(lambda: lost_events, timeout=30)
         after = [t - stolen_at for t in began if t >= stolen_at]
         # (None: a beat that began just before the theft found it.)
         assert len(after) <= 1, f"beats after the theft: {after}, beat {beat}s"
@@ -198,6 +202,34 @@ def test_lost_lock_reported_within_one_heartbeat(store, caplog):
         assert thief.release()
     finally:
         lock_lost.disconnect(on_lost)
+
+
+def test_a_lost_lock_is_lost_to_every_thread_while_its_loss_is_being_told(store):
+    """The heartbeat finds the lock taken and tells (a WARNING, lock_lost):
+    while that telling is slow (a handler blocked here, as a busy machine's
+    stderr has been for seconds), every other thread already finds the lock
+    lost (a leadership's is_leader reads it)."""
+    telling, go_on = threading.Event(), threading.Event()
+
+    class Blocking(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "no longer held" in record.getMessage():
+                telling.set()
+                go_on.wait(timeout=60)
+
+    handler = Blocking(level=logging.WARNING)
+    logger = logging.getLogger("django_tasklock.locks")
+    logger.addHandler(handler)
+    try:
+        lock = Lock("told", expire=EXPIRE, renew=True)
+        assert lock.acquire()
+        caches[store.alias].delete("told")
+        assert Lock("told").acquire()  # another owner's now
+        assert telling.wait(timeout=EXPIRE * 3 + 10), "the loss was never told"
+        assert lock.lost and lock.check() is False
+    finally:
+        go_on.set()
+        logger.removeHandler(handler)
 
 
 def test_check_warns_without_raising_by_default(store):

@@ -110,7 +110,10 @@ def report_lost(
             acq.hold = None
         if acq.reported:
             return
-        acq.reported = True
+        # Lost from this instant for every thread that looks (``check()``,
+        # a leadership's ``is_leader``), not only once the WARNING below is
+        # written: a busy machine has taken seconds over it.
+        acq.reported = acq.lost = True
     held_for = acq.held_for()
     logger.warning(
         "Lock %r was no longer held by this owner at %s, %.1fs after it was taken "
@@ -124,8 +127,6 @@ def report_lost(
         reason,
         acq.fence,
     )
-    # Only now: whoever sees ``lost`` also finds the WARNING logged.
-    acq.lost = True
     lock = acq.lock
     if lock is not None and lock_lost.receivers:
         lock._send(

@@ -33,13 +33,17 @@ from celery.beat import PersistentScheduler, ScheduleEntry
 from ...calls import store
 from ...leader import Leadership
 
-__all__ = ["LeaderMixin", "LeaderScheduler"]
+__all__ = ["FENCE", "RUN", "LeaderMixin", "LeaderScheduler"]
 
 logger = logging.getLogger(__name__)
 
 #: How long the store keeps an entry's last run time (30 days, memcached's
 #: longest relative expiry): an entry idle longer starts again from its own.
 KEEP = 30 * 86400
+#: The message headers of a periodic run: the run's time (ms since the epoch,
+#: the one stored; the same run never has two) and the sending leader's fence.
+RUN = "tasklock_beat_run"
+FENCE = "tasklock_beat_fence"
 
 
 def _ms(when: datetime.datetime) -> int:
@@ -112,14 +116,34 @@ class LeaderMixin:
         return reserved
 
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
-        if self._claim(entry):
+        run = self._claim(entry)
+        if run is None:
+            return
+        fence = self.leadership.fence
+        if fence is None:
+            # Paused or starved past its liveness between its look at the
+            # leadership and the claim: a newer leader may be sending, and
+            # this run, recorded, is skipped rather than sent beside it.
+            logger.warning(
+                "Not sent %s: this beat lost its leadership while recording "
+                "the run (the run is skipped)",
+                entry.name,
+            )
+            return
+        options = entry.options
+        headers = {**(options.get("headers") or {}), RUN: run, FENCE: fence}
+        entry.options = {**options, "headers": headers}
+        try:
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+        finally:
+            entry.options = options
 
-    def _claim(self, entry: ScheduleEntry) -> bool:
+    def _claim(self, entry: ScheduleEntry) -> int | None:
         """Move the entry's stored time from its run before to this run's
-        (``reserve()`` made it): True if this beat moved it, and sends. An
-        entry that does not know its run before (never ran here) never moves
-        a stored time: it starts again from it."""
+        (``reserve()`` made it): this run's time (ms) if this beat moved it,
+        and sends; else None. An entry that does not know its run before
+        (never ran here) never moves a stored time: it starts again from
+        it."""
         now = self._reserved.last_run_at
         before = _ms(entry.last_run_at) if entry.last_run_at is not None else None
         backend, _alias = store(None)
@@ -141,7 +165,7 @@ class LeaderMixin:
                 "is sent only once it is recorded, so that no other beat sends it)",
                 entry.name,
             )
-            return False
+            return None
         if not claimed:
             logger.warning(
                 "Not sent %s: another beat sent this run already (it was leader "
@@ -150,7 +174,8 @@ class LeaderMixin:
             )
             self._heap = None  # start again from the stored times
             self._synced = None
-        return claimed
+            return None
+        return int(value)
 
     def close(self) -> None:
         leadership = getattr(self, "leadership", None)
