@@ -90,6 +90,7 @@ _SETTING_IDS = {
     "RATE_KIND": "django_tasklock.E018",
     "ON_LIMIT": "django_tasklock.E019",
     "METRICS": "django_tasklock.E020",
+    "BEAT_MISSED": "django_tasklock.E023",
 }
 _OPTION_IDS = {
     "default_noreply": "django_tasklock.E005",

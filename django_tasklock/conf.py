@@ -42,6 +42,7 @@ CONTENTION_POLICIES: Final = ("skip", "raise", "retry", "wait")
 TIMEOUT_POLICIES: Final = ("skip", "raise")
 RATE_KINDS: Final = ("window", "smooth")
 LIMIT_POLICIES: Final = ("retry", "raise", "wait", "skip")
+MISSED_POLICIES: Final = ("send", "skip")
 
 DEFAULTS: Final[dict[str, Any]] = {
     "LOCK_EXPIRE": 600,
@@ -58,6 +59,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "RATE_KIND": "window",
     "ON_LIMIT": "retry",
     "METRICS": None,
+    "BEAT_MISSED": "send",
 }
 
 
@@ -149,6 +151,7 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
         v, name="TASKLOCK['ON_LIMIT']", choices=LIMIT_POLICIES
     ),
     "METRICS": lambda v: validate_metrics(v),
+    "BEAT_MISSED": lambda v: validate_beat_missed(v),
 }
 
 
@@ -184,6 +187,25 @@ def validate_rate_limits(value: object) -> dict[str, dict[str, Any]]:
             validate_alias(entry["cache"], name=f"{where}[{name!r}]['cache']")
         limits[name] = dict(entry)
     return limits
+
+
+def validate_beat_missed(value: object) -> str | dict[str, str]:
+    """``TASKLOCK['BEAT_MISSED']``: what a leader beat does with a periodic run
+    that fell due while no beat led, ``"send"`` (late, once) or ``"skip"``;
+    for every entry, or a dict of entry names to either (others send)."""
+    where = "TASKLOCK['BEAT_MISSED']"
+    if isinstance(value, str):
+        return validate_choice(value, name=where, choices=MISSED_POLICIES)
+    if not isinstance(value, dict) or not all(
+        isinstance(name, str) and choice in MISSED_POLICIES
+        for name, choice in value.items()
+    ):
+        raise ValueError(
+            f'{where} must be "send" or "skip" (for every periodic entry), or a '
+            'dict of entry names to either, such as {"nightly-report": "skip"} '
+            f"(the others send), not {value!r}."
+        )
+    return value
 
 
 def validate_metrics(value: object) -> str | None:
@@ -471,6 +493,14 @@ class Settings:
         the app is ready), or None."""
         value: str | None = self._get("METRICS")
         return value
+
+    def beat_missed(self, entry: str) -> str:
+        """``"send"`` or ``"skip"``: what a leader beat does with a run of the
+        periodic entry named ``entry`` that fell due while no beat led."""
+        value: str | dict[str, str] = self._get("BEAT_MISSED")
+        if isinstance(value, str):
+            return value
+        return value.get(entry, "send")
 
     def rate_limit_names(self) -> list[str]:
         """The names of ``TASKLOCK['RATE_LIMITS']``."""

@@ -5,15 +5,18 @@ processes' tests are tests/test_beat.py."""
 
 from __future__ import annotations
 
+import datetime
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
 from celery import Celery
 from celery.signals import before_task_publish
 from django.core.cache import caches
+from django.core.checks import run_checks
 
-from django_tasklock import Lock
+from django_tasklock import Lock, LockConfigurationError, conf
 from django_tasklock.calls import store as lock_store
 from django_tasklock.integrations.celery.beat import FENCE, RUN, LeaderScheduler
 
@@ -90,3 +93,63 @@ def test_a_leader_that_lost_the_role_after_recording_a_run_skips_it(
         send(scheduler)
     assert len(published) == 1, "a run was published by a beat no longer leading"
     assert "lost its leadership while recording the run" in caplog.text
+
+
+def overdue(beat: LeaderScheduler, seconds: float) -> None:
+    """Entry "e" last ran ``seconds`` ago (by any leader): its next run fell
+    due before this beat became leader, while no beat led."""
+    entry = beat.schedule["e"]
+    entry.last_run_at = entry.default_now() - datetime.timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("missed", ["skip", {"e": "skip", "other": "send"}])
+def test_a_run_that_fell_due_while_no_beat_led_is_skipped_where_asked(
+    scheduler, published, settings, store, caplog, missed
+):
+    settings.TASKLOCK = {**store.tasklock, "BEAT_MISSED": missed}
+    overdue(scheduler, 30)
+    with caplog.at_level(logging.INFO, logger="django_tasklock"):
+        send(scheduler)
+    assert published == [], "a missed run was sent"
+    assert "fell due" in caplog.text and "while no beat led" in caplog.text
+    # Recorded all the same: no other beat sends it either, and the next run,
+    # due a period after, is sent.
+    backend, _alias = lock_store(None)
+    peek = backend.peek(backend.keys_for(scheduler._key("e"))[0])
+    assert peek is not None
+    assert abs(int(str(peek.value)) / 1000 - time.time()) < 30
+    send(scheduler)
+    assert len(published) == 1
+
+
+@pytest.mark.parametrize("missed", [None, "send", {"other": "skip"}])
+def test_a_run_that_fell_due_while_no_beat_led_is_sent_late_by_default(
+    scheduler, published, settings, store, missed
+):
+    if missed is not None:
+        settings.TASKLOCK = {**store.tasklock, "BEAT_MISSED": missed}
+    overdue(scheduler, 30)
+    send(scheduler)
+    assert len(published) == 1
+
+
+def test_a_run_due_while_this_beat_led_is_sent_whatever_the_choice(
+    scheduler, published, settings, store
+):
+    settings.TASKLOCK = {**store.tasklock, "BEAT_MISSED": "skip"}
+    assert scheduler.leadership.since is not None
+    scheduler.leadership.since -= 60  # it has led for a minute
+    overdue(scheduler, 5)  # a late tick of its own
+    send(scheduler)
+    assert len(published) == 1
+
+
+@pytest.mark.parametrize(
+    "bad", ["later", None, {"e": "never"}, {1: "skip"}, ["e"]], ids=repr
+)
+def test_a_bad_beat_missed_setting_says_what_to_write(settings, bad):
+    settings.TASKLOCK = {"CACHE": "default", "BEAT_MISSED": bad}
+    with pytest.raises(LockConfigurationError, match=r"BEAT_MISSED.*skip"):
+        conf.settings.beat_missed("e")
+    errors = [m for m in run_checks() if m.id == "django_tasklock.E023"]
+    assert len(errors) == 1 and "BEAT_MISSED" in errors[0].msg

@@ -17,20 +17,24 @@ by the beat that moves it, in one conditional write, from the time of the run
 before it to the time of this one. A leader that sent a run and died before
 its schedule file was saved, or a paused leader that wakes up and sends what
 it thought due, finds the stored time moved on and sends nothing; a new
-leader starts from the stored times (a run that fell due while no leader was
-up is sent once, late, as Celery's own beat sends a missed run). If the store
-cannot be reached, nothing is sent: the run is skipped (at most once), logged.
+leader starts from the stored times: a run that fell due while no leader was
+up is sent once, late, as Celery's own beat sends a missed run, or skipped
+(recorded, not sent) for the entries ``TASKLOCK["BEAT_MISSED"]`` says so of.
+If the store cannot be reached, nothing is sent: the run is skipped (at most
+once), logged.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import time
 from typing import Any
 
 from celery.beat import PersistentScheduler, ScheduleEntry
 
 from ...calls import store
+from ...conf import settings
 from ...leader import Leadership
 
 __all__ = ["FENCE", "RUN", "LeaderMixin", "LeaderScheduler"]
@@ -116,8 +120,18 @@ class LeaderMixin:
         return reserved
 
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
+        missed = self._missed(entry)
         run = self._claim(entry)
         if run is None:
+            return
+        if missed is not None:
+            logger.info(
+                "Skipped %s: its run fell due %.1fs before this beat became "
+                "leader, while no beat led (TASKLOCK['BEAT_MISSED'] says skip "
+                "it); the next is due a period from now",
+                entry.name,
+                missed,
+            )
             return
         fence = self.leadership.fence
         if fence is None:
@@ -137,6 +151,18 @@ class LeaderMixin:
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
         finally:
             entry.options = options
+
+    def _missed(self, entry: ScheduleEntry) -> float | None:
+        """For an entry whose missed runs are skipped: how long before this
+        beat became leader its run fell due, if it did (while no beat led);
+        else None."""
+        since = self.leadership.since
+        last = entry.last_run_at
+        if since is None or last is None or settings.beat_missed(entry.name) != "skip":
+            return None
+        overdue = -entry.schedule.remaining_estimate(last).total_seconds()
+        before = since - (time.time() - overdue)
+        return before if before > 0 else None
 
     def _claim(self, entry: ScheduleEntry) -> int | None:
         """Move the entry's stored time from its run before to this run's
