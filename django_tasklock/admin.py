@@ -26,7 +26,15 @@ from django.utils.http import urlencode
 
 from .backends import close_thread_connections, thread_connections
 from .conf import settings
-from .console import KINDS, Listed, lock_aliases, rate_limits, take_inventory
+from .console import (
+    KINDS,
+    LeaderRow,
+    Listed,
+    leaders,
+    lock_aliases,
+    rate_limits,
+    take_inventory,
+)
 from .exceptions import LockBackendError, TaskLockError
 from .models import HeldLock
 from .status import LockStatus, expiry_text, holder_text, lock_status, release_refusal
@@ -83,6 +91,17 @@ def _row(listed: Listed, now: float) -> dict[str, Any]:
         fence="—" if status.fence is None else status.fence,
     )
     return row
+
+
+def _leader(row: LeaderRow) -> dict[str, Any]:
+    """What the console shows of one leadership."""
+    return {
+        "row": row,
+        "state": _STATE[row.alive],
+        "why": "" if row.status is None else holder_text(row.status),
+        "age": "—" if row.since is None else _seconds(time.time() - row.since),
+        "fence": "—" if row.fence is None else row.fence,
+    }
 
 
 def summary(found: int, processes: dict[str, int]) -> str:
@@ -183,6 +202,9 @@ class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
             },
             "can_release": self.has_delete_permission(request),
             "limits": rate_limits() if page.number == 1 else [],
+            "leaders": [_leader(row) for row in leaders(inventory)]
+            if page.number == 1
+            else [],
         }
         return TemplateResponse(request, "admin/django_tasklock/console.html", context)
 

@@ -20,8 +20,12 @@ from django.conf import settings as django_settings
 from .backends import backend_for
 from .conf import settings
 from .exceptions import LockBackendError, LockConfigurationError
+from .keys import record_id
+from .leader import LOCK_PREFIX
 from .locks.roster import Entry, read_roster
 from .status import LockStatus, lock_status
+from .tokens import KEEPS_RECORD, KEPT_ELSEWHERE, token_host
+from .values import token_process
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -30,8 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Inventory",
+    "LeaderRow",
     "LimitRow",
     "Listed",
+    "leaders",
     "lock_aliases",
     "rate_limits",
     "take_inventory",
@@ -145,7 +151,8 @@ def lock_aliases() -> list[str]:
 def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
     """Read the rosters of ``aliases`` (default: every lock store). A lock id
     listed twice (a queued mark its publisher lists, taken over by the worker
-    that runs it) is listed once, by its holder."""
+    that runs it; a lock a dead holder still lists, taken over since) is
+    listed once, by its holder (the latest taker)."""
     inventory = Inventory([], {}, {}, [])
     young: dict[str, tuple[float, list[str]]] = {}
     aliases = lock_aliases() if aliases is None else list(aliases)
@@ -168,8 +175,13 @@ def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
                 records.add(record)
             for row in rows:
                 seen = best.get(row[_LOCK_ID])
-                if seen is None or (
-                    seen[3][_KIND] == "queued" and row[_KIND] != "queued"
+                if (
+                    seen is None
+                    or (seen[3][_KIND] == "queued") > (row[_KIND] == "queued")
+                    or (
+                        (seen[3][_KIND] == "queued") == (row[_KIND] == "queued")
+                        and row[_SINCE] > seen[3][_SINCE]
+                    )
                 ):
                     best[row[_LOCK_ID]] = (alias, record, host, row)
         inventory.entries += best.values()
@@ -215,6 +227,67 @@ def _young_notice(young: dict[str, tuple[float, list[str]]]) -> list[str]:
         "server within about a second of meeting it, so some may be missing "
         "for now: look again."
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaderRow:
+    """One leadership (``Leadership``) and who leads it, as its store holds
+    it now: the holder, whether it lives, since when it leads (Unix time) and
+    its fence; or why it could not be read."""
+
+    name: str
+    alias: str
+    #: When its holder took it (None: the roster lists it by another process,
+    #: an earlier holder's listing not yet gone).
+    since: float | None
+    status: LockStatus | None = None
+    error: str = ""
+
+    @property
+    def holder(self) -> str:
+        owner = None if self.status is None else self.status.owner
+        return "" if owner is None else f"{owner.pid}@{owner.host}"
+
+    @property
+    def alive(self) -> bool | None:
+        owner = None if self.status is None else self.status.owner
+        return None if owner is None else owner.alive
+
+    @property
+    def fence(self) -> int | None:
+        return None if self.status is None else self.status.fence
+
+
+def leaders(inventory: Inventory, name: str | None = None) -> list[LeaderRow]:
+    """Every leadership the rosters list as led (or the one of ``name``), by
+    name, each read from its store now: one ``lock_status`` per leadership."""
+    rows = []
+    for alias, lister, _host, row in inventory.entries:
+        lock_id = row[_LOCK_ID]
+        if row[_KIND] != "lock" or not lock_id.startswith(LOCK_PREFIX):
+            continue
+        role = lock_id.removeprefix(LOCK_PREFIX)
+        if name is not None and role != name:
+            continue
+        try:
+            status = lock_status(lock_id, cache=alias)
+        except LockBackendError as exc:
+            rows.append(LeaderRow(role, alias, row[_SINCE], error=str(exc)))
+            continue
+        if status.held:
+            since = row[_SINCE] if lister == _record_of(status.value) else None
+            rows.append(LeaderRow(role, alias, since, status))
+    return sorted(rows, key=lambda one: (one.name, one.alias))
+
+
+def _record_of(token: object) -> str | None:
+    """The liveness record id of the process a stored token names."""
+    parsed = token_process(token)
+    if parsed is None:
+        return None
+    owner, process = parsed
+    bare = process.removesuffix(KEEPS_RECORD).removesuffix(KEPT_ELSEWHERE)
+    return record_id(token_host(owner), bare)
 
 
 @dataclasses.dataclass(frozen=True)

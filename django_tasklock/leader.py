@@ -34,10 +34,12 @@ from .locks import Lock
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["Leadership"]
+__all__ = ["LOCK_PREFIX", "Leadership"]
 
 logger = logging.getLogger(__name__)
 
+#: The lock id of the leadership of ``name`` is ``LOCK_PREFIX + name``.
+LOCK_PREFIX = "leader-"
 #: Default seconds between a standby's tries, and a leader's looks at its lock.
 POLL = 1.0
 #: Default seconds the leadership lock lasts unless renewed (renewed every
@@ -79,7 +81,7 @@ class Leadership:
                 f"a leadership needs a name (a non-empty str), not {name!r}"
             )
         self.name = name
-        self.lock_id = f"leader-{name}"
+        self.lock_id = LOCK_PREFIX + name
         self.cache = cache
         self.expire = validate_seconds(expire, name="expire")
         self.poll = validate_seconds(poll, name="poll")

@@ -12,7 +12,7 @@ import pytest
 from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.auth.models import Permission, User
 
-from django_tasklock import Lock, Semaphore, lock_id_for, single_instance
+from django_tasklock import Leadership, Lock, Semaphore, lock_id_for, single_instance
 from django_tasklock.console import take_inventory
 from django_tasklock.locks.liveness import forget_records
 from django_tasklock.locks.roster import SLOTS, slot_key
@@ -488,3 +488,20 @@ def test_a_forced_release_removes_only_the_item_it_judged(settings, memcached):
     finally:
         proxy.close()
         close_connections()
+
+
+def test_leaders_are_shown_with_their_holder_and_fence(settings, admin_client):
+    with Leadership("console-shown", poll=0.1) as leadership:
+        assert leadership.wait(30)
+        fence = leadership.fence
+        wait_until(lambda: listed("leader-console-shown"), 10)
+        page = admin_client.get(CONSOLE).content.decode()
+        table = page[page.index('id="tasklock-leaders"') :]
+        row = table[table.index('data-leadership="console-shown"') :]
+        row = row[: row.index("</tr>")]
+        assert f"{os.getpid()}@{HOST}" in row and "state-alive" in row
+        assert f'<td class="fence">{fence}</td>' in row
+    # Given up: no longer shown as led.
+    wait_until(lambda: not listed("leader-console-shown"), 10)
+    page = admin_client.get(CONSOLE).content.decode()
+    assert 'data-leadership="console-shown"' not in page

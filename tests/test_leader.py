@@ -6,6 +6,8 @@ next look and never reports itself leader again."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from django.core.management import CommandError, call_command
 
 from django_tasklock import Leadership
 from tests.services import stop_and_wait
@@ -197,3 +200,56 @@ def test_in_one_process_the_role_passes_when_given_up(alias, settings):
 def test_a_leadership_needs_a_name():
     with pytest.raises(ValueError, match="needs a name"):
         Leadership("")
+
+
+def shown_leaders(name: str) -> list[dict]:
+    out = io.StringIO()
+    call_command("tasklock", "leaders", "--json", stdout=out, stderr=io.StringIO())
+    return [row for row in json.loads(out.getvalue()) if row["leadership"] == name]
+
+
+def wait_for_shown(name: str, fence: int, timeout: float = 30) -> dict:
+    """The leadership of ``name`` as ``tasklock leaders`` shows it, once it
+    shows ``fence`` and when it was gained (listed within a liveness beat)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [r for r in shown_leaders(name) if r["fence"] == fence and r["since"]]
+        if rows or time.monotonic() > deadline:
+            assert len(rows) == 1, shown_leaders(name)
+            return rows[0]
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@STORES
+def test_tasklock_leaders_shows_who_leads_since_when_and_its_fence(
+    alias, candidates, settings
+):
+    settings.TASKLOCK = {"CACHE": alias, "LIVENESS": LIVENESS}
+    first = candidates(alias, "shown", "tasklock-leader-e")
+    first_gain = gained(first, timeout=30)
+    assert first_gain is not None
+    standby = candidates(alias, "shown", "tasklock-leader-f")
+    shown = wait_for_shown("shown", first_gain[0])
+    assert shown["leader"] == f"{first.process.pid}@tasklock-leader-e"
+    assert shown["alive"] is True and shown["cache"] == alias
+    assert abs(shown["since"] - first_gain[1]) < 2
+    first.process.kill()
+    first.process.wait()
+    second_gain = gained(standby, timeout=LIVENESS + 30)
+    assert second_gain is not None, standby.lines
+    # The killed leader's roster still lists the role: the new leader's
+    # listing, the later, is the one shown.
+    shown = wait_for_shown("shown", second_gain[0])
+    assert shown["leader"] == f"{standby.process.pid}@tasklock-leader-f"
+    assert shown["alive"] is True and abs(shown["since"] - second_gain[1]) < 2
+    out = io.StringIO()
+    call_command("tasklock", "leaders", "shown", stdout=out, stderr=io.StringIO())
+    text = out.getvalue()
+    assert "Leadership: shown" in text and f"Fence:      {second_gain[0]}" in text
+    assert f"process {standby.process.pid} on tasklock-leader-f (alive" in text
+    standby.send("stop")
+    assert standby.expect("stopped", timeout=30) is not None
+    with pytest.raises(CommandError, match="Nobody leads 'shown'") as refused:
+        call_command("tasklock", "leaders", "shown", stdout=io.StringIO())
+    assert refused.value.returncode == 1

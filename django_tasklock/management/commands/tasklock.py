@@ -8,6 +8,7 @@
     manage.py tasklock release <lock id> [--force]
     manage.py tasklock key --task feeds.import_feed https://example.com/rss
     manage.py tasklock rate partner-api [--rate 10/m] [--pause 30 | --reset]
+    manage.py tasklock leaders [<name>] [--json]
 
 Task arguments are read as JSON where they parse as JSON (``42``, ``true``,
 ``[1, 2]``, ``'"42"'`` for the string) and as plain strings otherwise; keyword
@@ -17,6 +18,7 @@ name or the dotted path of a task or function.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils.module_loading import import_string
 
+from ...console import LeaderRow, leaders, take_inventory
 from ...exceptions import LockBackendError, LockConfigurationError
 from ...integrations.celery.lookup import registered_task, registered_tasks
 from ...modes import MODES
@@ -83,7 +86,7 @@ class Command(BaseCommand):
     help = (
         "Inspect and clear django_tasklock locks: status, release (a stale lock; "
         "--force for any), key (the lock id a task call would use), rate (a rate "
-        "limit's state; --pause, --reset)."
+        "limit's state; --pause, --reset), leaders (who leads each leadership)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -97,6 +100,13 @@ class Command(BaseCommand):
         )
         key = actions.add_parser("key", help="Print the lock id a task call would use.")
         add_rate_parser(actions)
+        led = actions.add_parser(
+            "leaders",
+            help="Who leads each leadership (Leadership, a leader beat), since "
+            "when, its fence.",
+        )
+        led.add_argument("name", nargs="?", help="Only this leadership.")
+        led.add_argument("--json", action="store_true", help="Print JSON.")
         for sub in (status, release, key):
             sub.add_argument(
                 "values",
@@ -132,6 +142,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["action"] == "rate":
             rate_action(self.stdout, options)
+            return
+        if options["action"] == "leaders":
+            self._leaders(options["name"], options["json"])
             return
         lock_id, cache = self._lock_id(options)
         action = options["action"]
@@ -240,6 +253,28 @@ class Command(BaseCommand):
         for label, text in lines:
             self.stdout.write(f"{label + ':':<12}{text}")
 
+    def _leaders(self, name: str | None, as_json: bool) -> None:
+        """Print who leads each leadership the rosters list (or ``name``)."""
+        inventory = take_inventory()
+        for alias, why in inventory.failed.items():
+            self.stderr.write(f"Store {alias} could not be read: {why}")
+        for why in inventory.incomplete:
+            self.stderr.write(why)
+        rows = leaders(inventory, name)
+        if as_json:
+            self.stdout.write(json.dumps([_leader_json(row) for row in rows]))
+        for number, row in enumerate([] if as_json else rows):
+            if number:
+                self.stdout.write("")
+            for label, text in _leader_lines(row):
+                self.stdout.write(f"{label + ':':<12}{text}")
+        if not rows and not as_json:
+            self.stdout.write(
+                f"Nobody leads {name!r}." if name else "No leadership is led."
+            )
+        if name is not None and not rows:
+            raise CommandError(f"Nobody leads {name!r}.", returncode=1)
+
     def _release(self, lock_id: str, cache: str | None, force: bool) -> None:
         status = lock_status(lock_id, cache=cache)
         refused = release_refusal(status, force=force, how="Pass --force")
@@ -254,6 +289,40 @@ class Command(BaseCommand):
             )
         why = "stale: its holder is gone" if status.stale else "forced"
         self.stdout.write(f"Released lock {lock_id!r} held by {status.value} ({why}).")
+
+
+def _since_text(since: float | None) -> str:
+    if since is None:
+        return "unknown (listed by an earlier holder: look again in a second)"
+    when = datetime.datetime.fromtimestamp(since, tz=datetime.timezone.utc)
+    ago = max(
+        datetime.datetime.now(tz=datetime.timezone.utc) - when, datetime.timedelta()
+    )
+    return f"{when:%Y-%m-%d %H:%M:%S} UTC ({ago.total_seconds():.0f}s ago)"
+
+
+def _leader_lines(row: LeaderRow) -> list[tuple[str, str]]:
+    lines = [("Leadership", row.name), ("Store", row.alias)]
+    if row.status is None:
+        return [*lines, ("Error", row.error)]
+    return [
+        *lines,
+        ("Leader", holder_text(row.status)),
+        ("Since", _since_text(row.since)),
+        ("Fence", "none" if row.fence is None else str(row.fence)),
+    ]
+
+
+def _leader_json(row: LeaderRow) -> dict[str, Any]:
+    return {
+        "leadership": row.name,
+        "cache": row.alias,
+        "leader": row.holder or None,
+        "alive": row.alive,
+        "since": row.since,
+        "fence": row.fence,
+        "error": row.error or None,
+    }
 
 
 def _as_json(status: LockStatus) -> dict[str, Any]:
