@@ -13,10 +13,13 @@ skipped, the most imports of that feed running at one moment, and the entries
 stored. Then the refresh button: ``refresh_feed`` (``mode="coalesce"``) clicked
 many times per feed by every producer; the report shows per feed how many clicks
 were sent, how many became a published task (at most one running plus one
-pending), how many ran, and how many were coalesced into a pending call. The
-exit status is 1 if any feed was imported twice at once, never imported, a task
-failed, or a published refresh did not run; every process the demo started is
-stopped.
+pending), how many ran, and how many were coalesced into a pending call. Last,
+two ``celery beat`` processes with ``LeaderScheduler``, the leader SIGKILLed
+halfway (``beat_demo``): per periodic entry, the runs the workers received and
+any received twice. The exit status is 1 if any feed was imported twice at once,
+never imported, a task failed, a published refresh did not run, or a periodic
+run was received twice or the other beat did not take over; every process the
+demo started is stopped.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from django_tasklock.locks.liveness import forget_records  # noqa: E402
+from example_project import beat_demo  # noqa: E402
 from tests.services import (  # noqa: E402
     Memcached,
     Redis,
@@ -377,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         "Redis, or a Redis Cluster through django-valkey",
     )
     parser.add_argument(
+        "--beat-seconds",
+        type=float,
+        default=12.0,
+        help="how long the two celery beats run (the leader is killed halfway)",
+    )
+    parser.add_argument(
         "--keep",
         action="store_true",
         help="keep the run folder (database, worker logs, metrics) and, after the "
@@ -460,6 +470,15 @@ def main(argv: list[str] | None = None) -> int:
         wait_for("refresh_feed", published)
         ok = report_clicks(sent) and ok
         say()
+        say(
+            f"{len(TASKS) + 2}. Celery beat on two processes (LeaderScheduler), two "
+            f"entries every second, for {options.beat_seconds:g}s; the leader is "
+            "SIGKILLed halfway"
+        )
+        ok = (
+            beat_demo.run(stack, run_dir, dict(os.environ), options.beat_seconds) and ok
+        )
+        say()
         from django.conf import settings
 
         per_host = settings.FEED_FETCHES_PER_HOST
@@ -487,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     say(
         "RESULT: "
         + (
-            "OK: no feed imported twice at once, every feed imported"
+            "OK: no feed imported twice at once, every feed imported, each "
+            "periodic run received once"
             if ok
             else "FAILED"
         )

@@ -126,6 +126,20 @@ CELERY_RESULT_EXPIRES = 3600
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Celery beat on as many hosts as you like, one sending (docs: One leader among
+# processes): ``celery -A example_project beat`` on each.
+CELERY_BEAT_SCHEDULER = "django_tasklock.integrations.celery.beat:LeaderScheduler"
+CELERY_BEAT_MAX_LOOP_INTERVAL = 1
+CELERY_BEAT_SCHEDULE = {
+    "check-stale-feeds": {
+        "task": "example_project.feeds.tasks.check_stale_feeds",
+        "schedule": 1.0,
+    },
+    "count-entries": {
+        "task": "example_project.feeds.tasks.count_entries",
+        "schedule": 1.0,
+    },
+}
 
 #: Where the demo's local feed server lives; the importer fetches from here.
 FEED_TIMEOUT = 10

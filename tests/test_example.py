@@ -266,6 +266,16 @@ def test_demo_end_to_end():
         assert int(failed) == 0, name
         assert int(at_once) == 1, name
         assert int(entries) >= 2, name
+    # Two celery beats, the leader killed halfway: each periodic run once.
+    beat_rows = re.findall(
+        r"^   (check-stale-feeds|count-entries)\s+(\d+)\s+(\d+)\s+([\d.]+)s$",
+        out,
+        re.M,
+    )
+    assert len(beat_rows) == 2, out
+    for entry, runs, twice, _gap in beat_rows:
+        assert int(runs) >= 5 and int(twice) == 0, entry
+    assert re.search(r"the other beat \(pid \d+\) leads, fence \d+", out), out
     assert "Stopped every process the demo started" in out
 
 

@@ -100,3 +100,20 @@ class TaskOutcome(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_name} {self.feed_url}: {self.outcome}"
+
+
+class BeatRun(models.Model):
+    """One periodic run a worker received from the highly available beat: the
+    run (the time the sending leader recorded for it, from the message's
+    ``tasklock_beat_run`` header) and the leader's fence."""
+
+    entry = models.CharField(max_length=200)
+    run_ms = models.BigIntegerField(
+        null=True, help_text="the run's time (ms since the epoch), one per run"
+    )
+    fence = models.BigIntegerField(null=True, help_text="the sending leader's fence")
+    received = models.FloatField(help_text="time.time() when a worker ran it")
+    pid = models.PositiveIntegerField()
+
+    def __str__(self) -> str:
+        return f"{self.entry} run {self.run_ms} (fence {self.fence})"

@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import time
 from hashlib import md5
+from typing import Any
 
 from celery import shared_task
 from celery.utils.log import get_task_logger
 
 from django_tasklock import current_lock, memcache_lock, single_instance
 
-from .models import ImportRun
+from .models import BeatRun, ImportRun
 
 logger = get_task_logger(__name__)
 
@@ -72,3 +73,38 @@ def refresh_feed(self, feed_url: str) -> str:  # type: ignore[no-untyped-def]
     lock = current_lock()
     assert lock is not None
     return _import_and_record(feed_url, self.name, lock.fence)
+
+
+def _beat_run(task: Any, entry: str) -> None:
+    """Record a periodic run with the run and fence its message carries."""
+    from django_tasklock.integrations.celery.beat import FENCE, RUN
+
+    BeatRun.objects.create(
+        entry=entry,
+        run_ms=task.request.get(RUN),
+        fence=task.request.get(FENCE),
+        received=time.time(),
+        pid=os.getpid(),
+    )
+
+
+@shared_task(bind=True)
+def check_stale_feeds(self, max_age: float = 3600) -> int:  # type: ignore[no-untyped-def]
+    """Periodic (``CELERY_BEAT_SCHEDULE``): how many feeds were not imported
+    within ``max_age`` seconds."""
+    from django.utils import timezone
+
+    from .models import Feed
+
+    _beat_run(self, "check-stale-feeds")
+    since = timezone.now() - timezone.timedelta(seconds=max_age)
+    return Feed.objects.filter(last_imported_at__lt=since).count()
+
+
+@shared_task(bind=True)
+def count_entries(self) -> int:  # type: ignore[no-untyped-def]
+    """Periodic (``CELERY_BEAT_SCHEDULE``): how many entries are stored."""
+    from .models import Entry
+
+    _beat_run(self, "count-entries")
+    return Entry.objects.count()
