@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lock-demo bench bench-cpu bench-rates bench-console bench-beat faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
+.PHONY: demo lock-demo bench bench-cpu bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -91,6 +91,11 @@ bench-console: services $(STAMP)
 # minutes (see docs/howto/leader.rst); BENCH_ARGS="--cache redis" on Redis.
 bench-beat: services $(STAMP)
 	$(BIN)/python -m benchmarks.beat $(BENCH_ARGS)
+
+# The same faults for LeaderScheduler, RedBeat and single-beat (from PyPI), one table.
+bench-beat-peers: services $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[peers]"
+	$(BIN)/python -m benchmarks.beat --peers $(BENCH_ARGS)
 
 # The fault suite at full size (see README.rst, Reliability).
 faults: services $(STAMP)

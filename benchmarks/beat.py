@@ -38,7 +38,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.beats import LEADER, LIVENESS, Beat, doubles, sends  # noqa: E402
+from tests.beats import (  # noqa: E402
+    LEADER,
+    LIVENESS,
+    REDBEAT,
+    SINGLE_BEAT,
+    Beat,
+    doubles,
+    sends,
+)
 from tests.services import Memcached, Redis, stop_and_wait  # noqa: E402
 
 ENTRIES = 5
@@ -54,7 +62,9 @@ def leader_now(client: object, since: float) -> tuple[str, int] | None:
     return latest["host"], latest["pid"]
 
 
-def run(minutes: float, cache: str, workdir: Path) -> dict[str, object]:
+def run(
+    minutes: float, cache: str, workdir: Path, scheduler: str = LEADER
+) -> dict[str, object]:
     memcached, redis_server = Memcached().start(), Redis().start()
     os.environ["TASKLOCK_TEST_MEMCACHED"] = memcached.address
     os.environ["TASKLOCK_TEST_REDIS"] = redis_server.url
@@ -64,14 +74,24 @@ def run(minutes: float, cache: str, workdir: Path) -> dict[str, object]:
     client = redis.Redis.from_url(broker)
     beats: dict[str, Beat] = {}
     faults: list[tuple[str, float, int]] = []  # (kind, at, pid of the leader)
+    exits = 0  # beats that exited on their own (a supervisor restarts them)
+
+    def start(host: str) -> None:
+        beats[host] = Beat(scheduler, host, broker, cache, workdir, entries=ENTRIES)
+
     try:
         for host in HOSTS:
-            beats[host] = Beat(LEADER, host, broker, cache, workdir, entries=ENTRIES)
+            start(host)
         started = time.time()
         deadline = started + minutes * 60
         next_kill, next_pause = started + 30, started + 45
         while time.time() < deadline:
             time.sleep(0.5)
+            for host, beat in list(beats.items()):
+                if beat.process.poll() is not None:
+                    exits += 1
+                    beat.stop()
+                    start(host)
             now = time.time()
             if now < min(next_kill, next_pause):
                 continue
@@ -79,22 +99,20 @@ def run(minutes: float, cache: str, workdir: Path) -> dict[str, object]:
             if leading is None:
                 continue  # between leaders: try again shortly
             host, pid = leading
-            if beats[host].process.pid != pid:
-                continue  # (unshare execs the beat: its pid is the process's)
+            if not beats[host].owns(pid):
+                continue  # sent by a beat since replaced on that host
             if now >= next_kill:
-                beats[host].process.kill()
+                beats[host].signal(signal.SIGKILL)
                 faults.append(("kill", time.time(), pid))
-                beats[host].process.wait()
-                beats[host].log.close()
-                beats[host] = Beat(
-                    LEADER, host, broker, cache, workdir, entries=ENTRIES
-                )
+                beats[host].stop()
+                start(host)
                 next_kill += 30
             else:
-                stop_and_wait(beats[host].process.pid)
+                beats[host].signal(signal.SIGSTOP)
+                stop_and_wait(pid)
                 faults.append(("pause", time.time(), pid))
                 time.sleep(LIVENESS + 2)
-                os.kill(beats[host].process.pid, signal.SIGCONT)
+                beats[host].signal(signal.SIGCONT)
                 next_pause += 45
         records = [r for r in sends(client) if r["at"] >= started]
     finally:
@@ -103,7 +121,7 @@ def run(minutes: float, cache: str, workdir: Path) -> dict[str, object]:
         client.close()
         memcached.stop()
         redis_server.stop()
-    return judge(records, faults, started)
+    return {**judge(records, faults, started), "beats that exited": exits}
 
 
 def judge(
@@ -147,13 +165,67 @@ def judge(
     }
 
 
+PEERS = (
+    ("LeaderScheduler", LEADER),
+    ("RedBeat", REDBEAT),
+    ("single-beat", SINGLE_BEAT),
+)
+SHOWN = (
+    "sends", "faults", "doubles", "lost beyond catch-up", "takeover median",
+    "takeover max", "beats that exited",
+)  # fmt: skip
+
+
+def peers(minutes: float) -> int:
+    """LeaderScheduler, RedBeat and single-beat, one after another on Redis,
+    under the same faults: one table."""
+    try:
+        import redbeat  # noqa: F401
+        import singlebeat  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "RedBeat and single-beat are not installed: pip install -e '.[peers]' "
+            "(make bench-beat-peers does)"
+        ) from None
+    results = {}
+    for label, scheduler in PEERS:
+        with tempfile.TemporaryDirectory(prefix="tasklock-beat-bench-") as workdir:
+            results[label] = run(minutes, "redis", Path(workdir), scheduler)
+        print(f"{label}: {results[label]}", flush=True)
+    print(
+        f"\nthree beats each, {ENTRIES} entries every second, {minutes:g} min, on "
+        f"Redis; the leader SIGKILLed every 30 s and SIGSTOPped for {LIVENESS + 2} s "
+        f"every 45 s; RedBeat's lock and single-beat's key last {LIVENESS} s, as "
+        "LIVENESS does:"
+    )
+    print(f"{'':<22}" + "".join(f"{label:>17}" for label, _ in PEERS))
+    for name in SHOWN:
+        cells = []
+        for label, _ in PEERS:
+            value = results[label][name]
+            cells.append(
+                "-" if value is None else f"{value:.2f}" if isinstance(value, float)
+                else str(value)
+            )  # fmt: skip
+        print(f"{name:<22}" + "".join(f"{cell:>17}" for cell in cells))
+    ours = results["LeaderScheduler"]
+    return 0 if ours["doubles"] == 0 and ours["lost beyond catch-up"] == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one minute")
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--cache", default="default", choices=["default", "redis"])
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="LeaderScheduler, RedBeat and single-beat, one after another on Redis",
+    )
     options = parser.parse_args(argv)
     minutes = 1.0 if options.quick else options.minutes
+    if options.peers:
+        return peers(minutes)
     with tempfile.TemporaryDirectory(prefix="tasklock-beat-bench-") as workdir:
         result = run(minutes, options.cache, Path(workdir))
     store = "memcached" if options.cache == "default" else "Redis"

@@ -15,10 +15,13 @@ import itertools
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tests.services import stop_process
+
+if TYPE_CHECKING:
+    from contextlib import ExitStack
+    from pathlib import Path
 
 #: A gap in one leader's runs longer than this many seconds fails the demo
 #: (each entry is due every second; a busy machine delays a tick or two).
@@ -52,7 +55,7 @@ def leader(timeout: float, other_than: int | None = None) -> tuple[int, int, flo
             if pid != other_than and row.alive:
                 return pid, row.fence, time.time()
         time.sleep(0.1)
-    raise SystemExit("No beat became leader within %.0fs" % timeout)
+    raise SystemExit(f"No beat became leader within {timeout:.0f}s")
 
 
 def settled(timeout: float = 60) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 
 import django
@@ -38,6 +39,10 @@ app.conf.update(
         for n in range(int(os.environ.get("BEAT_ENTRIES", "2")))
     },
 )
+if "-S" in sys.argv and "redbeat" in sys.argv[sys.argv.index("-S") + 1]:
+    # RedBeat (benchmarks/beat.py, beside LeaderScheduler): its schedule and
+    # lock in the broker's Redis; the lock as long as LIVENESS there.
+    app.conf.update(redbeat_redis_url=os.environ["BEAT_BROKER"], redbeat_lock_timeout=3)
 _sends = redis.Redis.from_url(os.environ["BEAT_BROKER"])
 
 

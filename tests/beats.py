@@ -4,6 +4,7 @@ available beat's tests (tests/test_beat.py) and benchmark (benchmarks/beat.py)."
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -21,6 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 LEADER = "django_tasklock.integrations.celery.beat:LeaderScheduler"
 LEADER_DB = "django_tasklock.integrations.celery.beat_db:LeaderDatabaseScheduler"
 PLAIN = "celery.beat:PersistentScheduler"
+#: The peers measured beside LeaderScheduler (benchmarks/beat.py): RedBeat's
+#: scheduler (its Redis lock), and Celery's own scheduler under single-beat (a
+#: wrapper process holding a Redis key), each from PyPI (the ``peers`` extra).
+REDBEAT = "redbeat.RedBeatScheduler"
+SINGLE_BEAT = "single-beat"
 LIVENESS = 3  # tests/beat_app.py
 
 
@@ -48,32 +54,56 @@ class Beat:
         database: str = "",
         entries: int = 2,
     ):
+        wrapper = []
+        if scheduler == SINGLE_BEAT:  # Celery's own beat, under single-beat
+            wrapper, scheduler = (
+                [str(Path(sys.executable).parent / "single-beat")],
+                PLAIN,
+            )
         command = [
-            sys.executable, "-m", "celery", "-A", "tests.beat_app", "beat",
+            *wrapper, sys.executable, "-m", "celery", "-A", "tests.beat_app", "beat",
             "-S", scheduler, "-s", str(workdir / f"schedule-{host}"),
             "--pidfile=", "-l", "warning",
         ]  # fmt: skip
         rename = f'hostname {host} && exec "$@"'
         self.host = host
         self.log = (workdir / f"{host}.log").open("w")
+        # A session (process group) of its own: a fault reaches every process
+        # of the "host" (single-beat's wrapper and its beat alike).
         self.process = subprocess.Popen(
             ["unshare", "--uts", "sh", "-c", rename, "-", *command],
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT), "BEAT_BROKER": broker,
-                 "BEAT_CACHE": cache, "BEAT_ENTRIES": str(entries), "BEAT_DATABASE": database},
+                 "BEAT_CACHE": cache, "BEAT_ENTRIES": str(entries), "BEAT_DATABASE": database,
+                 "SINGLE_BEAT_REDIS_SERVER": broker, "SINGLE_BEAT_IDENTIFIER": "beatha",
+                 "SINGLE_BEAT_LOCK_TIME": str(LIVENESS), "SINGLE_BEAT_HEARTBEAT_INTERVAL": "1"},
         )  # fmt: skip
+
+    def owns(self, pid: int) -> bool:
+        """Whether process ``pid`` is one of this beat's (its group's)."""
+        try:
+            return os.getpgid(pid) == self.process.pid
+        except ProcessLookupError:
+            return False
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to every process of this beat."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
-            self.process.terminate()
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self.signal(signal.SIGKILL)
                 self.process.wait()
+        self.signal(signal.SIGKILL)  # a child its wrapper left behind
         self.log.close()
 
 
