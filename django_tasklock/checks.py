@@ -38,6 +38,9 @@ Ids are stable and documented in docs/reference/checks.rst:
   are no hash tag, so no key can share a lock's hash slot.
 - W004 a cluster lock cache's keys carry a hash tag of their own: every lock in
   one hash slot, on one primary.
+- W005 TASKLOCK['RESTART_GRACE'] is shorter than TASKLOCK['LIVENESS']: after a
+  restart or failover a new lock may be granted while a holder slowed for less
+  than LIVENESS has not yet put its lock back.
 
 Each of E003-E006, E012, E015, W001 and W002 is reported for TASKLOCK['CACHE']
 and for every alias a ``@single_instance(cache=...)`` names: those of the task
@@ -126,6 +129,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         checked.add(alias)
         messages.extend(_check_cache(alias, protocol, "TASKLOCK['CACHE']"))
     settings_ok = not messages
+    if settings_ok:
+        messages.extend(_check_grace(raw))
     messages.extend(_import_task_modules())
     if settings_ok:  # (a limit is made from the settings: they must be sound)
         messages.extend(_check_declared_limits())
@@ -136,6 +141,28 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         by = f"@single_instance(cache={named!r}) of {', '.join(sorted(users))}"
         messages.extend(_check_cache(named, protocol, by))
     return messages
+
+
+def _check_grace(raw: Any) -> list[CheckMessage]:
+    """W005: a restart grace shorter than the liveness bound."""
+    if not isinstance(raw, dict) or raw.get("RESTART_GRACE") is None:
+        return []
+    grace = float(raw["RESTART_GRACE"])
+    liveness = raw.get("LIVENESS", DEFAULTS["LIVENESS"])
+    if liveness is None or grace >= liveness:
+        return []
+    return [
+        Warning(
+            f"TASKLOCK['RESTART_GRACE'] ({grace:g}s) is shorter than "
+            f"TASKLOCK['LIVENESS'] ({liveness:g}s): after a memcached restart or "
+            "a cluster failover, a new lock may be granted while a live holder, "
+            "slowed for less than LIVENESS, has not yet put its lock back; both "
+            "then run.",
+            hint="Leave RESTART_GRACE out (it is LIVENESS then), or set it to at "
+            f"least {liveness:g}.",
+            id="django_tasklock.W005",
+        )
+    ]
 
 
 def _setting_error(key: str, message: str) -> Error:

@@ -185,3 +185,23 @@ def test_using_the_app_without_installing_it_is_logged_once(settings, caplog):
     settings.CACHES = {**settings.CACHES}
     assert Lock("installed").acquire()
     assert not [r for r in caplog.records if "INSTALLED_APPS" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("tasklock", "warned"),
+    [
+        ({"RESTART_GRACE": 2, "LIVENESS": 10}, True),
+        ({"RESTART_GRACE": 0}, True),  # LIVENESS 10 by default
+        ({"RESTART_GRACE": 10, "LIVENESS": 10}, False),
+        ({"RESTART_GRACE": 2, "LIVENESS": None}, False),
+        ({"LIVENESS": 30}, False),  # the grace is LIVENESS then
+    ],
+)
+def test_a_restart_grace_shorter_than_liveness_is_warned_of(
+    settings, memcached, tasklock, warned
+):
+    settings.TASKLOCK = {"CACHE": "default", **tasklock}
+    found = [m for m in check_settings() if m.id == "django_tasklock.W005"]
+    assert len(found) == int(warned), found
+    if warned:
+        assert "RESTART_GRACE" in found[0].msg and "LIVENESS" in found[0].hint
