@@ -1,6 +1,7 @@
 """Highly available Celery beat under faults: three beats, one sending.
 
     python -m benchmarks.beat [--quick] [--minutes M] [--cache default|redis]
+                              [--database | --peers]
 
 Three real ``celery beat`` processes on three hosts (``unshare --uts``), each
 with ``LeaderScheduler``, a 1-second schedule of five entries, on a private
@@ -19,7 +20,16 @@ entry the report gives:
   once, late: Celery beat's own catch-up); a gap in one leader's sends is a
   lost run;
 - takeover: from each fault to the next send by another beat process (on
-  another host, or the killed one's replacement), median and max.
+  another host, or the killed one's replacement), median and max;
+- beats that exited: beats that stopped on their own (restarted at once, as a
+  supervisor would).
+
+``--database``: ``LeaderDatabaseScheduler`` (django-celery-beat's schedules, in
+one SQLite file the three beats share). ``--peers`` (``make bench-beat-peers``):
+``LeaderScheduler``, RedBeat and Celery's own beat under single-beat, one after
+another on Redis, under the same faults (RedBeat's lock and single-beat's key
+lasting ``LIVENESS``), in one table. Messages of the peers carry no run: their
+doubles are counted by when each was sent.
 """
 
 from __future__ import annotations
@@ -40,10 +50,12 @@ sys.path.insert(0, str(ROOT))
 
 from tests.beats import (  # noqa: E402
     LEADER,
+    LEADER_DB,
     LIVENESS,
     REDBEAT,
     SINGLE_BEAT,
     Beat,
+    beat_database,
     doubles,
     sends,
 )
@@ -72,12 +84,17 @@ def run(
     import redis
 
     client = redis.Redis.from_url(broker)
+    # LeaderDatabaseScheduler: django-celery-beat's tables in one SQLite file
+    # the beats share.
+    database = beat_database(workdir) if scheduler == LEADER_DB else ""
     beats: dict[str, Beat] = {}
     faults: list[tuple[str, float, int]] = []  # (kind, at, pid of the leader)
     exits = 0  # beats that exited on their own (a supervisor restarts them)
 
     def start(host: str) -> None:
-        beats[host] = Beat(scheduler, host, broker, cache, workdir, entries=ENTRIES)
+        beats[host] = Beat(
+            scheduler, host, broker, cache, workdir, database, entries=ENTRIES
+        )
 
     try:
         for host in HOSTS:
@@ -218,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--cache", default="default", choices=["default", "redis"])
     parser.add_argument(
+        "--database",
+        action="store_true",
+        help="LeaderDatabaseScheduler (django-celery-beat) on a shared SQLite file",
+    )
+    parser.add_argument(
         "--peers",
         action="store_true",
         help="LeaderScheduler, RedBeat and single-beat, one after another on Redis",
@@ -227,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     if options.peers:
         return peers(minutes)
     with tempfile.TemporaryDirectory(prefix="tasklock-beat-bench-") as workdir:
-        result = run(minutes, options.cache, Path(workdir))
+        scheduler = LEADER_DB if options.database else LEADER
+        result = run(minutes, options.cache, Path(workdir), scheduler)
     store = "memcached" if options.cache == "default" else "Redis"
+    if options.database:
+        store += ", LeaderDatabaseScheduler on one SQLite file"
     print(
         f"three beats, {ENTRIES} entries every second, {minutes:g} min on {store}, "
         f"leader SIGKILLed every 30 s and SIGSTOPped past LIVENESS ({LIVENESS} s) "
