@@ -57,6 +57,7 @@ from tests.beats import (  # noqa: E402
     Beat,
     beat_database,
     doubles,
+    run_time,
     sends,
 )
 from tests.services import Memcached, Redis, stop_and_wait  # noqa: E402
@@ -151,11 +152,7 @@ def judge(
             takeovers.append(min(after) - at)
     takeover_gaps, unexplained = 0, []
     for entry in sorted({r["entry"] for r in records}):
-        sent = sorted(
-            (r["at"] if r.get("run") is None else r["run"], r["pid"])
-            for r in records
-            if r["entry"] == entry
-        )
+        sent = sorted((run_time(r), r["pid"]) for r in records if r["entry"] == entry)
         for (a, pid_a), (b, pid_b) in itertools.pairwise(sent):
             if b - a <= 1.5:
                 continue

@@ -20,11 +20,10 @@ from django.conf import settings as django_settings
 from .backends import backend_for
 from .conf import settings
 from .exceptions import LockBackendError, LockConfigurationError
-from .keys import record_id
 from .leader import LOCK_PREFIX
 from .locks.roster import Entry, read_roster
 from .status import LockStatus, lock_status
-from .tokens import KEEPS_RECORD, KEPT_ELSEWHERE, token_host
+from .tokens import holder_record_id
 from .values import token_process
 
 if TYPE_CHECKING:
@@ -175,19 +174,18 @@ def take_inventory(aliases: Iterable[str] | None = None) -> Inventory:
                 records.add(record)
             for row in rows:
                 seen = best.get(row[_LOCK_ID])
-                if (
-                    seen is None
-                    or (seen[3][_KIND] == "queued") > (row[_KIND] == "queued")
-                    or (
-                        (seen[3][_KIND] == "queued") == (row[_KIND] == "queued")
-                        and row[_SINCE] > seen[3][_SINCE]
-                    )
-                ):
+                if seen is None or _holder_first(row) > _holder_first(seen[3]):
                     best[row[_LOCK_ID]] = (alias, record, host, row)
         inventory.entries += best.values()
         inventory.processes[alias] = len(records)
     inventory.incomplete += _young_notice(young)
     return inventory
+
+
+def _holder_first(row: list[Any]) -> tuple[bool, float]:
+    """Which of two listings of one lock id names its holder: a lock over a
+    queued mark, then the latest taken."""
+    return row[_KIND] != "queued", row[_SINCE]
 
 
 def _incomplete(
@@ -275,19 +273,11 @@ def leaders(inventory: Inventory, name: str | None = None) -> list[LeaderRow]:
             rows.append(LeaderRow(role, alias, row[_SINCE], error=str(exc)))
             continue
         if status.held:
-            since = row[_SINCE] if lister == _record_of(status.value) else None
+            parsed = token_process(status.value)
+            own = parsed is not None and lister == holder_record_id(*parsed)
+            since = row[_SINCE] if own else None
             rows.append(LeaderRow(role, alias, since, status))
     return sorted(rows, key=lambda one: (one.name, one.alias))
-
-
-def _record_of(token: object) -> str | None:
-    """The liveness record id of the process a stored token names."""
-    parsed = token_process(token)
-    if parsed is None:
-        return None
-    owner, process = parsed
-    bare = process.removesuffix(KEEPS_RECORD).removesuffix(KEPT_ELSEWHERE)
-    return record_id(token_host(owner), bare)
 
 
 @dataclasses.dataclass(frozen=True)

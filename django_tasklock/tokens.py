@@ -20,6 +20,7 @@ from _thread import get_ident
 from typing import Final
 
 from .conf import MAX_EXPIRE
+from .keys import record_id
 from .values import FenceCounter, token_process
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "TOKENS",
     "fence_counter",
     "holder_alive",
+    "holder_record_id",
     "local_verdict",
     "new_live_token",
     "new_token",
@@ -142,6 +144,13 @@ def token_owner(value: object) -> tuple[str, int] | None:
 def token_host(owner: str) -> str:
     """The host in a token's owner: ``oid@host#task id``, ``host#task id``..."""
     return owner.partition("#")[0].rpartition("@")[2]
+
+
+def holder_record_id(owner: str, process: str) -> str:
+    """The id of the liveness record of the process a token names, from the
+    token's owner and process (``token_process``), its flag dropped."""
+    bare = process.removesuffix(KEEPS_RECORD).removesuffix(KEPT_ELSEWHERE)
+    return record_id(token_host(owner), bare)
 
 
 def process_alive(pid: int) -> bool:

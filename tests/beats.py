@@ -126,6 +126,13 @@ def wait_for_sends(
     return None
 
 
+def run_time(record: dict) -> float:
+    """The time of the run a send was: the one its message carries
+    (``LeaderScheduler``), else (the peers) when it was sent."""
+    run: float | None = record.get("run")
+    return record["at"] if run is None else run
+
+
 def doubles(records: list[dict]) -> int:
     """Runs of an entry sent twice: two sends less than half its 1 s period
     apart, judged by the time of the run each message carries (the time
@@ -133,10 +140,6 @@ def doubles(records: list[dict]) -> int:
     of one period), else (Celery's own scheduler) by when each was sent."""
     count = 0
     for entry in {r["entry"] for r in records}:
-        times = sorted(
-            r["at"] if r.get("run") is None else r["run"]
-            for r in records
-            if r["entry"] == entry
-        )
+        times = sorted(run_time(r) for r in records if r["entry"] == entry)
         count += sum(1 for a, b in itertools.pairwise(times) if b - a < 0.5)
     return count

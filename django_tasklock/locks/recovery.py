@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Final, cast
 from ..tokens import (
     KEEPS_RECORD,
     KEPT_ELSEWHERE,
+    holder_record_id,
     local_verdict,
     token_host,
     token_process,
 )
-from .liveness import record_id
 
 if TYPE_CHECKING:
     from ..backends import Hold, LockBackend
@@ -70,9 +70,7 @@ def judge(value: object, backend: LockBackend, key: str) -> tuple[bool | None, s
         return None, f"{why}, which keeps no liveness record"
     pid = process.partition("-")[0]
     try:
-        seen = backend.read_record(
-            key, record_id(host, process.removesuffix(KEEPS_RECORD))
-        )
+        seen = backend.read_record(key, holder_record_id(owner, process))
     except backend.errors as exc:
         return None, (
             f"{why}, whose liveness record could not be read "
