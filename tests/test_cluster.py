@@ -4,6 +4,7 @@ owner checks that survive NOSCRIPT, and many processes that never overlap."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import pytest
@@ -11,6 +12,7 @@ from django.core.cache import caches
 
 from django_tasklock import Lock, Semaphore, memcache_lock
 from django_tasklock.backends import backend_for
+from django_tasklock.console import take_inventory
 from django_tasklock.keys import fence_id, lock_group
 from reliability.cluster import FAILOVER_GRACE, cluster_storm, failover, reshard
 from tests.workers import most_at_once, overlaps
@@ -292,6 +294,12 @@ def test_the_console_reads_sixteen_hash_slots_of_a_clusters_roster(
     settings.TASKLOCK = {"CACHE": "listing", "LOCK_EXPIRE": 60}
     lock = Lock("listed-on-cluster", expire=60)
     assert lock.acquire()
+    # Listed: this process's liveness thread has claimed its roster slot (a
+    # read of every slot, 16 MGETs of its own) before the count begins.
+    deadline = time.monotonic() + 30
+    while lock.lock_id not in [e.lock_id for e in take_inventory(["listing"]).listed()]:
+        assert time.monotonic() < deadline, "the lock was never listed"
+        time.sleep(0.05)
     backend = backend_for("listing")
     primaries = [
         node
@@ -311,7 +319,13 @@ def test_the_console_reads_sixteen_hash_slots_of_a_clusters_roster(
             redis_cluster.ask(node, "ECHO", marker)
         for monitor in monitors:
             while (command := monitor.next_command()["command"]) != f"ECHO {marker}":
-                mgets += command.startswith("MGET ") and prefix in command
+                # The listing's reads: ROSTER_GROUP roster keys each (the
+                # liveness thread's beat reads back its own slot alone).
+                mgets += (
+                    command.startswith("MGET ")
+                    and prefix in command
+                    and len(command.split()) - 1 == ROSTER_GROUP
+                )
     finally:
         for client in clients:
             client.close()
