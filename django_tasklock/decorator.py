@@ -106,7 +106,7 @@ def single_instance(
     heartbeat while the body runs, so ``expire`` can be short. ``max_hold``
     (seconds) caps how long the lock lasts; for a Celery task it defaults to the
     task's hard ``time_limit`` (from the call, the task or ``task_time_limit``)
-    plus a second, so a lock ends about when the worker kills the run. ``on_lost="raise"`` makes
+    plus two seconds, so a lock ends about when the worker kills the run. ``on_lost="raise"`` makes
     ``current_lock().check()`` raise ``LockLost`` once the lock is found lost;
     ``current_lock().fence`` is the run's fencing token.
 

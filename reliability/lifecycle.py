@@ -235,8 +235,9 @@ def max_hold_overshoot(memcached: Memcached, tries: int) -> Row:
         told_first += told
         rival.release()
         lock.release_quietly()
-        # Within a second past max_hold (rounding up), never a second early.
-        wrong += not -1.0 <= gone - max_hold <= 1.0 + 0.25
+        # Within a second past max_hold (rounding up); early by up to two
+        # (whole seconds, on a clock that may tick late), never more.
+        wrong += not -2.0 <= gone - max_hold <= 1.0 + 0.25
     row = Row("11. max_hold 3.3s on memcached", attempts, overlapping, wrong)
     row.figures.append(
         f"lock gone {min(past):+.2f} to {max(past):+.2f}s after max_hold (memcached "

@@ -153,7 +153,7 @@ def hold_for(name, seconds):
 
 
 @app.task(bind=True, time_limit=30)
-@single_instance(key="name", expire=2, renew=True, on_lost="raise")
+@single_instance(key="name", expire=3, renew=True, on_lost="raise")
 def lifecycle(self, name, seconds=0.0):
     """Reports what its lock looks like from inside the body."""
     lock = current_lock()
@@ -174,9 +174,9 @@ def limited_by_app(self, name):
 
 
 @app.task
-@single_instance(key="name", expire=2, renew=True)
+@single_instance(key="name", expire=3, renew=True)
 def long_renewed(name, seconds, call):
-    """Runs well past its 2 s expiry; renewal keeps its lock."""
+    """Runs well past its 3 s expiry; renewal keeps its lock."""
     started = time.monotonic()
     time.sleep(seconds)
     record(name, started, call=call)
@@ -184,7 +184,7 @@ def long_renewed(name, seconds, call):
 
 
 @app.task
-@single_instance(key="name", expire=2)
+@single_instance(key="name", expire=3)
 def long_unrenewed(name, seconds, call):
     """The same without renewal: the control of the test that uses both."""
     started = time.monotonic()

@@ -83,7 +83,7 @@ def test_renewing_task_sees_its_lock_and_max_hold_from_time_limit():
     fence = tasks.lifecycle("renewing", seconds=0)
     (run,) = tasks.runs("renewing")
     assert run["renewing"] is True
-    assert run["max_hold"] == 31  # the task's time_limit, and a second
+    assert run["max_hold"] == 32  # the task's time_limit, and two seconds
     later = tasks.lifecycle("renewing", seconds=0)
     assert later > fence
     assert current_lock() is None
@@ -93,7 +93,7 @@ def test_max_hold_from_app_time_limit_and_none_without(settings):
     assert tasks.limited_by_app("x") is None
     tasks.app.conf.task_time_limit = 45
     try:
-        assert tasks.limited_by_app("x") == 46
+        assert tasks.limited_by_app("x") == 47
     finally:
         tasks.app.conf.task_time_limit = None
 

@@ -170,19 +170,19 @@ def test_prefork_hard_time_limit_leaves_lock_no_longer_than_expiry(prefork_worke
 def test_prefork_long_task_keeps_its_lock_only_when_renewed(
     prefork_workers, task_name, renewed
 ):
-    """A 5 s task with a 2 s lock; duplicates arrive after the expiry. Renewed, they
+    """A 7 s task with a 3 s lock; duplicates arrive after the expiry. Renewed, they
     are skipped; not renewed (the control), they run beside it."""
     from django_tasklock import Lock, lock_id_for
 
     task = getattr(tasks, task_name)
     name = f"long-{task_name}"
-    lock = Lock(lock_id_for(task, name, 5, 0), expire=60)
-    first = task.delay(name, 5, 0)
+    lock = Lock(lock_id_for(task, name, 7, 0), expire=60)
+    first = task.delay(name, 7, 0)
     deadline = time.monotonic() + 30
     while not lock.locked():
         assert time.monotonic() < deadline, "the long task never took its lock"
         time.sleep(0.05)
-    time.sleep(3)  # past the 2 s expiry (and its whole-second rounding)
+    time.sleep(4.5)  # past the 3 s expiry (and its whole-second rounding)
     duplicates = [task.delay(name, 0.2, n) for n in range(1, 4)]
     outcomes = [result.get(timeout=60) for result in duplicates]
     assert first.get(timeout=60) == 0

@@ -197,24 +197,52 @@ def test_django_client_fails_instead_of_rehashing_with_these_options(settings, p
     victim.start()
 
 
+def as_a_fresh_process():
+    """Forget what this process learnt of the servers' runs, and its
+    connections: as a process started now would be."""
+    from django_tasklock.backends.memcached import restarts
+
+    close_connections()
+    with restarts._runs_mutex:
+        restarts._runs.clear()
+    restarts._refused.clear()
+
+
 def test_a_process_that_learns_of_the_restart_later_still_refuses(settings, pool):
     """The first process to see the restart records the new run on the pool's
     other nodes; a process that never saw the old run reads that record, and
     must still know the run is a restart (it is marked so), not a new
     deployment. Before the mark, a holder's liveness thread that reconnected
     first made every later process hand the ids out at once."""
-    from django_tasklock.backends.memcached import restarts
-
     victim, lock_id = id_on_first_node(settings, pool)
     assert Lock(lock_id).acquire()  # learns the run, records it
     victim.stop(signal.SIGKILL)
     victim.start()
     with pytest.raises(LockBackendError, match="RESTART_GRACE"):
         Lock(lock_id).acquire()  # sees the restart, records the new run
-    # A fresh process: nothing remembered, new connections.
-    close_connections()
-    with restarts._runs_mutex:
-        restarts._runs.clear()
-    restarts._refused.clear()
+    as_a_fresh_process()
     with pytest.raises(LockBackendError, match="RESTART_GRACE"):
         Lock(lock_id).acquire()
+
+
+def test_a_node_whose_run_record_no_other_node_answers_for_is_taken_for_restarted(
+    settings, pool, caplog
+):
+    """A process that never saw the node before reads the record of its run on
+    the pool's other nodes. When none of them answers, it cannot tell a
+    restart from a new deployment: "could not tell" is never "fine", so new
+    locks on the node wait out the grace (counted from the node's start) rather
+    than hand out an id a live holder may still have."""
+    victim, lock_id = id_on_first_node(settings, pool)
+    holder = Lock(lock_id)
+    assert holder.acquire()  # learns the run, records it on the other nodes
+    victim.stop(signal.SIGKILL)
+    victim.start()
+    for other in pool[1:]:
+        other.stop(signal.SIGKILL)
+    as_a_fresh_process()
+    with pytest.raises(LockBackendError, match="RESTART_GRACE"):
+        Lock(lock_id).acquire()
+    [said] = [r.getMessage() for r in caplog.records if "came back" in r.getMessage()]
+    for other in pool[1:]:
+        assert other.address in said, said

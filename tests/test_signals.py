@@ -176,7 +176,7 @@ def test_lost_receiver_may_release_the_lock_it_is_told_about(any_store):
 
     lock_lost.connect(clean_up)
     try:
-        lock = Lock("cleaned", expire=2, renew=True)
+        lock = Lock("cleaned", expire=3, renew=True)
         assert lock.acquire()
         caches[any_store.alias].delete("cleaned")
         heartbeat = lock._heartbeat

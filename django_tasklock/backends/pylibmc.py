@@ -15,7 +15,6 @@ miss as the answer, which would make a holder's own lock look lost.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,7 +23,7 @@ from pymemcache.exceptions import MemcacheError
 from ..keys import memcached_key
 from ..values import unique_value
 from .base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
-from .memcached import _PAST, _bad_counter, _talk, _ttl_of, exptime
+from .memcached import _PAST, _bad_counter, _talk, _ttl_of, exptime, sure_life
 
 if TYPE_CHECKING:
     from django.core.cache.backends.memcached import PyLibMCCache
@@ -76,7 +75,7 @@ class PyLibMCBackend(LockBackend):
         return f"memcached cache {self.alias!r} (pylibmc) at {servers}"
 
     def shortest_life(self, expire: float) -> float:
-        return float(math.ceil(expire) - 1)  # whole seconds, as in memcached.py
+        return sure_life(expire)
 
     def key_for(self, lock_id: str) -> str:
         return memcached_key(self.cache, lock_id)

@@ -90,8 +90,8 @@ class Lock(StoreReads, Holding):
     ``renew`` (default ``TASKLOCK['RENEW']``): while held, a heartbeat thread
     extends the lock, owner-checked, every third of its expiry, so a short expiry
     frees the lock soon after a crash while a long holder keeps it (a third of
-    the shortest time the store keeps it: ``expire - 1`` whole seconds on
-    memcached, so renewing there needs ``expire >= 2``). ``max_hold``
+    the shortest time the store keeps it: ``expire - 2`` whole seconds on
+    memcached, so renewing there needs ``expire >= 3``). ``max_hold``
     (seconds): the lock never lasts longer than this after it was taken, renewed
     or not. When the lock is found lost (by the heartbeat, ``extend()`` or
     ``release()``), ``lost`` becomes True, a WARNING is logged and ``lock_lost`` is

@@ -56,8 +56,9 @@ def unextended(acq: Acquisition, cause: str = "no extension reached the store") 
         return (
             f"{cause} in time: the store may drop a lock stored for "
             f"{acq.expire}s at any moment (memcached counts whole "
-            "seconds, so it keeps it for less than a second for sure). Use "
-            "an expire of 2 seconds or more, with renew=True for long work"
+            "seconds on a clock that may tick late, so it is sure to keep a lock "
+            "only for its expiry less 2 seconds). Use an expire of 3 seconds or "
+            "more, with renew=True for long work"
         )
     return (
         f"{cause} within the {acq.life:.0f}s the store is sure to keep the "

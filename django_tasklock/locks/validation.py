@@ -80,8 +80,8 @@ def beat_for(backend: LockBackend, expire: float) -> float:
             f"renew=True needs a longer expiry than {expire}s on {backend.kind}: "
             f"a lock stored for {expire}s may go after "
             f"{backend.shortest_life(expire)}s there (memcached counts whole "
-            "seconds), too soon to renew in time. Use an expire (and max_hold) "
-            "of 2 seconds or more."
+            "seconds on a clock that may tick late), too soon to renew in time. "
+            "Use an expire (and max_hold) of 3 seconds or more."
         )
     return beat
 

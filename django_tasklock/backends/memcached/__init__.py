@@ -16,6 +16,7 @@ from .wire import (
     _ttl_of,
     exptime,
     meta_support,
+    sure_life,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "_unlearnable",
     "exptime",
     "meta_support",
+    "sure_life",
 ]

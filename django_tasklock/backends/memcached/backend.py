@@ -57,6 +57,7 @@ from .wire import (
     _wire_key,
     exptime,
     only_client,
+    sure_life,
 )
 
 if TYPE_CHECKING:
@@ -108,9 +109,7 @@ class MemcachedBackend(MemcachedReads):
         return f"memcached cache {self.alias!r} at {server}"
 
     def shortest_life(self, expire: float) -> float:
-        # memcached stores whole seconds on a clock that ticks once a second, so
-        # an item stored with T<n> just before a tick goes after n - 1 seconds.
-        return float(math.ceil(expire) - 1)
+        return sure_life(expire)
 
     def key_for(self, lock_id: str) -> str:
         reserved = len(getattr(self._hash_client, "key_prefix", b"") or b"")

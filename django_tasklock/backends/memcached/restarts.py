@@ -114,11 +114,14 @@ class Restarts:
         """Learn the run of the server ``client`` reaches, unless its
         connection's was learnt already (``learn``)."""
         sock = getattr(client, "sock", False)
-        if sock is not False and (sock is None or self.learnt.get(client) is not sock):
-            self.learn(client)
+        if (
+            sock is not False
+            and (sock is None or self.learnt.get(client) is not sock)
+            and self.learn(client)
+        ):
             self.learnt[client] = client.sock
 
-    def learn(self, client: Any) -> None:
+    def learn(self, client: Any) -> bool:
         """Read which run of the server this new connection reaches, and refuse
         new locks on it for RESTART_GRACE seconds if it restarted.
 
@@ -129,11 +132,16 @@ class Restarts:
         record of another run (each process that learns a server's run records
         it on the pool's other servers). A server first seen with no record is a
         new deployment, not a restart. Proxies do not pass ``stats`` on; servers
-        behind them are not checked.
+        behind them are not checked. A server whose record could not be read
+        (another server of the pool did not answer) is taken for restarted:
+        "could not tell" is never "fine", and the grace runs from the server's
+        start, so it costs nothing once the server has run that long.
+
+        False if the server did not answer: its next command asks again.
         """
         server = client.server
         if server in _unlearnable:
-            return
+            return True
         try:
             stats = _read_stats(client)
             pid, server_now = int(stats[b"pid"]), int(stats[b"time"])
@@ -142,41 +150,60 @@ class Restarts:
         except MemcacheUnexpectedCloseError:
             client.close()
             _unlearnable.add(server)  # twemproxy closes the connection on stats
-            return
+            return True
         except (KeyError, ValueError, MemcacheClientError):
             # No stats here, for good (MemcacheUnknownCommandError is one).
             _unlearnable.add(server)
-            return
+            return True
         except ServerRefused:
             raise  # over its connection limit: this lock fails, nothing else
         except self.errors:
-            return  # down: the lock's own command reports it
+            return False  # down: the lock's own command reports it
         with _runs_mutex:
             seen = _runs.get(server)
             _runs[server] = run
-        # A record of this very run marked as a restart: another process saw it
-        # replace an earlier one (and recorded it first), so this is a restart
-        # too, with the same grace from the same start.
-        told = marked_restart and seen is None
-        if seen is None and not told:
-            recorded = self._recorded_run(server)
-            if recorded is not None:
-                seen, told = recorded[0], recorded[1] and _same_run(recorded[0], run)
-        restarted = told or (seen is not None and not _same_run(seen, run))
-        if restarted:
-            if told or seen is None:
-                was = "a restart another process recorded"
-            elif seen[0] != pid:
-                was = f"was {seen[0]}"
-            else:
-                was = "its run mark is new"
+        was, seen = self._restart(server, run, seen, marked_restart)
+        if was:
             _refuse(server, run, server_now - run[1], was)
         if seen is None or not _same_run(seen, run):
-            self._record_run(server, run, restarted)
-        if restarted and not marked_restart:
+            self._record_run(server, run, bool(was))
+        if was and not marked_restart:
             # Said in the mark too, for processes that never saw the old run.
             with contextlib.suppress(*self.errors):
                 client.set(MARK_KEY, f"{mark}:r", 0, noreply=False)
+        return True
+
+    def _restart(
+        self,
+        server: Any,
+        run: tuple[int, int, str],
+        seen: tuple[int, int, str] | None,
+        marked_restart: bool,
+    ) -> tuple[str, tuple[int, int, str] | None]:
+        """Why ``run`` of ``server`` follows a restart ("" if it does not), and
+        the run seen before it (by this process, or recorded by another)."""
+        told = "a restart another process recorded"
+        if seen is None and marked_restart:
+            # A record of this very run marked as a restart: another process
+            # saw it replace an earlier one (and recorded it first), so this is
+            # a restart too, with the same grace from the same start.
+            return told, None
+        if seen is None:
+            recorded, unanswered = self._recorded_run(server)
+            if unanswered:
+                return (
+                    f"taken so as {unanswered} did not answer for its record: "
+                    "a restart cannot be ruled out",
+                    None,
+                )
+            if recorded is None:
+                return "", None  # first seen, with no record: a new deployment
+            seen = recorded[0]
+            if recorded[1] and _same_run(seen, run):
+                return told, seen
+        if _same_run(seen, run):
+            return "", seen
+        return (f"was {seen[0]}" if seen[0] != run[0] else "its run mark is new"), seen
 
     @staticmethod
     def _mark(client: Any) -> tuple[str, bool]:
@@ -199,21 +226,27 @@ class Restarts:
             return []
         return [c for c in hash_client.clients.values() if c.server != server]
 
-    def _recorded_run(self, server: Any) -> tuple[tuple[int, int, str], bool] | None:
+    def _recorded_run(
+        self, server: Any
+    ) -> tuple[tuple[tuple[int, int, str], bool] | None, str]:
         """The run of ``server`` recorded on another server of the pool, and
         whether the process that recorded it saw it replace an earlier run
-        (``pid:start:mark:r``); None if no other server has a record."""
+        (``pid:start:mark:r``); None if no other server has a record. Then the
+        servers that did not answer ("" if every one did): with none found,
+        the record may be on one of them."""
+        unanswered = []
         for other in self._others(server):
             try:
                 value = other.get(_record_key(server))
             except self.errors:
+                unanswered.append(_server_name(other.server))
                 continue
             if value is not None:
                 pid, start, *rest = str(value).split(":")
                 # (pid:start[:r] before run marks)
                 mark = rest[0] if rest and rest[0] != "r" else ""
-                return (int(pid), int(start), mark), rest[-1:] == ["r"]
-        return None
+                return ((int(pid), int(start), mark), rest[-1:] == ["r"]), ""
+        return None, ", ".join(unanswered)
 
     def _record_run(
         self, server: Any, run: tuple[int, int, str], restarted: bool

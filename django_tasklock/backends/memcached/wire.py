@@ -63,6 +63,21 @@ def exptime(expire: float) -> int:
     return seconds
 
 
+def sure_life(expire: float) -> float:
+    """The shortest time memcached is sure to keep an item stored for
+    ``expire`` seconds (``exptime``), counted from before the command was sent.
+
+    memcached judges expiry by a clock of whole seconds that a timer sets once
+    a second, re-armed after each firing. A late tick (a busy or paused
+    server) moves the phase of that timer against the seconds it counts, and a
+    phase that wraps past a second makes an item stored just before it go
+    almost a second sooner: ``n - 2`` seconds for ``n``, not ``n - 1``
+    (``tests/test_memcached_clock.py`` measures it with the server paused at
+    random).
+    """
+    return float(max(math.ceil(expire) - 2, 0))
+
+
 def _talk(server: Any, line: bytes, timeout: float) -> bytes:
     """Send one line to ``server`` on a connection of its own; the reply's first
     line, or b"" if the other end closed the connection instead of answering."""

@@ -32,7 +32,7 @@ __all__ = ["CELERY", "CeleryHost", "current_task", "task_class"]
 logger = module_logger(__name__, "django_tasklock.decorator")
 
 #: Seconds a lock capped by a Celery time limit lasts beyond that limit.
-TIME_LIMIT_MARGIN = 1.0
+TIME_LIMIT_MARGIN = 2.0
 
 
 def task_class() -> type | None:
@@ -91,9 +91,10 @@ def time_limit(task: Any) -> float | None:
         hard = getattr(conf, "task_time_limit", None)
     if isinstance(hard, bool) or not isinstance(hard, (int, float)) or hard <= 0:
         return None
-    # A second more: the worker kills the run at the limit, counted from before
-    # the lock was taken, and memcached (whole seconds) may end a lock up to a
-    # second early; the lock must not go while the run may still be writing.
+    # Two seconds more: the worker kills the run at the limit, counted from
+    # before the lock was taken, and memcached (whole seconds, on a clock that
+    # may tick late) may end a lock up to two seconds early; the lock must not
+    # go while the run may still be writing.
     return float(hard) + TIME_LIMIT_MARGIN
 
 
