@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from tests.services import Memcached, Redis
 
 #: A short expiry: what renewal makes safe for long tasks.
-EXPIRE = 2
+EXPIRE = 3
 #: How many expiries a holder keeps its lock by renewal before the fault.
 PERIODS = 3
 

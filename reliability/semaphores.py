@@ -112,7 +112,7 @@ def killed_and_lowered(memcached: Memcached, tries: int) -> Row:
     )
     row.figures.append(
         f"killed holder's slot free {min(frees):.1f}-{max(frees):.1f}s after the "
-        "kill (expire 2s, renewed); overlaps: a fourth holder of limit 3, or a third "
+        "kill (expire 3s, renewed); overlaps: a fourth holder of limit 3, or a third "
         "after the limit went down from 5 to 2"
     )
     return row

@@ -239,7 +239,7 @@ def semaphore_holder(
     name: str,
     limit: int,
     queue: object,
-    expire: float = 2,
+    expire: float = 3,
 ) -> None:
     """Take a slot of ``name`` renewing, report which, then run until killed."""
     setup_django()
