@@ -19,12 +19,12 @@ demo: services $(STAMP)
 lock-demo: services $(STAMP)
 	$(BIN)/python scripts/lock_demo.py
 
-# In three steps, each running its parts side by side: the checks, then the
-# matrix beside the main run (their tests mostly wait on servers and workers:
-# together they keep both cores busy), then the coverage of both.
+# In two steps: every part side by side (the main run's tests mostly wait on
+# servers, workers and faults, so the matrix and the checks use the cores it
+# leaves idle; each part's output is shown whole when it ends), then the
+# coverage of the main run and the matrix.
 test: services $(STAMP)
-	$(MAKE) --no-print-directory -j4 --output-sync=target lint shape docs package
-	$(MAKE) --no-print-directory -j2 --output-sync=target matrix pytest-run
+	$(MAKE) --no-print-directory -j6 --output-sync=target pytest-run matrix lint shape docs package
 	$(MAKE) --no-print-directory coverage
 
 # The pre-commit hooks over every file: no large file, ruff, mypy, typos.
@@ -48,7 +48,7 @@ typecheck: $(STAMP)
 # once), with branch coverage of django_tasklock, in the worker processes the
 # tests start as well, combined with the matrix runs' (code only Django 6 runs
 # is measured there); fail_under in pyproject.toml is the floor.
-PYTEST_WORKERS ?= 4
+PYTEST_WORKERS ?= 6
 # The tests run in a random order (pytest-randomly), seeded by the commit: a
 # new order for each commit, the same one for every run of a commit, so that a
 # failure repeats. PYTEST_SEED=default draws a new order; the seed is printed.
