@@ -102,10 +102,10 @@ faults: services $(STAMP)
 	$(BIN)/python -m reliability.faults $(FAULTS_ARGS)
 
 # The other supported Python/Django pairs (the main run is python3 with Django
-# 5.2), each in an environment of nox's (uv-made); see noxfile.py.
+# 5.2), each in an environment of nox's (uv-made), side by side; see noxfile.py.
 matrix: services $(STAMP)
 	rm -rf .coverage-matrix
-	$(BIN)/nox $(NOX_ARGS)
+	$(BIN)/python scripts/matrix $(BIN)/nox $(NOX_ARGS)
 
 services:
 	@./scripts/ensure-services
