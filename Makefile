@@ -46,7 +46,7 @@ typecheck: $(STAMP)
 # In parallel (pytest-xdist: each worker process starts its own servers on free
 # ports; a module's tests stay on one worker, so its shared Celery workers start
 # once), with branch coverage of django_tasklock, in the worker processes the
-# tests start as well, combined with the matrix runs' (code only Django 6 runs
+# tests start as well, combined with the matrix's Django 6.1 run's (code only Django 6 runs
 # is measured there); fail_under in pyproject.toml is the floor.
 PYTEST_WORKERS ?= 6
 # The tests run in a random order (pytest-randomly), seeded by the commit: a

@@ -12,7 +12,19 @@ once it started. A line ``is_leader`` on stdin prints ``is_leader
 from __future__ import annotations
 
 import sys
+import threading
 import time
+
+_said = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Print ``line`` whole: on_loss runs on the leadership's thread, and two
+    threads' prints may interleave (``print`` writes the text and the newline
+    apart)."""
+    with _said:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def main(argv: list[str]) -> None:
@@ -27,21 +39,21 @@ def main(argv: list[str]) -> None:
     settings.TASKLOCK = {"CACHE": alias, "LIVENESS": float(liveness)}
 
     def gained(leadership: Leadership) -> None:
-        print(f"gained {leadership.fence} {time.time():.3f}", flush=True)
+        say(f"gained {leadership.fence} {time.time():.3f}")
 
     def lost(leadership: Leadership) -> None:
-        print(f"lost {time.time():.3f}", flush=True)
+        say(f"lost {time.time():.3f}")
 
     leadership = Leadership(name, poll=0.2, expire=60, on_gain=gained, on_loss=lost)
     leadership.start()
-    print("standing by", flush=True)
+    say("standing by")
     for line in sys.stdin:
         command = line.strip()
         if command == "is_leader":
-            print(f"is_leader {leadership.is_leader}", flush=True)
+            say(f"is_leader {leadership.is_leader}")
         elif command == "stop":
             leadership.stop()
-            print("stopped", flush=True)
+            say("stopped")
             return
 
 
