@@ -17,8 +17,9 @@ entry the report gives:
   carries: tests/beats.py);
 - gaps: more than 1.5 periods between runs sent. A gap across which the sending
   process changed is a change of leader (the runs missed meanwhile are sent
-  once, late: Celery beat's own catch-up); a gap in one leader's sends is a
-  lost run;
+  once, late: Celery beat's own catch-up); a gap in one leader's sends of two
+  periods or more (a whole period went by without its run) is a lost run, and
+  a shorter one a late tick (a busy machine);
 - takeover: from each fault to the next send by another beat process (on
   another host, or the killed one's replacement), median and max;
 - beats that exited: beats that stopped on their own (restarted at once, as a
@@ -157,7 +158,7 @@ def judge(
         after = [r["at"] for r in records if r["at"] > at and r["pid"] != pid]
         if after:
             takeovers.append(min(after) - at)
-    takeover_gaps, unexplained = 0, []
+    takeover_gaps, late, unexplained = 0, 0, []
     for entry in sorted({r["entry"] for r in records}):
         sent = sorted((run_time(r), r["pid"]) for r in records if r["entry"] == entry)
         for (a, pid_a), (b, pid_b) in itertools.pairwise(sent):
@@ -165,6 +166,9 @@ def judge(
                 continue
             if pid_a != pid_b:
                 takeover_gaps += 1  # a change of leader: the catch-up rule
+                continue
+            if b - a < 2:
+                late += 1  # a late tick: no whole period went without a run
                 continue
             nearest = min(faults, key=lambda f: abs(f[1] - a), default=None)
             near = f", {a - nearest[1]:+.1f}s from a {nearest[0]}" if nearest else ""
@@ -177,6 +181,7 @@ def judge(
         "entries": len({r["entry"] for r in records}),
         "doubles": doubles(records),
         "takeover gaps": takeover_gaps,
+        "late ticks": late,
         "lost beyond catch-up": len(unexplained),
         "faults": len(faults),
         "takeover median": statistics.median(takeovers) if takeovers else None,

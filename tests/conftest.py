@@ -182,15 +182,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     )
     for place, item in zip(places, ordered, strict=True):
         items[place] = item
-    # Modules with slow tests first (in pytest-randomly's order among them,
-    # and their own tests in its order too): a module's tests stay on one
-    # xdist worker (--dist loadfile), and a long module taken last would run
-    # on alone after every other worker is done.
+    # Modules marked long first, then those with slow tests (in
+    # pytest-randomly's order among them, and their own tests in its order
+    # too): a module's tests stay on one xdist worker (--dist loadfile), and a
+    # long module taken last would run on alone after the others are done.
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.partition("::")[0], []).append(item)
-    first = sorted(
-        modules.values(),
-        key=lambda tests: not any(t.get_closest_marker("slow") for t in tests),
-    )
+
+    def rank(tests: list[pytest.Item]) -> int:
+        if tests[0].get_closest_marker("long"):
+            return 0
+        return 1 if any(t.get_closest_marker("slow") for t in tests) else 2
+
+    first = sorted(modules.values(), key=rank)
     items[:] = [item for tests in first for item in tests]

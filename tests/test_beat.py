@@ -28,7 +28,7 @@ from tests.beats import (
 )
 from tests.services import stop_and_wait
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 @pytest.fixture

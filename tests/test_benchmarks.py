@@ -8,6 +8,8 @@ import pytest
 
 from tests.services import run_module
 
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.slow
 def test_benchmark_quick_run_reports_every_variant():

@@ -9,6 +9,8 @@ import pytest
 
 from tests.services import run_module
 
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.slow
 def test_beat_benchmark_quick_run_counts_no_double_and_no_lost_run():

@@ -9,6 +9,8 @@ import pytest
 
 from tests.services import run_module
 
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.slow
 def test_instruction_count_quick_run_reports_the_floor_and_a_lock():

@@ -9,6 +9,8 @@ import pytest
 
 from tests.services import run_module
 
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.slow
 def test_rate_limit_quick_run_counts_no_violation_and_no_lost_call():

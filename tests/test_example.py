@@ -30,7 +30,7 @@ from example_project.feedserver import FeedServer
 from tests.helpers import forget_backend, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.long]
 
 
 @pytest.fixture(scope="module")

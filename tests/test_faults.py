@@ -9,6 +9,8 @@ import pytest
 from reliability.faults import PARTS, Row, bad
 from tests.faults_checks import FIGURES, GROUPS, run_group, table_rows
 
+pytestmark = pytest.mark.long
+
 
 def test_table_rows_are_read_by_column():
     from reliability.faults import render

@@ -7,6 +7,8 @@ import pytest
 
 from tests.faults_checks import GROUPS, run_group
 
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.slow
 def test_fault_suite_quick_deployments_lifecycle():

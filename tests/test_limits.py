@@ -27,6 +27,8 @@ from tests.limits_helpers import (
     window_violations,
 )
 
+pytestmark = pytest.mark.long
+
 # -- rates -------------------------------------------------------------------------
 
 

@@ -20,6 +20,8 @@ from reliability import deployments
 from reliability.deployments import LIVENESS, MEMCACHED, Memcached
 from tests.helpers import background, wait_until
 
+pytestmark = pytest.mark.long
+
 
 def assert_never_robbed(outcome: deployments.Outcome, least_tries: int) -> None:
     assert outcome.taken == 0, outcome

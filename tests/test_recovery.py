@@ -30,6 +30,8 @@ from tests.helpers import background, record_beside, wait_until
 from tests.services import stop_and_wait
 from tests.workers import Holder
 
+pytestmark = pytest.mark.long
+
 LIVENESS = 3.0
 
 

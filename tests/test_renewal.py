@@ -25,6 +25,8 @@ from tests.helpers import in_thread
 from tests.services import stop_and_wait
 from tests.workers import renewing_holder, setup_django
 
+pytestmark = pytest.mark.long
+
 EXPIRE = 3
 
 

@@ -28,6 +28,8 @@ from tests.workers import (
     storm,
 )
 
+pytestmark = pytest.mark.long
+
 
 def test_at_most_limit_holders(any_store):
     holders = [Semaphore("pool", 3) for _ in range(3)]
