@@ -110,6 +110,11 @@ def tests(session: nox.Session, django: str) -> None:
         "not slow",
         "-n",
         os.environ.get("TASKLOCK_MATRIX_WORKERS", "2"),
+        # A module's tests on one worker, as in the main run: the docs'
+        # examples build on the ones above them, and a module's shared
+        # servers and workers start once.
+        "--dist",
+        "loadfile",
         *tracing,
         *session.posargs,
         env={

@@ -155,6 +155,12 @@ def _after_fork_in_child() -> None:
 @receiver(setting_changed)
 def _forget_backends(*, setting: str, **kwargs: Any) -> None:
     if setting == "CACHES":
+        # Django's own receiver resets its cache handler, maybe after this one:
+        # a thread that built a backend between the two would keep the old
+        # CACHES under the new generation. Reset first (it is idempotent).
+        from django.test.signals import clear_cache_handlers
+
+        clear_cache_handlers(setting=setting)
         _forget_all()
 
 
