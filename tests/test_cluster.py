@@ -252,8 +252,10 @@ def test_a_failover_that_lost_locks_grants_none_of_them_again(grace):
         assert result.put_back == 20 and result.told == 0
         assert result.later == ["refused"] * 20, result.later
         # Granted once the grace, counted from the promotion's first sight,
-        # is over: not before the kill plus the grace.
-        assert grace <= result.granted_after <= result.promoted_after + grace + 5
+        # is over: not before the kill plus the grace; and not refused for
+        # long after (15 s of slack: a fully loaded machine starts the taking
+        # process's tries late).
+        assert grace <= result.granted_after <= result.promoted_after + grace + 15
 
 
 @pytest.mark.slow
