@@ -41,9 +41,13 @@ def start_beat(name: str, run_dir: Path, env: dict[str, str]) -> subprocess.Pope
     )  # fmt: skip
 
 
-def leader(timeout: float, other_than: int | None = None) -> tuple[int, int, float]:
+def leader(
+    timeout: float, other_than: int | None = None, above: int = 0
+) -> tuple[int, int, float]:
     """The pid and fence of the beats' leader once one (other than the pid
-    ``other_than``) leads, and when it was seen."""
+    ``other_than``) leads with a fence above ``above``, and when it was seen.
+    (A new leader's fence is drawn at its first send: until then the lock's
+    counter still shows its predecessor's.)"""
     from django_tasklock.console import leaders, take_inventory
 
     deadline = time.monotonic() + timeout
@@ -52,7 +56,7 @@ def leader(timeout: float, other_than: int | None = None) -> tuple[int, int, flo
             if row.status is None or row.fence is None or not row.holder:
                 continue
             pid = int(row.holder.partition("@")[0])
-            if pid != other_than and row.alive:
+            if pid != other_than and row.alive and row.fence > above:
                 return pid, row.fence, time.time()
         time.sleep(0.1)
     raise SystemExit(f"No beat became leader within {timeout:.0f}s")
@@ -90,7 +94,9 @@ def run(stack: ExitStack, run_dir: Path, env: dict[str, str], seconds: float) ->
     killed.kill()
     killed_at = time.time()
     killed.wait()
-    second_pid, second_fence, seen_at = leader(timeout=60, other_than=first_pid)
+    second_pid, second_fence, seen_at = leader(
+        timeout=60, other_than=first_pid, above=first_fence
+    )
     say(
         f"   beat{number} (pid {first_pid}) led, fence {first_fence}; SIGKILLed "
         f"{seconds / 2:.0f}s in"
