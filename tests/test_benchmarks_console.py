@@ -19,7 +19,7 @@ def test_console_page_cost_does_not_grow_with_the_cache():
     out = run_module(
         "benchmarks.console",
         "--locks", "100000", "--unrelated", "100000", "--views", "1",
-        timeout=900,
+        timeout=900, measured=False,
     )  # fmt: skip
     rows = re.findall(
         r"^\s+(first page|page \d+|search|filter by task)\s+([\d,]+)\s+(\d+)"
