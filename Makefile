@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lock-demo bench bench-cpu bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
+.PHONY: demo lock-demo bench bench-cpu bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -49,9 +49,9 @@ typecheck: $(STAMP)
 # tests start as well, combined with the matrix's Django 6.1 run's (code only Django 6 runs
 # is measured there); fail_under in pyproject.toml is the floor.
 PYTEST_WORKERS ?= 6
-# --no-loadscope-reorder keeps the order tests/conftest.py gives the modules
-# (the long ones first): xdist would sort them by their number of tests, and a
-# long module of few tests, taken last, would run on alone.
+# (xdist hands modules out largest first, whatever order tests/conftest.py
+# gives them: with conftest's long modules first, the valgrind benchmark's
+# short run started under the heaviest load and took over 600 s.)
 # The tests run in a random order (pytest-randomly), seeded by the commit: a
 # new order for each commit, the same one for every run of a commit, so that a
 # failure repeats. PYTEST_SEED=default draws a new order; the seed is printed.
@@ -60,7 +60,7 @@ pytest: pytest-run
 	$(MAKE) --no-print-directory coverage
 
 pytest-run: services $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --randomly-seed=$(PYTEST_SEED) --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --randomly-seed=$(PYTEST_SEED) --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
 
 coverage: $(STAMP)
 	if ls .coverage-matrix/* >/dev/null 2>&1; then \
@@ -79,6 +79,11 @@ bench: services $(STAMP)
 # Performance); BENCH_ARGS="--write-docs" updates its table.
 bench-cpu: services $(STAMP)
 	$(BIN)/python -m benchmarks.cpu $(BENCH_ARGS)
+
+# Async locks: a cycle against the raw async floors and sync_to_async, and
+# 1,000 coroutines in each of 5 processes (overlaps, the loop's lag).
+bench-async: services $(STAMP)
+	$(BIN)/python -m benchmarks.asyncio_locks $(BENCH_ARGS)
 
 # Rate limits over real workers: exactness, lost calls, beside Celery's own
 # (see docs/explanation/performance.rst); BENCH_ARGS="--write-docs" updates it.

@@ -184,8 +184,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items[place] = item
     # Modules marked long first, then those with slow tests (in
     # pytest-randomly's order among them, and their own tests in its order
-    # too): a module's tests stay on one xdist worker (--dist loadfile), and a
-    # long module taken last would run on alone after the others are done.
+    # too). Under xdist (--dist loadfile) this decides only among modules of
+    # as many tests: it hands modules out largest first. Its own order
+    # (--no-loadscope-reorder) was tried: long modules first put valgrind's
+    # benchmark run under the heaviest load, and the suite took longer.
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.partition("::")[0], []).append(item)
