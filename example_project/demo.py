@@ -258,6 +258,72 @@ def clicks(urls: list[str], clicks: int, producers: int) -> dict[str, list[str]]
     return got
 
 
+def web_refreshes(urls: list[str], per_feed: int) -> tuple[list[int], float]:
+    """Every feed refreshed through the async view (``feeds/refresh``), by
+    ``per_feed`` requests at once each, all in one event loop through Django's
+    ASGI handler: their status codes, and the loop's largest lag (how much
+    later than asked a probe's 5 ms sleep woke)."""
+    import asyncio
+
+    from django.test import AsyncClient
+
+    from django_tasklock.aio import close_loop_connections
+
+    async def main() -> tuple[list[int], float]:
+        client = AsyncClient(headers={"host": "localhost"})
+        lags: list[float] = []
+        done = asyncio.Event()
+
+        async def probe() -> None:
+            while not done.is_set():
+                asked = time.monotonic()
+                await asyncio.sleep(0.005)
+                lags.append(time.monotonic() - asked - 0.005)
+
+        probing = asyncio.ensure_future(probe())
+        try:
+            posts = [
+                client.post("/feeds/refresh", {"url": url})
+                for url in urls
+                for _ in range(per_feed)
+            ]
+            responses = await asyncio.gather(*posts)
+        finally:
+            done.set()
+            await probing
+            await close_loop_connections()
+        return [response.status_code for response in responses], max(lags)
+
+    return asyncio.run(main())
+
+
+def report_web(urls: list[str], statuses: list[int], lag: float) -> bool:
+    """Each feed imported by the view at most once at a time (with the worker
+    task's imports, under the same lock), and every request answered 200 or
+    409."""
+    from example_project.feeds.models import ImportRun
+    from example_project.feeds.views import VIEW_NAME
+
+    imported, busy = statuses.count(200), statuses.count(409)
+    say(
+        f"   {len(statuses)} requests: {imported} imported, {busy} answered 409 "
+        f"(busy); the event loop's largest lag: {lag * 1000:.0f} ms"
+    )
+    ok = imported + busy == len(statuses) and imported >= len(urls)
+    if not ok:
+        say(f"   <- UNEXPECTED ANSWERS: {sorted(set(statuses))}")
+    for url in urls:
+        runs = ImportRun.objects.filter(feed_url=url)
+        web = runs.filter(task_name=VIEW_NAME).count()
+        peak = most_at_once(list(runs.values_list("started", "finished")))
+        if web == 0 or peak > 1:
+            say(f"   <- {url}: {web} imports by the view, {peak} imports at once")
+            ok = False
+    if ok:
+        say("   every feed imported by the view, never two imports of one feed at once")
+    return ok
+
+
 def report_clicks(sent: dict[str, list[str]]) -> bool:
     from example_project.feeds.models import ImportRun
 
@@ -471,7 +537,15 @@ def main(argv: list[str] | None = None) -> int:
         ok = report_clicks(sent) and ok
         say()
         say(
-            f"{len(TASKS) + 2}. Celery beat on two processes (LeaderScheduler), two "
+            f"{len(TASKS) + 2}. an async Django view imports a feed under the "
+            "import_feed task's lock (async with memcache_lock): "
+            f"{options.producers * options.duplicates} requests at once for every feed"
+        )
+        statuses, lag = web_refreshes(urls, options.producers * options.duplicates)
+        ok = report_web(urls, statuses, lag) and ok
+        say()
+        say(
+            f"{len(TASKS) + 3}. Celery beat on two processes (LeaderScheduler), two "
             f"entries every second, for {options.beat_seconds:g}s; the leader is "
             "SIGKILLed halfway"
         )

@@ -266,6 +266,13 @@ def test_demo_end_to_end():
         assert int(failed) == 0, name
         assert int(at_once) == 1, name
         assert int(entries) >= 2, name
+    # The async view: every request answered (imported, or 409 while the
+    # feed's import held the lock), every feed imported, never two at once.
+    web = re.search(r"(\d+) requests: (\d+) imported, (\d+) answered 409 \(busy\)", out)
+    assert web, out
+    requests, imported, busy = map(int, web.groups())
+    assert imported + busy == requests and imported >= 6 and busy > 0, out
+    assert "every feed imported by the view, never two imports of one feed" in out
     # Two celery beats, the leader killed halfway: each periodic run once.
     beat_rows = re.findall(
         r"^   (check-stale-feeds|count-entries)\s+(\d+)\s+(\d+)\s+([\d.]+)s$",

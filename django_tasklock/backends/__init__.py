@@ -27,6 +27,7 @@ __all__ = [
     "LockBackend",
     "Peek",
     "backend_for",
+    "backends_generation",
     "caches_implicit",
     "close_thread_connections",
     "thread_connections",
@@ -136,6 +137,12 @@ _generation = [0]
 #: Bumped in a forked child: what a parent's thread cached (its sockets included)
 #: is the parent's, even though the forking thread keeps its id in the child.
 fork_generation = [0]
+
+
+def backends_generation() -> int:
+    """Moves on when CACHES changes and in a forked child: backends built
+    before are the past (``aio`` keys its per-loop backends by it too)."""
+    return _generation[0]
 
 
 def _forget_all() -> None:

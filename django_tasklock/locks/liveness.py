@@ -59,6 +59,7 @@ __all__ = [
     "kept_record",
     "leave",
     "note_queued",
+    "record_beside",
     "record_for",
     "record_id",
 ]
@@ -384,19 +385,29 @@ def kept_record(
     record, so it is written before the lock is taken when it is overdue; a
     record the server would not take leaves the lock to its expiry (no record,
     and a token that promises none)."""
-    if bound is None:
+    record = record_beside(alias, bound, backend, key)
+    if record is None or (now >= record.due and not record.ensure(backend)):
         return None, new_token
+    return record, new_live_token
+
+
+def record_beside(
+    alias: str, bound: float | None, backend: LockBackend, key: str
+) -> Record | None:
+    """``kept_record``'s record, found with no round trip: None if ``bound``
+    is None or the store cannot keep one beside the lock at ``key``. Written
+    (``Record.ensure``) before a lock is taken when ``now >= record.due``."""
+    if bound is None:
+        return None
     records = _records.get(alias)
     if records is None or records.bound != bound:
         records = record_for(alias, bound, backend)
     record = records.single
     if record is None:
         if records.keeper is None:  # records cannot be kept beside locks here
-            return None, new_token
+            return None
         record = records.beside(backend.record_place(key))
-    if now >= record.due and not record.ensure(backend):
-        return None, new_token
-    return record, new_live_token
+    return record
 
 
 def note_queued(alias: str, key: str, entry: Entry, life: float) -> None:

@@ -21,6 +21,7 @@ from ..exceptions import LockBackendError, LockLost
 from ..keys import FENCE_PREFIX, check_lock_id
 from ..signals import lock_acquired, lock_contended, lock_released
 from .acquisition import Acquisition
+from .asynchronous import AsyncLocking
 from .fencing import draw_fence
 from .heartbeat import Heartbeat
 from .holding import Holding
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 _HOSTNAME = socket.gethostname()
 
 
-class Lock(StoreReads, Holding):
+class Lock(StoreReads, Holding, AsyncLocking):
     """An owner-checked lock on one lock id, in the cache ``TASKLOCK['CACHE']`` names.
 
     Each acquisition stores a fresh random token, so two Lock objects (two threads,

@@ -28,6 +28,9 @@ class memcache_lock:
     contention. ``expire``, ``cache`` and ``renew`` default to ``TASKLOCK``; ``oid``
     is kept in the stored value for people reading the store. The Lock is
     ``.lock``: ``cm = memcache_lock(...)``, then ``cm.lock.fence`` in the block.
+
+    ``async with memcache_lock(...) as acquired:`` does the same from an event
+    loop, without blocking it (``Lock.aacquire``).
     """
 
     def __init__(
@@ -52,6 +55,17 @@ class memcache_lock:
 
     def __enter__(self) -> bool:
         return self.lock.acquire()
+
+    async def __aenter__(self) -> bool:
+        return await self.lock.aacquire()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.lock.arelease_quietly()
 
     def __exit__(
         self,

@@ -1,0 +1,77 @@
+"""Async lock backends: one per cache alias and event loop.
+
+A loop's backend talks to the store over connections of that loop (an
+asyncio connection cannot serve two loops), made on first use and forgotten
+with the loop (or when CACHES changes, or in a forked child). Memcached
+(``PyMemcacheCache``, meta commands) and Redis (Django's ``RedisCache``,
+django-redis's default client) have clients of their own here; every other
+store is served by its sync backend on the loop's executor threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import TYPE_CHECKING
+
+from ..backends import backend_for, backends_generation
+from .finishing import finish_cancelled
+
+if TYPE_CHECKING:
+    from .base import AsyncBackend
+
+__all__ = ["async_backend_for", "close_loop_connections"]
+
+
+class _LoopBackends(dict[tuple[str, str], "AsyncBackend"]):
+    def __init__(self, generation: int) -> None:
+        super().__init__()
+        self.generation = generation
+
+
+_per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopBackends] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def async_backend_for(alias: str, protocol: str) -> AsyncBackend:
+    """The running loop's async backend of the CACHES entry ``alias``."""
+    loop = asyncio.get_running_loop()
+    memo = _per_loop.get(loop)
+    generation = backends_generation()
+    if memo is None or memo.generation != generation:
+        memo = _per_loop[loop] = _LoopBackends(generation)
+    backend = memo.get((alias, protocol))
+    if backend is None:
+        backend = memo[alias, protocol] = _build(alias, protocol)
+    return backend
+
+
+def _build(alias: str, protocol: str) -> AsyncBackend:
+    from ..backends.memcached.backend import MemcachedBackend
+    from ..backends.redis import DjangoRedisBackend, RedisBackend
+    from .threaded import ThreadedBackend
+
+    sync = backend_for(alias, protocol=protocol)
+    kind = type(sync)
+    if kind is MemcachedBackend and protocol != "classic":
+        from .memcached import AsyncMemcached
+
+        return AsyncMemcached(sync)  # type: ignore[arg-type]
+    if kind in (RedisBackend, DjangoRedisBackend):
+        from .redis import AsyncRedis, async_pool_options
+
+        options = async_pool_options(sync._redis(""))  # type: ignore[attr-defined]
+        if options is not None:
+            return AsyncRedis(sync, options)  # type: ignore[arg-type]
+    return ThreadedBackend(sync)
+
+
+async def close_loop_connections() -> None:
+    """Close the connections django_tasklock opened for the running loop (call
+    it before the loop ends, as ``asyncio.run``'s main coroutine's last step,
+    to leave no socket behind). A later lock reconnects."""
+    await finish_cancelled()
+    memo = _per_loop.pop(asyncio.get_running_loop(), None)
+    for backend in (memo or {}).values():
+        await backend.aclose()

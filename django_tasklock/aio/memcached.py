@@ -1,0 +1,470 @@
+"""Locks on memcached from an event loop: the sync backend's meta commands,
+sent over asyncio connections of the loop's own.
+
+The hot path (take a lock: ``ms`` in add mode; release it: ``md`` with the CAS
+id) is one round trip, as in the sync backend, over the loop's one connection
+to the lock's server: commands of every coroutine are pipelined on it, their
+replies read in order by one reader task (memcached answers a connection's
+commands in the order they came), so a coroutine cancelled mid-command never
+leaves a reply unread. What a
+new connection needs first is done the sync backend's way, in a thread: which
+run of the server it reaches (a restarted memcached comes back empty, and new
+locks on it wait out ``RESTART_GRACE``, see ``backends.memcached.restarts``)
+and whether it speaks meta commands (one that does not is served by the sync
+backend in a thread, ``aio.threaded``).
+
+A CAS id alone proves ownership only over the connection that took the lock,
+still open: a server restarted since hands its ids out again from 1. A new
+connection checks the stored token first (tokens are random per acquisition),
+as the sync backend does over a connection of another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+from pymemcache.client.hash import HashClient
+from pymemcache.exceptions import MemcacheError
+
+from ..backends import backend_for
+from ..backends.memcached.restarts import _refused
+from ..backends.memcached.wire import (
+    _RELATIVE_MOST,
+    _TEXT_FLAG,
+    MemcachedHold,
+    _server_name,
+    exptime,
+)
+from ..values import unique_value
+from .base import AsyncBackend
+from .finishing import carried_through, finish_later
+from .threaded import ThreadedBackend
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from ..backends import Hold
+    from ..backends.memcached.backend import MemcachedBackend
+
+__all__ = ["AsyncMemcached", "NoMetaCommands"]
+
+#: Bytes waiting to be sent on a connection past which a command waits for
+#: them to go (the server is slow to read).
+_HIGH_WATER = 1 << 16
+
+
+class NoMetaCommands(Exception):
+    """The server does not speak meta commands: the sync backend serves it."""
+
+
+class _Connection:
+    """One asyncio connection to a memcached server: commands pipelined, their
+    replies read in order by a task of its own."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.reader, self.writer = reader, writer
+        self.pending: collections.deque[asyncio.Future[bytes]] = collections.deque()
+        #: What to do with the reply of a command whose caller was cancelled
+        #: (None: the connection failed first), by the caller's waiter.
+        self.late: dict[asyncio.Future[bytes], Callable[[bytes | None], object]] = {}
+        self.broken = False
+        self._reading = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        reader = self.reader
+        try:
+            while True:
+                line = await reader.readline()
+                if not line.endswith(b"\r\n"):
+                    raise ConnectionResetError("memcached closed the connection")
+                if line.startswith(b"VA "):
+                    size = int(line.split(b" ", 2)[1])
+                    line += await reader.readexactly(size + 2)
+                if not self.pending:
+                    raise ConnectionResetError(f"memcached sent {line!r} unasked")
+                waiter = self.pending.popleft()
+                if not waiter.done():
+                    waiter.set_result(line)
+                elif self.late:  # its caller was cancelled
+                    handler = self.late.pop(waiter, None)
+                    if handler is not None:
+                        handler(line)
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            self._fail(exc)
+        except asyncio.CancelledError:
+            self._fail(ConnectionResetError("the connection was closed"))
+            raise
+
+    def _fail(self, exc: BaseException) -> None:
+        self.broken = True
+        self.writer.close()
+        while self.pending:
+            waiter = self.pending.popleft()
+            if not waiter.done():
+                error = ConnectionResetError(f"memcached connection lost: {exc!r}")
+                waiter.set_exception(error)
+            else:
+                handler = self.late.pop(waiter, None)
+                if handler is not None:
+                    handler(None)
+
+    async def send(
+        self,
+        command: bytes,
+        timeout: float | None = None,
+        late: Callable[[bytes | None], object] | None = None,
+    ) -> bytes:
+        """``command``'s reply (with the value that follows a ``VA``). One not
+        come within ``timeout`` seconds (the client's ``timeout`` option)
+        breaks the connection, as pymemcache closes its socket then. If the
+        caller is cancelled once the command is written, ``late`` gets its
+        reply when it comes (None if the connection fails first)."""
+        if self.broken:
+            raise ConnectionResetError("memcached connection lost")
+        waiter: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.pending.append(waiter)
+        self.writer.write(command)
+        if late is not None:
+            # Before any await: the reader may take the reply of a cancelled
+            # caller before that caller resumes.
+            self.late[waiter] = late
+        try:
+            if self.writer.transport.get_write_buffer_size() > _HIGH_WATER:
+                await self.writer.drain()
+            if timeout is None:
+                reply = await waiter
+            else:
+                reply = await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            self._fail(TimeoutError(f"no reply within {timeout}s"))
+            raise
+        except asyncio.CancelledError:
+            if not waiter.done():  # (cancelled while the write drained)
+                waiter.cancel()
+            elif not waiter.cancelled():
+                # The reply came, and then the cancel, before this resumed.
+                handler = self.late.pop(waiter, None)
+                if handler is not None:
+                    handler(waiter.result() if waiter.exception() is None else None)
+            raise  # (a cancelled waiter's handler is the reader's to call)
+        except BaseException:
+            self.late.pop(waiter, None)
+            raise
+        if late is not None:
+            del self.late[waiter]
+        return reply
+
+    async def close(self) -> None:
+        self.broken = True
+        self._reading.cancel()
+        self.writer.close()
+        with contextlib.suppress(OSError, asyncio.CancelledError):
+            await self._reading
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+class _Server:
+    """A loop's connection to one server, opened when first needed and again
+    after it broke."""
+
+    def __init__(self, server: Any, client: Any) -> None:
+        self.server, self.client = server, client
+        #: The client's ``timeout`` option: how long a reply may take.
+        self.timeout: float | None = getattr(client, "timeout", None)
+        self.conn: _Connection | None = None
+        self._opening: asyncio.Future[_Connection] | None = None
+        self.meta: bool | None = None
+
+    async def connection(self, alias: str, protocol: str) -> _Connection:
+        conn = self.conn
+        if conn is not None and not conn.broken:
+            return conn
+        opening = self._opening
+        if opening is None:
+            opening = self._opening = asyncio.ensure_future(self._open(alias, protocol))
+            opening.add_done_callback(self._opened)
+        return await asyncio.shield(opening)
+
+    def _opened(self, opening: asyncio.Future[_Connection]) -> None:
+        self._opening = None
+        if not opening.cancelled() and opening.exception() is None:
+            self.conn = opening.result()
+
+    async def _open(self, alias: str, protocol: str) -> _Connection:
+        server = self.server
+        connect_timeout = getattr(self.client, "connect_timeout", None)
+        opening = (
+            asyncio.open_connection(*server)
+            if isinstance(server, tuple)
+            else asyncio.open_unix_connection(server)
+        )
+        reader, writer = await asyncio.wait_for(opening, connect_timeout)
+        conn = _Connection(reader, writer)
+        try:
+            # Opened first, then the server's run learnt: a restart in between
+            # has broken this connection already.
+            self.meta = await asyncio.to_thread(_learn, alias, protocol, server)
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
+
+
+def _learn(alias: str, protocol: str, server: Any) -> bool:
+    """In a thread: learn ``server``'s run over a new connection of this
+    thread's sync backend (refusing new locks if it restarted), and whether it
+    speaks meta commands. Raises if it could not be read: "could not tell"
+    never lets a lock through."""
+    backend: MemcachedBackend = backend_for(alias, protocol=protocol)  # type: ignore[assignment]
+    client = _client_at(backend, server)
+    if getattr(client, "sock", False) is False:
+        # A pooled client hides its connections: the sync backend cannot tell
+        # them apart either, nor learn a run per connection.
+        return backend.wire.meta(client)
+    client.close()
+    backend.restarts.known(client)
+    if client.sock is None or backend.restarts.learnt.get(client) is not client.sock:
+        raise ConnectionRefusedError(
+            f"could not read which run of memcached at {_server_name(server)} "
+            "answers (it did not reply)"
+        )
+    return backend.wire.meta(client)
+
+
+def _client_at(backend: MemcachedBackend, server: Any) -> Any:
+    """The sync backend's client of ``server`` (an address of its alias)."""
+    hash_client = backend._hash_client
+    clients = (
+        hash_client.clients.values()
+        if isinstance(hash_client, HashClient)
+        else [hash_client]
+    )
+    for client in clients:
+        if client.server == server:
+            return client
+    raise MemcacheError(f"cache {backend.alias!r} has no server {server!r}")
+
+
+class AsyncMemcached(AsyncBackend):
+    """The loop's connections to the servers of one PyMemcacheCache alias."""
+
+    native = True
+    sync: MemcachedBackend
+
+    def __init__(self, sync: MemcachedBackend) -> None:
+        super().__init__(sync)
+        self.errors = (*sync.errors, OSError, asyncio.TimeoutError)
+        cache: Any = sync.cache
+        # Built as Django builds its own (same servers, options, hashing), never
+        # sent a command: its hashing alone picks each key's server, and it
+        # never marks one dead (a lock goes nowhere but its own server).
+        self._hash: Any = cache._class(cache.client_servers, **cache._options)
+        self._prefix: bytes = getattr(self._hash, "key_prefix", b"") or b""
+        self._servers: dict[Any, _Server] = {}
+        #: key -> its server, remembered (hashing a key costs more than the
+        #: rest of a take's Python).
+        self._by_key: dict[str, _Server] = {}
+        #: For a server that does not speak meta commands.
+        self._threaded = ThreadedBackend(sync)
+
+    def _server(self, key: str) -> _Server:
+        found = self._by_key.get(key)
+        if found is not None:
+            return found
+        hashing = self._hash
+        if isinstance(hashing, HashClient):
+            client = hashing.clients[hashing.hasher.get_node(key)]
+        else:
+            client = hashing
+        found = self._servers.get(client.server)
+        if found is None:
+            found = self._servers[client.server] = _Server(client.server, client)
+        if len(self._by_key) >= 4096:
+            self._by_key.clear()
+        self._by_key[key] = found
+        return found
+
+    async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        return await self.take(key, token, expire, None, None)
+
+    async def release(self, key: str, hold: Hold, token: object) -> bool:
+        return await self.drop(key, hold, token)
+
+    async def take(
+        self,
+        key: str,
+        token: str,
+        expire: float,
+        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
+        if_failed: Callable[[BaseException], object] | None,
+    ) -> Hold | None:
+        # No task of its own: a cancel once the command is written leaves its
+        # reply to the connection's reader, which hands it to if_cancelled.
+        try:
+            return await self._acquire(key, token, expire, if_cancelled, if_failed)
+        except NoMetaCommands:
+            threaded = self._threaded
+            return await threaded.take(key, token, expire, if_cancelled, if_failed)
+
+    async def drop(self, key: str, hold: Hold, token: object) -> bool:
+        try:
+            return await self._release(key, hold, token)
+        except NoMetaCommands:
+            return await self._threaded.drop(key, hold, token)
+
+    async def _acquire(
+        self,
+        key: str,
+        token: str,
+        expire: float,
+        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
+        if_failed: Callable[[BaseException], object] | None,
+    ) -> Hold | None:
+        server = self._server(key)
+        ttl = math.ceil(expire)
+        if ttl > _RELATIVE_MOST:
+            ttl = exptime(expire)
+        data, wire = token.encode(), self._prefix + key.encode()
+        command = b"ms %s %d T%d F%d ME c\r\n%s\r\n" % (
+            wire, len(data), ttl, _TEXT_FLAG, data
+        )  # fmt: skip
+
+        def landed(conn: _Connection, line: bytes | None) -> None:
+            """The reply of a take whose caller was cancelled."""
+            if line is None:
+                if if_failed is not None:
+                    if_failed(ConnectionResetError("memcached connection lost"))
+                return
+            cas = _cas_of(line, b"HD")
+            if cas and if_cancelled is not None:
+                finish_later(if_cancelled(MemcachedHold(cas, conn)))
+
+        reply, conn, retried = await self._command(server, command, True, landed)
+        if reply.startswith(b"NS"):
+            if retried:
+                # The first try, on a connection that dropped, may have
+                # stored our token before it went: then the lock is ours.
+                try:
+                    return await self._ours(server, wire, token)
+                except asyncio.CancelledError:
+                    if if_failed is not None:  # ours or not: removed if so
+                        if_failed(ConnectionResetError("cancelled while checking"))
+                    raise
+            return None
+        cas = _cas_of(reply, b"HD")
+        if cas is None and not reply.startswith(b"HD"):
+            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+        if not cas:
+            raise MemcacheError(
+                f"memcached at {_server_name(server.server)} runs without CAS "
+                "ids (-C), so a lock cannot be owner-checked; restart it without -C"
+            )
+        return MemcachedHold(cas, conn)
+
+    async def _command(
+        self,
+        server: _Server,
+        command: bytes,
+        take: bool = False,
+        late: Callable[[_Connection, bytes | None], object] | None = None,
+    ) -> tuple[bytes, _Connection, bool]:
+        """``command``'s reply, the connection that carried it, and whether it
+        was sent twice: once more on a new connection if one from before had
+        dropped (a restart, an idle timeout), as the sync backend does. A new
+        connection that fails is an outage, and is raised. A ``take`` is
+        refused on a server that restarted within ``RESTART_GRACE``. ``late``
+        gets the connection and the reply if the caller is cancelled once the
+        command is written."""
+        for attempt in (1, 2):
+            conn = server.conn
+            reused = conn is not None and not conn.broken
+            conn = await server.connection(self.alias, self.sync.protocol)
+            if not server.meta:
+                raise NoMetaCommands(_server_name(server.server))
+            if take and _refused:
+                # (Checked after the connection: a new one has just learnt
+                # whether the server restarted.)
+                self.sync.restarts.refuse_if_restarted(server.client)
+            handler = None if late is None else functools.partial(late, conn)
+            try:
+                reply = await conn.send(command, server.timeout, handler)
+            except ConnectionError:
+                if reused and attempt == 1:
+                    continue
+                raise
+            return reply, conn, attempt == 2
+        raise AssertionError("unreachable")
+
+    async def _release(self, key: str, hold: Hold, token: object) -> bool:
+        assert isinstance(hold, MemcachedHold)
+        server = self._server(key)
+        wire = self._prefix + key.encode()
+        taker = hold.sock
+        if isinstance(taker, _Connection) and taker is server.conn and not taker.broken:
+            # The connection that took it, never closed since: no restart
+            # since, so the CAS id alone proves it is this holder's item.
+            try:
+                command = b"md %s C%d\r\n" % (wire, hold.cas)
+                reply = await taker.send(command, server.timeout)
+            except ConnectionError:
+                reply = b""  # it may have gone: checked by value below
+            if reply.startswith(b"HD"):
+                return True
+            if reply.startswith(b"NF"):
+                return False
+            # EX: another CAS id, another owner's item or ours moved by the
+            # slab rebalancer: the value tells them apart.
+        # Two round trips: carried to their end through a cancel.
+        return await carried_through(self._release_by_value(server, wire, hold, token))
+
+    async def _release_by_value(
+        self, server: _Server, wire: bytes, hold: MemcachedHold, token: object
+    ) -> bool:
+        cas = await self._owner_cas(server, wire, token)
+        if cas is None or (cas != hold.cas and not unique_value(token)):
+            # (A value other code may store too proves nothing by itself.)
+            return False
+        reply, _, _ = await self._command(server, b"md %s C%d\r\n" % (wire, cas))
+        return reply.startswith(b"HD")
+
+    async def _owner_cas(
+        self, server: _Server, wire: bytes, token: object
+    ) -> int | None:
+        """The CAS id of the item at ``wire`` if it holds ``token``, else None."""
+        reply, _, _ = await self._command(server, b"mg %s v c\r\n" % wire)
+        if not reply.startswith(b"VA"):
+            return None
+        header, _, value = reply.partition(b"\r\n")
+        if value[:-2] != str(token).encode():
+            return None
+        return _cas_of(header, b"VA")
+
+    async def _ours(self, server: _Server, wire: bytes, token: str) -> Hold | None:
+        """The hold on the item at ``wire`` if it holds ``token``, else None."""
+        cas = await self._owner_cas(server, wire, token)
+        # Checked by value from now on: no connection of the first try is left.
+        return None if cas is None else MemcachedHold(cas, None)
+
+    async def aclose(self) -> None:
+        for server in self._servers.values():
+            conn, server.conn = server.conn, None
+            if conn is not None:
+                await conn.close()
+
+
+def _cas_of(reply: bytes, head: bytes) -> int | None:
+    """The ``c`` flag of a meta reply starting with ``head``, or None."""
+    if not reply.startswith(head):
+        return None
+    for flag in reply.split():
+        if flag[:1] == b"c" and flag[1:].isdigit():
+            return int(flag[1:])
+    return None

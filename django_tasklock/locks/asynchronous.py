@@ -1,0 +1,343 @@
+"""``Lock``'s async twins: ``await lock.aacquire()``, ``async with lock``.
+
+The same lock, tokens, owner checks, errors and signals as the sync methods;
+the store's round trips of a take and a release are the event loop's own
+(``aio``: ``redis.asyncio``, an asyncio memcached client), and a wait between
+tries is an ``asyncio.sleep``. What is rare runs on the loop's executor
+threads, over their own sync backends: a look at a refused lock's holder
+(crash recovery), the first liveness record, an extend, a fence. A renewing
+lock's heartbeat is the sync one's thread.
+
+Cancellation: a take or a release in flight is carried to its end (shielded),
+so the store's reply is never lost. A task cancelled while a take is in
+flight releases what the take got, owner-checked; one cancelled inside
+``async with`` releases on the way out. A release that cannot be sent leaves
+the lock to expire, or to crash recovery when its holder's process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..aio import async_backend_for
+from ..aio.finishing import carried_through
+from ..backends import backend_for, fork_generation
+from ..conf import settings, validate_expire
+from ..exceptions import LockBackendError, LockLost, LockNotAcquired
+from ..signals import lock_acquired, lock_contended, lock_released
+from .acquisition import Acquisition
+from .fencing import draw_fence
+from .heartbeat import Heartbeat
+from .holds import extend_hold
+from .liveness import record_beside
+from .loss import held_time, release_failed, report_lost, take_failed
+from .recovery import LOOK_EVERY, take_from_dead
+from .validation import beat_for, misuse, require_hold
+from .waiting import POLL_MIN, next_wait
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+    from types import TracebackType
+
+    from django.dispatch import Signal
+
+    from ..aio.base import AsyncBackend
+    from ..backends import Hold, LockBackend
+    from .heartbeat import Heartbeat as HeartbeatType
+    from .liveness import Record
+
+__all__ = ["AsyncLocking"]
+
+_Self = TypeVar("_Self", bound="AsyncLocking")
+
+
+class AsyncLocking:
+    """The async methods of ``Lock`` (see there for what each promises)."""
+
+    lock_id: str
+    owner: str
+    max_hold: float | None
+    on_lost: Any
+    _acq: Acquisition | None
+    _expire: float | None
+    _cache: str | None
+    _renew_option: bool | None
+    _take_over: str | None
+    _guard: Any
+    _heartbeat: HeartbeatType | None
+
+    if TYPE_CHECKING:  # Lock's own
+
+        @property
+        def held(self) -> bool: ...
+
+        @property
+        def lost(self) -> bool: ...
+
+        def _send(self, signal: Signal, owner: object, **details: object) -> None: ...
+
+        def _send_contended(
+            self, backend: LockBackend, key: str, waited: float
+        ) -> None: ...
+
+        def _stop_heartbeat(self) -> None: ...
+
+        def _store_error(
+            self, backend: LockBackend, key: str, doing: str, exc: BaseException
+        ) -> LockBackendError: ...
+
+    async def aacquire(
+        self, *, blocking: bool = False, timeout: float | None = None
+    ) -> bool:
+        """``acquire()``, awaited: True if this call took the lock. Waiting
+        (``blocking``, up to ``timeout`` seconds) sleeps on the loop, so an
+        ``asyncio.timeout`` around it or a cancel ends it; a take then in
+        flight finishes, and what it got is released."""
+        acq = self._acq
+        if (acq is not None and acq.hold is not None) or (
+            timeout is not None and not blocking
+        ):
+            raise misuse(self.lock_id, self.held)
+        defaults = settings.lock_defaults()
+        expire = self._expire if self._expire is not None else defaults[0]
+        if self.max_hold is not None:
+            expire = min(expire, self.max_hold)
+        renew = self._renew_option if self._renew_option is not None else defaults[3]
+        alias, protocol = self._cache or defaults[1], defaults[2]
+        backend = backend_for(alias, protocol=protocol)
+        store = async_backend_for(alias, protocol)
+        key = backend.keys_for(self.lock_id)[0]
+        beat = beat_for(backend, expire) if renew else 0.0
+        tried_at = started = time.monotonic()
+        record, make_token = await _kept(alias, defaults[4], backend, started, key)
+        deadline, pause = None if timeout is None else started + timeout, POLL_MIN
+        while True:
+            token = make_token(self.owner)
+            try:
+                hold = await self._take(
+                    store,
+                    key,
+                    token,
+                    expire,
+                    functools.partial(_let_go, store, key, token=token),
+                    functools.partial(self._failed, store, backend, key, token),
+                )
+            except store.errors as exc:
+                raise take_failed(self, alias, backend, key, token, exc) from exc  # type: ignore[arg-type]
+            if hold is not None:
+                holder: Any = self
+                acq = Acquisition(
+                    holder, backend, alias, key, token, hold, expire, tried_at, record
+                )
+                self._start_holding(acq, beat if renew else None, started)
+                return True
+            now = time.monotonic()
+            wait = next_wait(pause, deadline, now) if blocking else None
+            if wait is None:
+                if lock_contended.receivers:
+                    self._send_contended(backend, key, now - started)
+                return False
+            await asyncio.sleep(wait[0])
+            pause, tried_at = wait[1], time.monotonic()
+
+    def _failed(
+        self,
+        store: AsyncBackend,
+        backend: LockBackend,
+        key: str,
+        token: str,
+        exc: BaseException,
+    ) -> None:
+        """A take whose caller was cancelled failed: its token, perhaps stored,
+        is removed once the store answers (``orphans``)."""
+        if isinstance(exc, store.errors):
+            take_failed(self, store.alias, backend, key, token, exc)  # type: ignore[arg-type]
+
+    def _start_holding(
+        self, acq: Acquisition, beat: float | None, started: float
+    ) -> None:
+        """Hold ``acq``: renewed every ``beat`` seconds (None: not renewed)."""
+        self._acq = acq
+        if beat is not None:
+            self._heartbeat = Heartbeat(acq, beat).start()
+        if lock_acquired.receivers:
+            waited = acq.acquired_at - started
+            self._send(lock_acquired, acq.token, fence=None, waited=waited)
+
+    async def _take(
+        self,
+        store: AsyncBackend,
+        key: str,
+        token: str,
+        expire: float,
+        if_cancelled: Callable[[Hold | None], Awaitable[object]],
+        if_failed: Callable[[BaseException], object],
+    ) -> Hold | None:
+        """One try, carried through a cancel (what it got is then released):
+        the lock, else (when due) its holder looked at, in a thread, and the
+        lock taken from it if it is dead."""
+        if self._take_over is not None:
+            taken_over = self._take_over
+            alias, protocol = store.alias, store.sync.protocol
+
+            def take_over() -> Hold | None:
+                backend = backend_for(alias, protocol=protocol)
+                return backend.take_over(key, taken_over, token, expire)
+
+            work = asyncio.to_thread(take_over)
+            return await carried_through(work, if_cancelled, if_failed)
+        hold = await store.take(key, token, expire, if_cancelled, if_failed)
+        if hold is None and store.looks.get(key, 0.0) <= time.monotonic():
+            store.looks[key] = time.monotonic() + LOOK_EVERY
+            work = asyncio.to_thread(
+                _take_from_dead, self.lock_id, store, key, token, expire
+            )
+            hold = await carried_through(work, if_cancelled, if_failed)
+            if hold is not None:
+                store.looks.pop(key, None)
+        return hold
+
+    async def arelease(self) -> bool:
+        """``release()``, awaited: True if this object still owned the lock
+        and removed it. A cancel while it is in flight lets it finish."""
+        acq = self._acq
+        if acq is None or acq.hold is None or acq.fork != fork_generation[0]:
+            acq = require_hold(self.lock_id, acq, "arelease()")
+        if self._heartbeat is not None:
+            self._stop_heartbeat()
+        # A beat in flight ends before the release (the guard orders them);
+        # waited for on the loop, never in it.
+        while not acq.guard.acquire(blocking=False):
+            await asyncio.sleep(0.001)
+        try:
+            hold, token = acq.hold, acq.token
+            if hold is None:  # lost earlier, and reported then
+                return False
+            store = async_backend_for(acq.alias, acq.backend.protocol)
+            try:
+                released = await store.drop(acq.key, hold, token)
+            except store.errors as exc:
+                acq.hold = None
+                backend, key = acq.backend, acq.key
+                raise self._store_error(
+                    backend, key, release_failed(acq, backend, key, exc), exc
+                ) from exc
+            if not released:
+                report_lost(acq, "release")
+                return False
+            acq.hold = acq.lock = None
+            if acq.record is not None:
+                acq.record.held.pop(id(self), None)
+        finally:
+            acq.guard.release()
+        if lock_released.receivers:
+            self._send(lock_released, token, fence=acq.fence, held=acq.held_for())
+        return True
+
+    async def aextend(self, seconds: float | None = None) -> bool:
+        """``extend()``, on an executor thread: True if extended."""
+        acq = require_hold(self.lock_id, self._acq, "aextend()")
+        if seconds is not None:
+            validate_expire(seconds, name="seconds")
+
+        def extend() -> bool:
+            with self._guard:
+                return extend_hold(acq, seconds, "extend")
+
+        return await asyncio.to_thread(extend)
+
+    async def acheck(self) -> bool:
+        """``check()``: no round trip, so it never waits; here for symmetry."""
+        if not self.lost:
+            return True
+        if self.on_lost == "raise":
+            assert self._acq is not None
+            raise LockLost(self.lock_id, held_time(self._acq))
+        return False
+
+    async def afence(self) -> int | None:
+        """``fence``, drawn on an executor thread when not drawn yet."""
+        acq = self._acq
+        if acq is None:
+            return None
+        if acq.fence is not None:
+            return acq.fence
+        return await asyncio.to_thread(draw_fence, acq)
+
+    async def arelease_quietly(self) -> None:
+        """``release_quietly()``, awaited: logs a failed release."""
+        acq = self._acq
+        if acq is None or acq.hold is None:
+            self._stop_heartbeat()
+            return
+        if acq.fork != fork_generation[0]:
+            return
+        try:
+            await self.arelease()
+        except LockBackendError:
+            import logging
+
+            logging.getLogger("django_tasklock.locks.lock").exception(
+                "Could not release lock %r", self.lock_id
+            )
+
+    async def __aenter__(self: _Self) -> _Self:
+        if not await self.aacquire():
+            raise LockNotAcquired(self.lock_id)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.arelease_quietly()
+
+
+async def _kept(
+    alias: str, bound: float | None, backend: LockBackend, now: float, key: str
+) -> tuple[Record | None, Callable[[str], str]]:
+    """``liveness.kept_record``, its write (when due) on an executor thread."""
+    from ..tokens import new_live_token, new_token
+
+    record = record_beside(alias, bound, backend, key)
+    if record is None:
+        return None, new_token
+    if now >= record.due:
+        protocol = backend.protocol
+        written = await asyncio.to_thread(
+            lambda: record.ensure(backend_for(alias, protocol=protocol))
+        )
+        if not written:
+            return None, new_token
+    return record, new_live_token
+
+
+def _take_from_dead(
+    lock_id: str, store: AsyncBackend, key: str, token: str, expire: float
+) -> Hold | None:
+    backend = backend_for(store.alias, protocol=store.sync.protocol)
+    backend.looks.pop(key, None)  # (the loop's ``looks`` decided it is due)
+    return take_from_dead(lock_id, backend, key, token, expire)
+
+
+async def _let_go(
+    store: AsyncBackend, key: str, hold: Hold | None, *, token: str
+) -> None:
+    """Release what a take got after its caller was cancelled."""
+    if hold is None:
+        return
+    try:
+        await store.release(key, hold, token)
+    except store.errors:
+        import logging
+
+        logging.getLogger("django_tasklock.locks.lock").warning(
+            "A lock taken for a cancelled acquire could not be released; it "
+            "expires by itself",
+            exc_info=True,
+        )

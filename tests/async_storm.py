@@ -1,0 +1,88 @@
+"""Many coroutines in one event loop contending for a few lock ids with the
+async API, run in the test process and in spawned processes beside it (for
+tests/test_async_lock.py and benchmarks/asyncio_locks.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+
+async def contend(
+    ids: int, coroutines: int, wanted: int, give_up: float, start_at: float
+) -> dict[str, Any]:
+    """``coroutines`` coroutines take (waiting: ``aacquire(blocking=True)``)
+    and release locks ``async-storm-0`` to
+    ``async-storm-<ids-1>`` (each its own id, ``i % ids``) until they have held
+    them ``wanted`` times between them, or ``give_up`` seconds passed. Every
+    hold's (lock id, enter, exit) on CLOCK_MONOTONIC (shared by the processes
+    of one machine), how many holds waited for the lock, and the loop's lag: how much later
+    than asked a 5 ms sleep of a probe coroutine woke, at most."""
+    from django_tasklock import Lock
+
+    holds: list[tuple[int, float, float]] = []
+    waited = 0
+    lags: list[float] = []
+    done = asyncio.Event()
+
+    async def probe() -> None:
+        while not done.is_set():
+            asked = time.monotonic()
+            await asyncio.sleep(0.005)
+            lags.append(time.monotonic() - asked - 0.005)
+
+    async def one(number: int) -> None:
+        nonlocal waited
+        lock_id = number % ids
+        while not done.is_set():
+            lock = Lock(f"async-storm-{lock_id}", expire=30)
+            asked = time.monotonic()
+            if not await lock.aacquire(blocking=True, timeout=1.0):
+                continue
+            entered = time.monotonic()
+            waited += entered - asked > 0.001
+            await asyncio.sleep(0)  # others run while it is held
+            exited = time.monotonic()
+            assert await lock.arelease(), "lost a lock nobody else could take"
+            holds.append((lock_id, entered, exited))
+            if len(holds) >= wanted:
+                done.set()
+
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    probing = asyncio.ensure_future(probe())
+    with contextlib.suppress(asyncio.TimeoutError):  # the count then says so
+        await asyncio.wait_for(
+            asyncio.gather(*(one(n) for n in range(coroutines))), give_up
+        )
+    done.set()
+    await probing
+    return {"holds": holds, "waited": waited, "lag": max(lags, default=0.0)}
+
+
+def in_process(
+    tasklock: dict[str, object],
+    ids: int,
+    coroutines: int,
+    wanted: int,
+    give_up: float,
+    start_at: float,
+) -> dict[str, Any]:
+    """``contend`` in a new event loop of a (spawned) process, Django set up."""
+    from tests.workers import setup_django
+
+    setup_django()
+    from django.conf import settings
+
+    from django_tasklock.aio import close_loop_connections
+
+    settings.TASKLOCK = tasklock
+
+    async def main() -> dict[str, Any]:
+        try:
+            return await contend(ids, coroutines, wanted, give_up, start_at)
+        finally:
+            await close_loop_connections()
+
+    return asyncio.run(main())

@@ -1,0 +1,327 @@
+"""The async twins of Lock and memcache_lock (``aacquire``, ``async with``) on
+every store: the same owner checks, natively async where the store has a
+client here, and cancellation that never leaves a lock behind."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+
+import pytest
+
+from django_tasklock import Lock, LockNotAcquired, memcache_lock
+from django_tasklock.aio import async_backend_for, close_loop_connections
+
+#: The stores whose take and release are the loop's own round trips.
+NATIVE = {"memcached-meta", "redis", "django-redis"}
+
+
+def run(coroutine_function, *args, loop="asyncio"):
+    """Run ``coroutine_function(*args)`` in a new event loop (asyncio's, or
+    uvloop's), its connections closed at the end."""
+
+    async def main():
+        try:
+            return await coroutine_function(*args)
+        finally:
+            await close_loop_connections()
+
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main())
+    return asyncio.run(main())
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def loop(request):
+    """The event loop a test runs on."""
+    return request.param
+
+
+async def _waited_until(condition, within=30.0):
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "never came"
+        await asyncio.sleep(0.01)
+
+
+def test_async_lock_takes_refuses_and_releases_owner_checked(store, loop):
+    async def scenario():
+        first, second = Lock("async-basic", expire=30), Lock("async-basic")
+        assert await first.aacquire()
+        assert not await second.aacquire()
+        assert Lock("async-basic").locked()
+        assert await first.arelease()
+        assert not Lock("async-basic").locked()
+        assert await second.aacquire()
+        assert await second.arelease()
+        backend = async_backend_for(store.alias, store.protocol)
+        return backend.native
+
+    assert run(scenario, loop=loop) is (store.name in NATIVE)
+
+
+def test_a_sync_holder_and_an_async_contender_exclude_each_other(store):
+    holder = Lock("async-mixed", expire=30)
+    assert holder.acquire()
+
+    async def contend():
+        return await Lock("async-mixed").aacquire()
+
+    assert run(contend) is False
+    assert holder.release()
+    taker = Lock("async-mixed")
+
+    async def take():
+        return await taker.aacquire()
+
+    assert run(take) is True
+    assert Lock("async-mixed").acquire() is False
+    # Released from sync code over another connection: the token decides.
+    assert taker.release()
+
+
+def test_async_with_and_memcache_lock(store):
+    async def scenario():
+        async with Lock("async-with", expire=30) as lock:
+            assert lock.held
+            with pytest.raises(LockNotAcquired):
+                async with Lock("async-with"):
+                    pass
+        assert not lock.held
+        async with memcache_lock("async-recipe", "oid") as acquired:
+            assert acquired
+            async with memcache_lock("async-recipe", "oid") as again:
+                assert not again
+        async with memcache_lock("async-recipe", "oid") as acquired:
+            assert acquired
+
+    run(scenario)
+
+
+def test_a_blocking_aacquire_waits_on_the_loop_and_honours_a_timeout(store):
+    async def scenario():
+        holder = Lock("async-wait", expire=30)
+        assert await holder.aacquire()
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticking = asyncio.ensure_future(ticker())
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            if sys.version_info >= (3, 11):
+                async with asyncio.timeout(0.5):
+                    await Lock("async-wait").aacquire(blocking=True)
+            else:
+                await asyncio.wait_for(Lock("async-wait").aacquire(blocking=True), 0.5)
+        waited = time.monotonic() - started
+        assert not await Lock("async-wait").aacquire(blocking=True, timeout=0.2)
+        ticking.cancel()
+        # The loop ran other work while the acquire waited.
+        assert ticks >= 10
+        assert 0.5 <= waited < 5
+        # The waiter that timed out took nothing: the holder still holds.
+        # A waiter takes it once it is released.
+        waiter = Lock("async-wait")
+        waiting = asyncio.ensure_future(waiter.aacquire(blocking=True, timeout=30))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert holder.held and await holder.arelease()
+        assert await waiting and await waiter.arelease()
+        return True
+
+    assert run(scenario)
+
+
+def test_a_take_cancelled_in_flight_leaves_no_lock_held(store, loop):
+    async def scenario():
+        outcomes = []
+        for attempt in range(20):
+            lock_id = f"async-cancel-{attempt}"
+            task = asyncio.ensure_future(Lock(lock_id, expire=30).aacquire())
+            # Cancelled at different points of the take: before it is sent,
+            # while its reply is awaited, after it came.
+            for _ in range(attempt % 4):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                outcomes.append(await task)
+            except asyncio.CancelledError:
+                outcomes.append("cancelled")
+                await _waited_until(lambda lock_id=lock_id: not Lock(lock_id).locked())
+        assert "cancelled" in outcomes
+        return outcomes
+
+    run(scenario, loop=loop)
+
+
+def test_a_task_cancelled_inside_async_with_releases(store, loop):
+    async def scenario():
+        entered = asyncio.Event()
+
+        async def holder():
+            async with Lock("async-held", expire=30):
+                entered.set()
+                await asyncio.sleep(60)
+
+        task = asyncio.ensure_future(holder())
+        await entered.wait()
+        assert Lock("async-held").locked()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not Lock("async-held").locked()
+
+    run(scenario, loop=loop)
+
+
+def test_several_loops_in_threads_share_one_lock_safely(store):
+    inside = [0]
+    most = [0]
+    guard = threading.Lock()
+    errors = []
+
+    async def contend(loop_number):
+        taken = 0
+        for _ in range(30):
+            lock = Lock("async-loops", expire=30)
+            if await lock.aacquire(blocking=True, timeout=30):
+                with guard:
+                    inside[0] += 1
+                    most[0] = max(most[0], inside[0])
+                await asyncio.sleep(0.001)
+                with guard:
+                    inside[0] -= 1
+                assert await lock.arelease()
+                taken += 1
+        return taken
+
+    def in_thread(number):
+        try:
+            assert run(contend, number) == 30
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            from tests.helpers import close_connections
+
+            close_connections()
+
+    threads = [threading.Thread(target=in_thread, args=(n,)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    assert most[0] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store_name", ["memcached-meta", "redis"])
+def test_a_thousand_coroutines_and_four_processes_never_overlap(store_name, settings):
+    import multiprocessing
+
+    from tests.async_storm import in_process
+    from tests.helpers import SHARED_STORES
+    from tests.services import unmeasured
+    from tests.workers import overlaps
+
+    store = next(s for s in SHARED_STORES if s.name == store_name)
+    settings.TASKLOCK = store.tasklock
+    arguments = (store.tasklock, 10, 1000, 150, 180.0)
+    context = multiprocessing.get_context("spawn")
+    with unmeasured():
+        pool = context.Pool(4)
+    with pool:
+        start_at = time.monotonic() + 5.0
+        others = pool.starmap_async(in_process, [(*arguments, start_at)] * 4)
+        here = in_process(*arguments, start_at)
+        results = [here, *others.get(timeout=300)]
+    holds = [hold for result in results for hold in result["holds"]]
+    # Every process held locks, each at least its share asked for.
+    assert all(len(result["holds"]) >= 150 for result in results), [
+        len(result["holds"]) for result in results
+    ]
+    assert all(result["waited"] > 0 for result in results)
+    by_id: dict[int, list[tuple[float, float]]] = {}
+    for lock_id, entered, exited in holds:
+        by_id.setdefault(lock_id, []).append((entered, exited))
+    assert sorted(by_id) == list(range(10))
+    assert {
+        lock_id: overlaps(times) for lock_id, times in by_id.items()
+    } == dict.fromkeys(range(10), 0)
+    # The processes' holds of one id interleave: they did contend.
+    owners = {}
+    for number, result in enumerate(results):
+        for lock_id, entered, _ in result["holds"]:
+            owners.setdefault(lock_id, []).append((entered, number))
+    switches = sum(
+        a[1] != b[1]
+        for times in owners.values()
+        for a, b in zip(sorted(times), sorted(times)[1:], strict=False)
+    )
+    assert switches > 100
+
+
+# -- memcached: a restarted server, a dropped connection -------------------------------
+
+
+@pytest.fixture
+def own_memcached(settings):
+    from tests.helpers import close_connections
+    from tests.services import Memcached
+
+    server = Memcached().start()
+    settings.CACHES = {
+        **settings.CACHES,
+        "own": {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": server.address,
+        },
+    }
+    settings.TASKLOCK = {"CACHE": "own", "LOCK_EXPIRE": 60, "RESTART_GRACE": 30}
+    yield server
+    close_connections()
+    server.stop()
+
+
+def test_a_restarted_memcached_refuses_async_takes_for_its_grace(own_memcached):
+    from django_tasklock import LockBackendError
+
+    async def scenario():
+        holder = Lock("async-restart")
+        assert await holder.aacquire()
+        own_memcached.restart()  # comes back empty: the holder's lock is gone
+        # The loop's connection broke with the restart; the new one learns the
+        # server's new run, and the take is refused, not granted.
+        with pytest.raises(LockBackendError, match="restarted"):
+            await Lock("async-restart").aacquire()
+        # A release finds the lock gone (never someone else's by CAS id alone).
+        assert await holder.arelease() is False
+
+    run(scenario)
+
+
+def test_an_async_connection_dropped_while_idle_is_replaced(own_memcached):
+    async def scenario():
+        first = Lock("async-drop-1")
+        assert await first.aacquire()
+        # The connection drops, as after an idle timeout.
+
+        store = async_backend_for("own", "auto")
+        (server,) = store._servers.values()
+        server.conn.writer.transport.abort()
+        second = Lock("async-drop-2")
+        assert await second.aacquire()  # once more, on a new connection
+        assert await second.arelease()
+        # Taken on the dropped connection: released by its token, checked.
+        assert await first.arelease()
+
+    run(scenario)
