@@ -1,6 +1,9 @@
-"""An async view that imports a feed now, under the lock the Celery task
-``import_feed`` takes: a web request and a worker never import one feed at
-once, and the view never blocks the event loop while it waits on the store."""
+"""An async view that imports a feed now, one request at a time per feed,
+without blocking the event loop while it waits on the lock store.
+
+Its lock is its own (``feeds.views.refresh-<md5 of the url>``): a fencing
+token is comparable only with those of the same lock id, and the importer
+refuses a write whose fence is older than the feed's last one."""
 
 from __future__ import annotations
 
@@ -15,22 +18,21 @@ from django_tasklock import memcache_lock
 
 from .tasks import _import_and_record
 
-#: The name the import_feed task's lock ids start with.
-TASK_NAME = "example_project.feeds.tasks.import_feed"
-#: How the imports this view makes are recorded (ImportRun.task_name).
+#: How the imports this view makes are recorded (ImportRun.task_name), and
+#: what its lock ids start with.
 VIEW_NAME = "example_project.feeds.views.refresh"
 
 
 @csrf_exempt
 @require_POST
 async def refresh(request: HttpRequest) -> JsonResponse:
-    """POST ``url=<feed url>``: import that feed now; 409 while a worker or
-    another request imports it."""
+    """POST ``url=<feed url>``: import that feed now; 409 while another
+    request imports it."""
     feed_url = request.POST.get("url", "")
     if not feed_url:
         return JsonResponse({"error": "give the feed's url"}, status=400)
     digest = md5(feed_url.encode("utf-8")).hexdigest()
-    cm = memcache_lock(f"{TASK_NAME}-lock-{digest}", "web")
+    cm = memcache_lock(f"{VIEW_NAME}-{digest}", "web")
     async with cm as acquired:
         if not acquired:
             return JsonResponse({"status": "busy", "url": feed_url}, status=409)
