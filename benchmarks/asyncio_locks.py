@@ -9,8 +9,8 @@ run, so the ratios compare like with like on a shared, noisy machine:
    memcached client's add + delete, as ``ms`` and ``md`` on its connection;
    ``redis.asyncio`` ``SET NX PX`` + a Lua compare-and-delete), an async
    ``Lock`` cycle (``aacquire`` + ``arelease``) and the cookbook recipe through
-   ``asgiref``'s ``sync_to_async`` (``cache.add`` + ``cache.delete``, as
-   Django's own ``aadd``/``adelete`` do), in rounds that interleave them (each
+   ``asgiref``'s ``sync_to_async`` (``cache.add`` + ``cache.delete``, which
+   is what Django's own async cache methods do), in rounds that interleave them (each
    round in a new random order). Median per cycle and its ratio to the floor.
 2. Storm: 1,000 coroutines over 10 lock ids, waiting with
    ``aacquire(blocking=True)``, in this process and in 4 processes beside it:
