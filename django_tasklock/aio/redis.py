@@ -81,11 +81,15 @@ class AsyncRedis(AsyncBackend):
         # Its own pool, closed with it (aclose): at most POOL_SIZE
         # connections, a command waiting for one when all are busy (a loop of
         # a thousand coroutines must not open a thousand sockets).
-        self._client = redis.asyncio.Redis.from_pool(
-            redis.asyncio.BlockingConnectionPool(
-                max_connections=POOL_SIZE, timeout=None, **options
-            )
+        pool = redis.asyncio.BlockingConnectionPool(
+            max_connections=POOL_SIZE, timeout=None, **options
         )
+        if hasattr(redis.asyncio.Redis, "from_pool"):  # redis-py 5.0.1+
+            self._client = redis.asyncio.Redis.from_pool(pool)
+        else:
+            self._client = redis.asyncio.Redis(
+                connection_pool=pool, auto_close_connection_pool=True
+            )
         self._no_script = redis.exceptions.NoScriptError
         self._dropped = (
             redis.exceptions.ConnectionError,
@@ -114,4 +118,5 @@ class AsyncRedis(AsyncBackend):
         return bool(await self._script(_RELEASE, key, hold))
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        closing = getattr(self._client, "aclose", None) or self._client.close
+        await closing()
