@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -286,12 +287,15 @@ def _cluster_port() -> int:
     """A free port whose cluster bus port (10000 above) is free too; both below
     the kernel's range of ephemeral ports (32768 on), where an outgoing
     connection could take one between this check and the server's bind."""
-    import random
-
+    # Not the random module: pytest-randomly seeds it with the commit's seed in
+    # every worker of the main run and of the matrix, which then drew the very
+    # same ports at the same moment and raced for them (a matrix session's
+    # cluster "would not start on 5 port pairs").
+    draw = secrets.SystemRandom()
     for _ in range(200):
         # Client ports 10000-19999, bus ports 20000-29999: no node's client port
         # is another node's bus port.
-        port = random.randrange(10000, 20000)
+        port = draw.randrange(10000, 20000)
         sockets = []
         try:
             for candidate in (port, port + 10000):
