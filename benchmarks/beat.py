@@ -274,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {value}")
     with contextlib.suppress(BrokenPipeError):
         sys.stdout.flush()
-    return 0 if result["doubles"] == 0 and result["lost beyond catch-up"] == 0 else 1
+    # A short run (the suite's smoke run, on a machine make test keeps fully
+    # busy) fails on a double only: its lost runs measure the load as much as
+    # the scheduler. A full run fails on either.
+    lost = result["lost beyond catch-up"] and not options.quick
+    return 0 if result["doubles"] == 0 and not lost else 1
 
 
 if __name__ == "__main__":

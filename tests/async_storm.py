@@ -37,7 +37,9 @@ async def contend(
         nonlocal waited
         lock_id = number % ids
         while not done.is_set():
-            lock = Lock(f"async-storm-{lock_id}", expire=30)
+            # An expiry no hold can reach here, however busy the machine: a
+            # lock that expired while held would be lost, not robbed.
+            lock = Lock(f"async-storm-{lock_id}", expire=600)
             asked = time.monotonic()
             if not await lock.aacquire(blocking=True, timeout=1.0):
                 continue
@@ -52,12 +54,18 @@ async def contend(
 
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     probing = asyncio.ensure_future(probe())
-    with contextlib.suppress(asyncio.TimeoutError):  # the count then says so
-        await asyncio.wait_for(
-            asyncio.gather(*(one(n) for n in range(coroutines))), give_up
-        )
-    done.set()
-    await probing
+    tasks = [asyncio.ensure_future(one(n)) for n in range(coroutines)]
+    try:
+        with contextlib.suppress(asyncio.TimeoutError):  # the count then says so
+            await asyncio.wait_for(asyncio.gather(*tasks), give_up)
+    finally:
+        # One that failed leaves the others running: ended before the loop's
+        # connections close.
+        done.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await probing
     return {"holds": holds, "waited": waited, "lag": max(lags, default=0.0)}
 
 
