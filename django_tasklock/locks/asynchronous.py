@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,14 +27,14 @@ from ..aio import async_backend_for
 from ..aio.finishing import carried_through
 from ..backends import backend_for, fork_generation
 from ..conf import settings, validate_expire
-from ..exceptions import LockBackendError, LockLost, LockNotAcquired
+from ..exceptions import LockBackendError, LockNotAcquired
 from ..signals import lock_acquired, lock_contended, lock_released
 from .acquisition import Acquisition
 from .fencing import draw_fence
 from .heartbeat import Heartbeat
 from .holds import extend_hold
 from .liveness import record_beside
-from .loss import held_time, release_failed, report_lost, take_failed
+from .loss import release_failed, report_lost, take_failed
 from .recovery import LOOK_EVERY, take_from_dead
 from .validation import beat_for, misuse, require_hold
 from .waiting import POLL_MIN, next_wait
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
     from .liveness import Record
 
 __all__ = ["AsyncLocking"]
+
+# The sync Lock's logger: a release's failure is logged under one name.
+logger = logging.getLogger("django_tasklock.locks.lock")
 
 _Self = TypeVar("_Self", bound="AsyncLocking")
 
@@ -84,6 +88,8 @@ class AsyncLocking:
         ) -> None: ...
 
         def _stop_heartbeat(self) -> None: ...
+
+        def check(self) -> bool: ...
 
         def _store_error(
             self, backend: LockBackend, key: str, doing: str, exc: BaseException
@@ -251,12 +257,7 @@ class AsyncLocking:
 
     async def acheck(self) -> bool:
         """``check()``: no round trip, so it never waits; here for symmetry."""
-        if not self.lost:
-            return True
-        if self.on_lost == "raise":
-            assert self._acq is not None
-            raise LockLost(self.lock_id, held_time(self._acq))
-        return False
+        return self.check()
 
     async def afence(self) -> int | None:
         """``fence``, drawn on an executor thread when not drawn yet."""
@@ -278,11 +279,7 @@ class AsyncLocking:
         try:
             await self.arelease()
         except LockBackendError:
-            import logging
-
-            logging.getLogger("django_tasklock.locks.lock").exception(
-                "Could not release lock %r", self.lock_id
-            )
+            logger.exception("Could not release lock %r", self.lock_id)
 
     async def __aenter__(self: _Self) -> _Self:
         if not await self.aacquire():
@@ -334,9 +331,7 @@ async def _let_go(
     try:
         await store.release(key, hold, token)
     except store.errors:
-        import logging
-
-        logging.getLogger("django_tasklock.locks.lock").warning(
+        logger.warning(
             "A lock taken for a cancelled acquire could not be released; it "
             "expires by itself",
             exc_info=True,
