@@ -342,6 +342,10 @@ def hold_and_restart_busiest(
     return list(locks), valid_until, on_victim
 
 
+#: The log file of each worker ``start_workers`` started and has not stopped.
+_worker_logs: dict[int, Path] = {}
+
+
 def start_workers(
     broker_env: dict[str, str],
     names: list[str],
@@ -350,7 +354,15 @@ def start_workers(
     logdir: Path | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """Real ``celery worker`` processes (prefork) of tests.celery_app, answering
-    a ping before this returns; each logs to ``logdir/<name>.log`` if given."""
+    a ping before this returns; each logs to ``logdir/<name>.log`` (a directory
+    of its own if not given).
+
+    Never to a pipe: nobody reads a pipe while the worker runs, and a worker
+    whose pipe is full (tracebacks of killed pool processes, warnings of a
+    loaded machine) blocks on its next log line and stops dispatching calls.
+    """
+    import tempfile
+
     import pytest
 
     from tests.celery_app import app
@@ -362,18 +374,23 @@ def start_workers(
         **(extra_env or {}),
         "DJANGO_SETTINGS_MODULE": "tests.settings",
     }
-    processes = [
-        celery_worker(
-            "tests.celery_app",
-            name,
-            concurrency,
-            env,
-            loglevel=os.environ.get("TASKLOCK_TEST_WORKER_LOGLEVEL", "WARNING"),
-            logfile=None if logdir is None else logdir / f"{name}.log",
-            stderr=subprocess.PIPE,
-        )
-        for name in names
-    ]
+    if logdir is None:
+        logdir = Path(tempfile.mkdtemp(prefix="tasklock-workers-"))
+    processes = []
+    for name in names:
+        log = logdir / f"{name}.log"
+        with log.open("ab") as output:  # the child keeps its own descriptor
+            process = celery_worker(
+                "tests.celery_app",
+                name,
+                concurrency,
+                env,
+                loglevel=os.environ.get("TASKLOCK_TEST_WORKER_LOGLEVEL", "WARNING"),
+                logfile=log,
+                stderr=output.fileno(),
+            )
+        _worker_logs[process.pid] = log
+        processes.append(process)
     wanted = {f"{name}@{socket.gethostname()}" for name in names}
     deadline = time.monotonic() + 60
     while not wanted <= {
@@ -381,12 +398,24 @@ def start_workers(
     }:
         for process in processes:
             if process.poll() is not None:
-                pytest.fail(
-                    f"celery worker died: {process.stderr.read().decode()[-2000:]}"
-                )
+                pytest.fail(f"celery worker died: {workers_said()}")
         if time.monotonic() > deadline:
-            pytest.fail("celery workers did not answer a ping within 60 s")
+            pytest.fail(
+                f"celery workers did not answer a ping within 60 s: {workers_said()}"
+            )
     return processes
+
+
+def workers_said(chars: int = 3000) -> str:
+    """The end of each running test worker's log, for a failure message."""
+    said = []
+    for pid, log in _worker_logs.items():
+        try:
+            text = log.read_text(errors="replace")
+        except OSError as exc:
+            text = f"(unreadable: {exc})"
+        said.append(f"--- worker {pid} ({log}):\n{text[-chars:]}")
+    return "\n".join(said) or "(no worker running)"
 
 
 def stop_workers(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -394,8 +423,7 @@ def stop_workers(processes: list[subprocess.Popen[bytes]]) -> None:
 
     for process in processes:
         stop_process(process)
-        if process.stderr is not None:
-            process.stderr.close()
+        _worker_logs.pop(process.pid, None)
 
 
 def restart_under_holders(
@@ -475,7 +503,11 @@ def kill_then_run_again(task: Any, key: str, *args: Any) -> tuple[float, int]:
 
     before = len(started_runs(key))
     task.delay(key, *args)
-    wait_until(lambda: len(started_runs(key)) == before + 1, 30)
+    wait_until(
+        lambda: len(started_runs(key)) == before + 1,
+        30,
+        lambda: f"runs {started_runs(key)}; the workers said:\n{workers_said()}",
+    )
     pid = started_runs(key)[before]["pid"]
     assert isinstance(pid, int)
     os.kill(pid, signal.SIGKILL)
@@ -485,7 +517,14 @@ def kill_then_run_again(task: Any, key: str, *args: Any) -> tuple[float, int]:
     # was acknowledged when it started).
     wait_until(lambda: not process_alive(pid), 10)
     second = task.delay(key, *args)
-    wait_until(lambda: len(started_runs(key)) == before + 2, 30)
+    wait_until(
+        lambda: len(started_runs(key)) == before + 2,
+        30,
+        lambda: (
+            f"runs {started_runs(key)}; the call sent again: {second.state} "
+            f"{second.result!r}; the workers said:\n{workers_said()}"
+        ),
+    )
     restarted = started_runs(key)[before + 1]["start"]
     assert isinstance(restarted, float)
     tasks.let_go(key)
