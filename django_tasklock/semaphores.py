@@ -12,19 +12,28 @@ Acquiring reads every slot in one round trip and takes a free one in a second
 trip. Lowering ``limit`` between deploys leaves the slots above the new limit to
 their holders until they finish, and nobody takes those slots again, so once they
 have finished no more than the new limit run.
+
+The async twins (``aacquire``, ``async with``...) read the slots with the event
+loop's own connections (``aio``) and take one with ``Lock.aacquire``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
+from .aio import async_backend_for
 from .backends import backend_for
 from .conf import settings
 from .exceptions import LockBackendError, LockUsageError
 from .keys import SLOT_MARK, check_lock_id
 from .locks import POLL_MIN, Holding, Lock, OnLost, backoff
+from .locks.waiting import next_wait
+
+if TYPE_CHECKING:
+    from .backends import LockBackend
 
 __all__ = ["SLOT_MARK", "Semaphore", "slot_id", "validate_limit"]
 
@@ -138,15 +147,7 @@ class Semaphore(Holding):
         gets one or ``timeout`` seconds have passed. Raises ``LockBackendError``
         when the store cannot be reached.
         """
-        if self.held:
-            raise LockUsageError(
-                f"Semaphore {self.lock_id!r} already holds slot {self.slot} in this "
-                "object; release() it first, or make a new Semaphore for a second "
-                "holder."
-            )
-        if timeout is not None and not blocking:
-            raise LockUsageError("timeout= needs blocking=True.")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = self._deadline(blocking, timeout)
         pause = POLL_MIN
         while True:
             if self._take_a_free_slot():
@@ -158,20 +159,84 @@ class Semaphore(Holding):
                 return False
             pause = next_pause
 
+    async def aacquire(
+        self, *, blocking: bool = False, timeout: float | None = None
+    ) -> bool:
+        """``acquire()``, awaited: the slots read and a free one taken by the
+        loop's own connections (``Lock.aacquire``), waits slept on the loop."""
+        deadline = self._deadline(blocking, timeout)
+        pause = POLL_MIN
+        while True:
+            if await self._atake_a_free_slot():
+                return True
+            wait = next_wait(pause, deadline, time.monotonic()) if blocking else None
+            if wait is None:
+                return False
+            await asyncio.sleep(wait[0])
+            pause = wait[1]
+
+    def _deadline(self, blocking: bool, timeout: float | None) -> float | None:
+        """When a blocking acquire gives up (None: never); raises on misuse."""
+        if self.held:
+            raise LockUsageError(
+                f"Semaphore {self.lock_id!r} already holds slot {self.slot} in this "
+                "object; release() it first, or make a new Semaphore for a second "
+                "holder."
+            )
+        if timeout is not None and not blocking:
+            raise LockUsageError("timeout= needs blocking=True.")
+        return None if timeout is None else time.monotonic() + timeout
+
     def _take_a_free_slot(self) -> bool:
+        ids, backend, keys = self._slots()
+        try:
+            held = backend.held_many(keys)
+        except backend.errors as exc:
+            raise self._unread(backend, keys, exc) from exc
+        for slot in self._to_try(held, keys, backend.looks):
+            lock = self._slot_lock(ids[slot])
+            if lock.acquire():
+                self.lock, self.slot = lock, slot
+                return True
+        return False
+
+    async def _atake_a_free_slot(self) -> bool:
+        ids, backend, keys = self._slots()
+        store = async_backend_for(backend.alias, backend.protocol)
+        try:
+            held = await store.held_many(keys)
+        except store.errors as exc:
+            raise self._unread(backend, keys, exc) from exc
+        for slot in self._to_try(held, keys, store.looks):
+            lock = self._slot_lock(ids[slot])
+            if await lock.aacquire():
+                self.lock, self.slot = lock, slot
+                return True
+        return False
+
+    def _slots(self) -> tuple[list[str], LockBackend, list[str]]:
+        """The slots' lock ids, their store, and their keys there."""
         ids = self.slot_ids()
         backend = backend_for(
             self._cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL
         )
-        keys = [backend.keys_for(lock_id)[0] for lock_id in ids]
-        try:
-            held = backend.held_many(keys)
-        except backend.errors as exc:
-            raise LockBackendError(
-                f"Could not read the semaphore's slots: {type(exc).__name__}: {exc}",
-                lock_id=self.lock_id,
-                store=backend.describe(keys[0]),
-            ) from exc
+        return ids, backend, [backend.keys_for(lock_id)[0] for lock_id in ids]
+
+    def _unread(
+        self, backend: LockBackend, keys: list[str], exc: BaseException
+    ) -> LockBackendError:
+        return LockBackendError(
+            f"Could not read the semaphore's slots: {type(exc).__name__}: {exc}",
+            lock_id=self.lock_id,
+            store=backend.describe(keys[0]),
+        )
+
+    @staticmethod
+    def _to_try(
+        held: list[bool], keys: list[str], looks: dict[str, float]
+    ) -> list[int]:
+        """The slots worth a try, in a random order: the free ones, or when
+        every slot is held, those whose holder may be looked at now."""
         free = [slot for slot, taken in enumerate(held) if not taken]
         if not free:
             # Every slot held: a dead holder's is free too. The Lock of each
@@ -179,16 +244,15 @@ class Semaphore(Holding):
             # LOOK_EVERY seconds per slot: a full semaphore costs two round
             # trips per slot more then (a live slot looked at first must not
             # hide a dead one, or a call skipped there would be lost).
-            now, looks = time.monotonic(), backend.looks
+            now = time.monotonic()
             free = [slot for slot, key in enumerate(keys) if looks.get(key, 0.0) <= now]
         random.shuffle(free)  # holders spread over the slots, so rarely race
-        for slot in free:
-            lock = Lock(ids[slot], **self._options)
-            lock.about, lock.slot_of = self.about, self.lock_id
-            if lock.acquire():
-                self.lock, self.slot = lock, slot
-                return True
-        return False
+        return free
+
+    def _slot_lock(self, lock_id: str) -> Lock:
+        lock = Lock(lock_id, **self._options)
+        lock.about, lock.slot_of = self.about, self.lock_id
+        return lock
 
     def _held_lock(self, doing: str) -> Lock:
         if self.lock is None:
@@ -207,9 +271,26 @@ class Semaphore(Holding):
         if self.lock is not None:
             self.lock.release_quietly()
 
+    async def arelease(self) -> bool:
+        """``release()``, awaited."""
+        return await self._held_lock("arelease()").arelease()
+
+    async def arelease_quietly(self) -> None:
+        """``release_quietly()``, awaited."""
+        if self.lock is not None:
+            await self.lock.arelease_quietly()
+
+    async def aextend(self, seconds: float | None = None) -> bool:
+        """``extend()``, awaited (on an executor thread, as ``Lock.aextend``)."""
+        return await self._held_lock("aextend()").aextend(seconds)
+
     def extend(self, seconds: float | None = None) -> bool:
         """Reset this holder's slot's expiry; False (and a WARNING) if it was lost."""
         return self._held_lock("extend()").extend(seconds)
+
+    async def acheck(self) -> bool:
+        """``check()``: no round trip; here for symmetry with ``Lock.acheck``."""
+        return self.check()
 
     def check(self) -> bool:
         """True while this holder's slot is not known to be lost (no round trip)."""

@@ -10,6 +10,24 @@ import time
 from typing import Any
 
 
+class Ticks:
+    """A coroutine of its own counting its 10 ms sleeps, from when this is
+    made in a running loop until ``stop()``: how often the loop ran others."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task = asyncio.ensure_future(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            self.count += 1
+
+    def stop(self) -> int:
+        self._task.cancel()
+        return self.count
+
+
 async def contend(
     ids: int, coroutines: int, wanted: int, give_up: float, start_at: float
 ) -> dict[str, Any]:
@@ -54,19 +72,26 @@ async def contend(
 
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     probing = asyncio.ensure_future(probe())
-    tasks = [asyncio.ensure_future(one(n)) for n in range(coroutines)]
     try:
         with contextlib.suppress(asyncio.TimeoutError):  # the count then says so
-            await asyncio.wait_for(asyncio.gather(*tasks), give_up)
+            await all_until(done, [one(n) for n in range(coroutines)], give_up)
     finally:
-        # One that failed leaves the others running: ended before the loop's
-        # connections close.
+        await probing
+    return {"holds": holds, "waited": waited, "lag": max(lags, default=0.0)}
+
+
+async def all_until(done: asyncio.Event, coroutines: list[Any], give_up: float) -> None:
+    """Run ``coroutines`` until they end, for at most ``give_up`` seconds; then,
+    or when one fails, ``done`` is set and the rest are ended before this
+    returns (before the loop's connections close)."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), give_up)
+    finally:
         done.set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await probing
-    return {"holds": holds, "waited": waited, "lag": max(lags, default=0.0)}
 
 
 def in_process(

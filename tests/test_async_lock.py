@@ -13,6 +13,7 @@ import pytest
 
 from django_tasklock import Lock, LockNotAcquired, memcache_lock
 from django_tasklock.aio import async_backend_for, close_loop_connections
+from tests.async_storm import Ticks
 
 #: The stores whose take and release are the loop's own round trips.
 NATIVE = {"memcached-meta", "redis", "django-redis"}
@@ -106,15 +107,7 @@ def test_a_blocking_aacquire_waits_on_the_loop_and_honours_a_timeout(store):
     async def scenario():
         holder = Lock("async-wait", expire=30)
         assert await holder.aacquire()
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.01)
-
-        ticking = asyncio.ensure_future(ticker())
+        ticking = Ticks()
         started = time.monotonic()
         with pytest.raises(asyncio.TimeoutError):
             if sys.version_info >= (3, 11):
@@ -124,9 +117,8 @@ def test_a_blocking_aacquire_waits_on_the_loop_and_honours_a_timeout(store):
                 await asyncio.wait_for(Lock("async-wait").aacquire(blocking=True), 0.5)
         waited = time.monotonic() - started
         assert not await Lock("async-wait").aacquire(blocking=True, timeout=0.2)
-        ticking.cancel()
         # The loop ran other work while the acquire waited.
-        assert ticks >= 10
+        assert ticking.stop() >= 10
         assert 0.5 <= waited < 5
         # The waiter that timed out took nothing: the holder still holds.
         # A waiter takes it once it is released.

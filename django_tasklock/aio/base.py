@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
+import asyncio
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..backends import backend_for
 from .finishing import carried_through
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from ..backends import Hold, LockBackend
+    from ..backends import Hold, LockBackend, Peek
+
+_T = TypeVar("_T")
 
 
 __all__ = ["AsyncBackend"]
@@ -40,6 +44,11 @@ class AsyncBackend(abc.ABC):
     async def release(self, key: str, hold: Hold, token: object) -> bool:
         """Remove the lock only if ``hold`` still owns it; True if removed."""
 
+    @abc.abstractmethod
+    async def held_many(self, keys: list[str]) -> list[bool]:
+        """For each key, whether anybody holds that lock (a hint: only a take
+        decides)."""
+
     async def take(
         self,
         key: str,
@@ -58,6 +67,34 @@ class AsyncBackend(abc.ABC):
     async def drop(self, key: str, hold: Hold, token: object) -> bool:
         """``release``, carried to its end through a cancel of its caller."""
         return await carried_through(self.release(key, hold, token))
+
+    # What rate limits use (limits.store): native where a store's class says
+    # so, else the sync backend's on an executor thread.
+
+    async def peek(self, key: str) -> Peek | None:
+        """What the store holds at ``key``, and a hold on that very item."""
+        return await self.in_thread(lambda backend: backend.peek(key))
+
+    async def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        """Store ``new`` in place of the item ``hold`` holds (value ``old``)
+        only while it is still there; the new hold, or None."""
+        return await self.in_thread(
+            lambda backend: backend.replace(key, hold, old, new, expire)
+        )
+
+    async def script(self, text: str, keys: tuple[str, ...], *args: object) -> Any:
+        """Run the Lua script ``text`` on the store (where it ``runs_scripts``)."""
+        return await self.in_thread(lambda backend: backend.script(text, keys, *args))
+
+    async def in_thread(self, work: Callable[[LockBackend], _T]) -> _T:
+        """``work(backend)`` on an executor thread, over that thread's own sync
+        backend of this alias and protocol."""
+        alias, protocol = self.alias, self.sync.protocol
+        return await asyncio.to_thread(
+            lambda: work(backend_for(alias, protocol=protocol))
+        )
 
     async def aclose(self) -> None:  # noqa: B027 - most have nothing of their own
         """Close the connections this backend opened."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from pymemcache.client.hash import HashClient
 from pymemcache.exceptions import MemcacheError
 
-from ..backends import backend_for
+from ..backends import Peek, backend_for
 from ..backends.memcached.restarts import _refused
 from ..backends.memcached.wire import (
     _RELATIVE_MOST,
@@ -253,8 +253,9 @@ def _client_at(backend: MemcachedBackend, server: Any) -> Any:
     raise MemcacheError(f"cache {backend.alias!r} has no server {server!r}")
 
 
-class AsyncMemcached(AsyncBackend):
-    """The loop's connections to the servers of one PyMemcacheCache alias."""
+class _Servers(AsyncBackend):
+    """The loop's connections to the servers of one PyMemcacheCache alias,
+    and a command sent on the one that holds a key."""
 
     native = True
     sync: MemcachedBackend
@@ -292,83 +293,6 @@ class AsyncMemcached(AsyncBackend):
         self._by_key[key] = found
         return found
 
-    async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        return await self.take(key, token, expire, None, None)
-
-    async def release(self, key: str, hold: Hold, token: object) -> bool:
-        return await self.drop(key, hold, token)
-
-    async def take(
-        self,
-        key: str,
-        token: str,
-        expire: float,
-        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
-        if_failed: Callable[[BaseException], object] | None,
-    ) -> Hold | None:
-        # No task of its own: a cancel once the command is written leaves its
-        # reply to the connection's reader, which hands it to if_cancelled.
-        try:
-            return await self._acquire(key, token, expire, if_cancelled, if_failed)
-        except NoMetaCommands:
-            threaded = self._threaded
-            return await threaded.take(key, token, expire, if_cancelled, if_failed)
-
-    async def drop(self, key: str, hold: Hold, token: object) -> bool:
-        try:
-            return await self._release(key, hold, token)
-        except NoMetaCommands:
-            return await self._threaded.drop(key, hold, token)
-
-    async def _acquire(
-        self,
-        key: str,
-        token: str,
-        expire: float,
-        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
-        if_failed: Callable[[BaseException], object] | None,
-    ) -> Hold | None:
-        server = self._server(key)
-        ttl = math.ceil(expire)
-        if ttl > _RELATIVE_MOST:
-            ttl = exptime(expire)
-        data, wire = token.encode(), self._prefix + key.encode()
-        command = b"ms %s %d T%d F%d ME c\r\n%s\r\n" % (
-            wire, len(data), ttl, _TEXT_FLAG, data
-        )  # fmt: skip
-
-        def landed(conn: _Connection, line: bytes | None) -> None:
-            """The reply of a take whose caller was cancelled."""
-            if line is None:
-                if if_failed is not None:
-                    if_failed(ConnectionResetError("memcached connection lost"))
-                return
-            cas = _cas_of(line, b"HD")
-            if cas and if_cancelled is not None:
-                finish_later(if_cancelled(MemcachedHold(cas, conn)))
-
-        reply, conn, retried = await self._command(server, command, True, landed)
-        if reply.startswith(b"NS"):
-            if retried:
-                # The first try, on a connection that dropped, may have
-                # stored our token before it went: then the lock is ours.
-                try:
-                    return await self._ours(server, wire, token)
-                except asyncio.CancelledError:
-                    if if_failed is not None:  # ours or not: removed if so
-                        if_failed(ConnectionResetError("cancelled while checking"))
-                    raise
-            return None
-        cas = _cas_of(reply, b"HD")
-        if cas is None and not reply.startswith(b"HD"):
-            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-        if not cas:
-            raise MemcacheError(
-                f"memcached at {_server_name(server.server)} runs without CAS "
-                "ids (-C), so a lock cannot be owner-checked; restart it without -C"
-            )
-        return MemcachedHold(cas, conn)
-
     async def _command(
         self,
         server: _Server,
@@ -403,6 +327,175 @@ class AsyncMemcached(AsyncBackend):
             return reply, conn, attempt == 2
         raise AssertionError("unreachable")
 
+    async def _owner_cas(
+        self, server: _Server, wire: bytes, token: object
+    ) -> int | None:
+        """The CAS id of the item at ``wire`` if it holds ``token``, else None."""
+        reply, _, _ = await self._command(server, b"mg %s v c\r\n" % wire)
+        if not reply.startswith(b"VA"):
+            return None
+        header, _, value = reply.partition(b"\r\n")
+        if value[:-2] != str(token).encode():
+            return None
+        return _cas_of(header, b"VA")
+
+    async def aclose(self) -> None:
+        for server in self._servers.values():
+            conn, server.conn = server.conn, None
+            if conn is not None:
+                await conn.close()
+
+
+class AsyncMemcached(_Servers):
+    """Locks and the items of rate limits on the servers of one
+    PyMemcacheCache alias, from one event loop."""
+
+    async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        return await self.take(key, token, expire, None, None)
+
+    async def release(self, key: str, hold: Hold, token: object) -> bool:
+        return await self.drop(key, hold, token)
+
+    async def take(
+        self,
+        key: str,
+        token: str,
+        expire: float,
+        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
+        if_failed: Callable[[BaseException], object] | None,
+    ) -> Hold | None:
+        # No task of its own: a cancel once the command is written leaves its
+        # reply to the connection's reader, which hands it to if_cancelled.
+        try:
+            return await self._acquire(key, token, expire, if_cancelled, if_failed)
+        except NoMetaCommands:
+            threaded = self._threaded
+            return await threaded.take(key, token, expire, if_cancelled, if_failed)
+
+    async def drop(self, key: str, hold: Hold, token: object) -> bool:
+        try:
+            return await self._release(key, hold, token)
+        except NoMetaCommands:
+            return await self._threaded.drop(key, hold, token)
+
+    async def held_many(self, keys: list[str]) -> list[bool]:
+        """Every key's ``mg`` at once, pipelined on each server's connection."""
+        prefix = self._prefix
+        try:
+            replies = await asyncio.gather(
+                *(
+                    self._command(
+                        self._server(key), b"mg %s\r\n" % (prefix + key.encode())
+                    )
+                    for key in keys
+                )
+            )
+        except NoMetaCommands:
+            return await self._threaded.held_many(keys)
+        held = []
+        for reply, _, _ in replies:
+            if not reply.startswith((b"HD", b"EN")):
+                raise MemcacheError(f"unexpected reply to mg: {reply!r}")
+            held.append(reply.startswith(b"HD"))
+        return held
+
+    async def peek(self, key: str) -> Peek | None:
+        server = self._server(key)
+        wire = self._prefix + key.encode()
+        try:
+            reply, conn, _ = await self._command(server, b"mg %s v c f\r\n" % wire)
+        except NoMetaCommands:
+            return await self._threaded.peek(key)
+        if reply.startswith(b"EN"):
+            return None
+        header, _, data = reply.partition(b"\r\n")
+        cas = _cas_of(header, b"VA")
+        flags = next((int(f[1:]) for f in header.split() if f[:1] == b"f"), 0)
+        if cas is None:
+            raise MemcacheError(f"unexpected reply to mg: {header!r}")
+        # Decoded as the sync client decodes it (Django's serializer).
+        value = server.client.serde.deserialize(key, data[:-2], flags)
+        return Peek(value, MemcachedHold(cas, conn))
+
+    async def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        assert isinstance(hold, MemcachedHold)
+        server = self._server(key)
+        wire = self._prefix + key.encode()
+        try:
+            cas, reader = hold.cas, hold.sock
+            if not (
+                isinstance(reader, _Connection)
+                and reader is server.conn
+                and not reader.broken
+            ):
+                # Read on a connection since closed: the server may have
+                # restarted and given the CAS id to another item.
+                by_value = await self._owner_cas(server, wire, old)
+                if by_value is None:
+                    return None
+                cas = by_value
+            data = new.encode()
+            command = b"ms %s %d C%d T%d F%d c\r\n%s\r\n" % (
+                wire, len(data), cas, _ttl(expire), _TEXT_FLAG, data
+            )  # fmt: skip
+            reply, conn, _ = await self._command(server, command)
+        except NoMetaCommands:
+            return await self._threaded.replace(key, hold, old, new, expire)
+        if reply.startswith((b"EX", b"NF")):
+            return None
+        new_cas = _cas_of(reply, b"HD")
+        if new_cas is None:
+            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+        return MemcachedHold(new_cas, conn)
+
+    async def _acquire(
+        self,
+        key: str,
+        token: str,
+        expire: float,
+        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
+        if_failed: Callable[[BaseException], object] | None,
+    ) -> Hold | None:
+        server = self._server(key)
+        data, wire = token.encode(), self._prefix + key.encode()
+        command = b"ms %s %d T%d F%d ME c\r\n%s\r\n" % (
+            wire, len(data), _ttl(expire), _TEXT_FLAG, data
+        )  # fmt: skip
+
+        def landed(conn: _Connection, line: bytes | None) -> None:
+            """The reply of a take whose caller was cancelled."""
+            if line is None:
+                if if_failed is not None:
+                    if_failed(ConnectionResetError("memcached connection lost"))
+                return
+            cas = _cas_of(line, b"HD")
+            if cas and if_cancelled is not None:
+                finish_later(if_cancelled(MemcachedHold(cas, conn)))
+
+        reply, conn, retried = await self._command(server, command, True, landed)
+        if reply.startswith(b"NS"):
+            if retried:
+                # The first try, on a connection that dropped, may have
+                # stored our token before it went: then the lock is ours.
+                try:
+                    return await self._ours(server, wire, token)
+                except asyncio.CancelledError:
+                    if if_failed is not None:  # ours or not: removed if so
+                        if_failed(ConnectionResetError("cancelled while checking"))
+                    raise
+            return None
+        cas = _cas_of(reply, b"HD")
+        if cas is None and not reply.startswith(b"HD"):
+            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+        if not cas:
+            raise MemcacheError(
+                f"memcached at {_server_name(server.server)} runs without CAS "
+                "ids (-C), so a lock cannot be owner-checked; restart it without -C"
+            )
+        return MemcachedHold(cas, conn)
+
     async def _release(self, key: str, hold: Hold, token: object) -> bool:
         assert isinstance(hold, MemcachedHold)
         server = self._server(key)
@@ -435,29 +528,17 @@ class AsyncMemcached(AsyncBackend):
         reply, _, _ = await self._command(server, b"md %s C%d\r\n" % (wire, cas))
         return reply.startswith(b"HD")
 
-    async def _owner_cas(
-        self, server: _Server, wire: bytes, token: object
-    ) -> int | None:
-        """The CAS id of the item at ``wire`` if it holds ``token``, else None."""
-        reply, _, _ = await self._command(server, b"mg %s v c\r\n" % wire)
-        if not reply.startswith(b"VA"):
-            return None
-        header, _, value = reply.partition(b"\r\n")
-        if value[:-2] != str(token).encode():
-            return None
-        return _cas_of(header, b"VA")
-
     async def _ours(self, server: _Server, wire: bytes, token: str) -> Hold | None:
         """The hold on the item at ``wire`` if it holds ``token``, else None."""
         cas = await self._owner_cas(server, wire, token)
         # Checked by value from now on: no connection of the first try is left.
         return None if cas is None else MemcachedHold(cas, None)
 
-    async def aclose(self) -> None:
-        for server in self._servers.values():
-            conn, server.conn = server.conn, None
-            if conn is not None:
-                await conn.close()
+
+def _ttl(expire: float) -> int:
+    """The ``T`` flag for an item that lasts ``expire`` seconds."""
+    ttl = math.ceil(expire)
+    return ttl if ttl <= _RELATIVE_MOST else exptime(expire)
 
 
 def _cas_of(reply: bytes, head: bytes) -> int | None:

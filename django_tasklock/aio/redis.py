@@ -5,6 +5,7 @@ own built with the same address and options."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +104,15 @@ class AsyncRedis(AsyncBackend):
         except self._no_script:
             return await self._client.eval(script, 1, key, *args)
 
+    async def script(self, text: str, keys: tuple[str, ...], *args: Any) -> Any:
+        sha = _SHA.get(text)
+        if sha is None:
+            sha = _SHA[text] = hashlib.sha1(text.encode()).hexdigest()
+        try:
+            return await self._client.evalsha(sha, len(keys), *keys, *args)
+        except self._no_script:
+            return await self._client.eval(text, len(keys), *keys, *args)
+
     async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         value = self._encode(token)
         milliseconds = math.ceil(expire * 1000)
@@ -116,6 +126,9 @@ class AsyncRedis(AsyncBackend):
 
     async def release(self, key: str, hold: Hold, token: object) -> bool:
         return bool(await self._script(_RELEASE, key, hold))
+
+    async def held_many(self, keys: list[str]) -> list[bool]:
+        return [value is not None for value in await self._client.mget(keys)]
 
     async def aclose(self) -> None:
         closing = getattr(self._client, "aclose", None) or self._client.close

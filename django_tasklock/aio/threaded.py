@@ -8,10 +8,8 @@ by its token, as a renewing lock's heartbeat does.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
-from ..backends import backend_for
 from .base import AsyncBackend
 
 if TYPE_CHECKING:
@@ -26,13 +24,10 @@ class ThreadedBackend(AsyncBackend):
     native = False
 
     async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        alias, protocol = self.alias, self.sync.protocol
-        return await asyncio.to_thread(
-            lambda: backend_for(alias, protocol=protocol).acquire(key, token, expire)
-        )
+        return await self.in_thread(lambda backend: backend.acquire(key, token, expire))
 
     async def release(self, key: str, hold: Hold, token: object) -> bool:
-        alias, protocol = self.alias, self.sync.protocol
-        return await asyncio.to_thread(
-            lambda: backend_for(alias, protocol=protocol).release(key, hold, token)
-        )
+        return await self.in_thread(lambda backend: backend.release(key, hold, token))
+
+    async def held_many(self, keys: list[str]) -> list[bool]:
+        return await self.in_thread(lambda backend: backend.held_many(keys))

@@ -3,17 +3,22 @@ uses the same lock store."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..aio import async_backend_for
 from ..backends import backend_for
-from ..conf import settings
+from ..conf import settings, validate_seconds
 from ..exceptions import LockBackendError
 from ..rates import MAX_WINDOW_COUNT, Rate, RateSpec, parse_rate
 from ..signals import rate_limit_paused, rate_limit_refused
 from . import store
-from .kinds import KINDS, Kind, Turns
+from .kinds import KINDS, Kind, Turns, Verdict
+
+if TYPE_CHECKING:
+    from ..backends import LockBackend
 
 __all__ = ["Admission", "RateLimiter", "make_kind"]
 
@@ -89,17 +94,49 @@ class RateLimiter:
         try:
             return step(backend, key, self.kind, *args)
         except backend.errors as exc:
-            raise LockBackendError(
-                f"Could not {doing}: {type(exc).__name__}: {exc}",
-                lock_id=self.limit_id,
-                store=backend.describe(key),
-            ) from exc
+            raise self._failed(doing, backend, key, exc) from exc
+
+    def _failed(
+        self, doing: str, backend: LockBackend, key: str, exc: BaseException
+    ) -> LockBackendError:
+        return LockBackendError(
+            f"Could not {doing}: {type(exc).__name__}: {exc}",
+            lock_id=self.limit_id,
+            store=backend.describe(key),
+        )
 
     def admit(self) -> Admission:
         """One admission now, or a refusal saying when to come back. Raises
         ``LockBackendError`` when the store cannot be reached: nothing is
         admitted then."""
-        verdict = self._call("admit under the rate limit", store.admit)
+        return self._admission(self._call("admit under the rate limit", store.admit))
+
+    async def aadmit(self, *, timeout: float | None = None) -> Admission:
+        """``admit()``, awaited: the store's round trips are the event loop's
+        own (``aio``). With ``timeout``, ``wait(timeout)``: refused, it sleeps
+        on the loop as long as the refusal said and tries again, up to
+        ``timeout`` seconds. A task cancelled while an admission is in flight
+        may have used that admission (never one more than the rate)."""
+        if timeout is not None:
+            validate_seconds(timeout, name="timeout", allow_zero=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        backend, key = self._store()
+        loop_store = async_backend_for(backend.alias, backend.protocol)
+        while True:
+            try:
+                verdict = await store.aadmit(loop_store, key, self.kind)
+            except loop_store.errors as exc:
+                doing = "admit under the rate limit"
+                raise self._failed(doing, backend, key, exc) from exc
+            admission = self._admission(verdict)
+            if admission or deadline is None:
+                return admission
+            if admission.retry_after > deadline - time.monotonic():
+                return admission
+            await asyncio.sleep(max(admission.retry_after, 0.001))
+
+    def _admission(self, verdict: Verdict) -> Admission:
+        """The Admission of ``verdict``; a refusal is signalled."""
         admission = Admission(
             verdict.admitted, verdict.retry_after, verdict.at / 1000, verdict.paused
         )

@@ -12,15 +12,16 @@ again; each loss means another process's admission went through.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .kinds import LUA_NOW, Verdict
 
 if TYPE_CHECKING:
+    from ..aio.base import AsyncBackend
     from ..backends.base import LockBackend
     from .kinds import Kind
 
-__all__ = ["admit", "pause", "read", "reset"]
+__all__ = ["aadmit", "admit", "pause", "read", "reset"]
 
 #: Compare-and-swap rounds before an admission gives up: each lost round is
 #: another process's admission, so this many means a store that keeps changing
@@ -89,10 +90,7 @@ def admit(backend: LockBackend, key: str, kind: Kind) -> Verdict:
     holds something else)."""
     if backend.runs_scripts:
         lua, args = _script(kind.lua, kind.args())
-        admitted, at, retry_ms, paused = backend.script(lua, (key,), *args)
-        return Verdict(
-            bool(admitted), int(at), int(retry_ms) / 1000, None, 0, bool(paused)
-        )
+        return _scripted(backend.script(lua, (key,), *args))
     for _ in range(MAX_ROUNDS):
         peek = backend.peek(key)
         verdict = kind.decide(None if peek is None else peek.value, now_ms())
@@ -106,7 +104,39 @@ def admit(backend: LockBackend, key: str, kind: Kind) -> Verdict:
             )
         if written is not None:
             return verdict
-    raise RuntimeError(
+    raise _kept_changing(key)
+
+
+async def aadmit(store: AsyncBackend, key: str, kind: Kind) -> Verdict:
+    """``admit``, awaited on the loop's async backend ``store``: the script, or
+    the read and compare-and-swap rounds, are its round trips."""
+    if store.sync.runs_scripts:
+        lua, args = _script(kind.lua, kind.args())
+        return _scripted(await store.script(lua, (key,), *args))
+    for _ in range(MAX_ROUNDS):
+        peek = await store.peek(key)
+        verdict = kind.decide(None if peek is None else peek.value, now_ms())
+        if verdict.state is None:
+            return verdict
+        if peek is None:
+            written = await store.acquire(key, verdict.state, verdict.ttl)
+        else:
+            written = await store.replace(
+                key, peek.hold, peek.value, verdict.state, verdict.ttl
+            )
+        if written is not None:
+            return verdict
+    raise _kept_changing(key)
+
+
+def _scripted(reply: Any) -> Verdict:
+    """The verdict a kind's Lua script answered."""
+    admitted, at, retry_ms, paused = reply
+    return Verdict(bool(admitted), int(at), int(retry_ms) / 1000, None, 0, bool(paused))
+
+
+def _kept_changing(key: str) -> RuntimeError:
+    return RuntimeError(
         f"the rate limit's item {key!r} changed under {MAX_ROUNDS} admissions in a "
         "row without one going through"
     )

@@ -21,13 +21,13 @@ import asyncio
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ..aio import async_backend_for
 from ..aio.finishing import carried_through
 from ..backends import backend_for, fork_generation
 from ..conf import settings, validate_expire
-from ..exceptions import LockBackendError, LockNotAcquired
+from ..exceptions import LockBackendError
 from ..signals import lock_acquired, lock_contended, lock_released
 from .acquisition import Acquisition
 from .fencing import draw_fence
@@ -41,7 +41,6 @@ from .waiting import POLL_MIN, next_wait
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
-    from types import TracebackType
 
     from django.dispatch import Signal
 
@@ -54,8 +53,6 @@ __all__ = ["AsyncLocking"]
 
 # The sync Lock's logger: a release's failure is logged under one name.
 logger = logging.getLogger("django_tasklock.locks.lock")
-
-_Self = TypeVar("_Self", bound="AsyncLocking")
 
 
 class AsyncLocking:
@@ -280,19 +277,6 @@ class AsyncLocking:
             await self.arelease()
         except LockBackendError:
             logger.exception("Could not release lock %r", self.lock_id)
-
-    async def __aenter__(self: _Self) -> _Self:
-        if not await self.aacquire():
-            raise LockNotAcquired(self.lock_id)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.arelease_quietly()
 
 
 async def _kept(
