@@ -16,12 +16,17 @@ from .arguments import KeySpec, binder, call_digest, check_key
 from .declared import name_alias
 from .integrations import install, starter
 from .modes import mode_for
+from .modes.asynchronous import arun, refuse_async
 from .options import ModeName, OnContention, OnDuplicate, Options
 from .runs import current_lock, retry_unbound
 from .targets import lock_id_for
 
 if TYPE_CHECKING:
     from .locks import OnLost
+    from .modes import Mode
+    from .runs import Run
+
+    Begin = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Run]
 
 __all__ = ["current_lock", "lock_id_for", "single_instance"]
 
@@ -116,6 +121,11 @@ def single_instance(
 
     A body that raises, or calls ``self.retry()``, has released the lock before
     the retry is sent, so a retry never meets its own lock.
+
+    On an ``async def`` function the wrapper is async too: the lock is taken,
+    waited for and released on the event loop, and held while the body is
+    awaited. ``retry`` and the modes that publish are refused there (they need
+    a sync task).
     """
     options = Options(
         key=key,
@@ -172,11 +182,9 @@ def _decorate(func: F, options: Options) -> F:
         return f"{name}-lock-{call_digest(name, arguments, options.key)}"
 
     begin = starter(func, options, lock_id, plain_name, mode.publishes)
-    on_run = mode.on_run
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return on_run(begin(wrapper, args, kwargs))
+    if inspect.iscoroutinefunction(func):
+        refuse_async(plain_name, mode, options)
+    wrapper = _wrap(func, mode, begin)
 
     # Celery reads the signature (getfullargspec) to check a call's arguments
     # when it is sent; give it the function's, not (*args, **kwargs).
@@ -185,3 +193,22 @@ def _decorate(func: F, options: Options) -> F:
     wrapper._tasklock_name = plain_name  # type: ignore[attr-defined]
     wrapper._tasklock_options = options  # type: ignore[attr-defined]
     return cast(F, wrapper)
+
+
+def _wrap(func: Callable[..., Any], mode: Mode, begin: Begin) -> Callable[..., Any]:
+    """The wrapper over ``func``: each call begun (``begin``) and run by its
+    mode; awaited, on the event loop, for an ``async def`` function."""
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def awaited(*args: Any, **kwargs: Any) -> Any:
+            return await arun(mode, begin(awaited, args, kwargs))
+
+        return awaited
+    on_run = mode.on_run
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return on_run(begin(wrapper, args, kwargs))
+
+    return wrapper

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.tasks import task
 
-from django_tasklock import single_instance
+from django_tasklock import rate_limited, single_instance
 
 
 @task
@@ -57,3 +57,22 @@ def waits_for_itself(text, nested=False):
         return "ran"
     inner = waits_for_itself.enqueue(text)
     return [inner.status, [error.exception_class.__name__ for error in inner.errors]]
+
+
+@task
+@single_instance(key="text")
+async def count_letters(text):
+    """An async task: its lock is held while the worker awaits it."""
+    import asyncio
+
+    from django_tasklock import lock_id_for
+    from django_tasklock.status import lock_status
+
+    await asyncio.sleep(0)
+    return [len(text), lock_status(lock_id_for(count_letters, text)).held]
+
+
+@task
+@rate_limited("1/10s", name="djtasks-async-limited", on_limit="skip")
+async def ping_partner(n):
+    return n

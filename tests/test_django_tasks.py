@@ -134,3 +134,16 @@ def test_a_nested_call_that_would_wait_for_its_caller_fails_at_once():
     assert result.status == "SUCCESSFUL", result.errors
     assert result.return_value == ["FAILED", ["LockNotAcquired"]]
     assert not lock_status(lock_id(djtasks.waits_for_itself, "w")).held
+
+
+def test_async_django_tasks_hold_their_lock_and_rate_limit_while_awaited():
+    from django_tasklock import RateLimiter
+    from tests import djtasks
+
+    assert djtasks.count_letters.enqueue("abcd").return_value == [4, True]
+    with Lock(lock_id(djtasks.count_letters, "abcd")):
+        skipped = djtasks.count_letters.enqueue("abcd")
+        assert skipped.status == "SUCCESSFUL" and skipped.return_value is None
+    RateLimiter("djtasks-async-limited", "1/10s").reset()
+    assert djtasks.ping_partner.enqueue(1).return_value == 1
+    assert djtasks.ping_partner.enqueue(2).return_value is None  # over the limit

@@ -70,6 +70,9 @@ def rate_limited(
     ``RateLimited``; ``"wait"`` waits up to ``timeout`` seconds (default
     ``TASKLOCK["WAIT_TIMEOUT"]``) and then raises; ``"skip"`` returns None and
     logs at INFO.
+
+    On an ``async def`` function the wrapper is async: admitted (and waited
+    for) on the event loop; ``"retry"`` cannot send it again and raises.
     """
     _check_options(rate, name, on_limit, kind, burst)
 
@@ -78,6 +81,11 @@ def rate_limited(
             func, name, (rate, kind, burst, cache), key, on_limit
         )
         limiter_for = limits.for_call
+        if inspect.iscoroutinefunction(func):
+            awaited = _awaited(func, limiter_for, on_limit, timeout)
+            awaited.__signature__ = signature  # type: ignore[attr-defined]
+            awaited._tasklock_rate_limit = limiter_for  # type: ignore[attr-defined]
+            return cast(F, awaited)
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -98,6 +106,29 @@ def rate_limited(
     return decorate
 
 
+def _awaited(
+    func: Callable[..., Any],
+    limiter_for: Callable[[tuple[Any, ...], dict[str, Any]], RateLimiter],
+    on_limit: OnLimit | None,
+    timeout: float | None,
+) -> Callable[..., Any]:
+    """The wrapper over an ``async def`` function: admitted, and waited for
+    (``on_limit="wait"``), on the event loop. Nothing can send its call again:
+    over the limit, ``retry`` raises ``RateLimited`` as for a plain call."""
+
+    @functools.wraps(func)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        limiter = limiter_for(args, kwargs)
+        admission = await limiter.aadmit()
+        if admission:
+            return await _admitted_await(func, args, kwargs, admission)
+        policy = ON_LIMIT[on_limit or settings.ON_LIMIT]
+        proceed = functools.partial(_admitted_await, func, args, kwargs)
+        return await policy.aover(Over(limiter, admission, proceed, None, timeout))
+
+    return wrapper
+
+
 def _admitted_run(
     func: Callable[..., Any],
     args: tuple[Any, ...],
@@ -108,6 +139,20 @@ def _admitted_run(
     token = _admitted.set(admission)
     try:
         return func(*args, **kwargs)
+    finally:
+        _admitted.reset(token)
+
+
+async def _admitted_await(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    admission: Admission,
+) -> Any:
+    """``_admitted_run`` of an ``async def`` function, awaited."""
+    token = _admitted.set(admission)
+    try:
+        return await func(*args, **kwargs)
     finally:
         _admitted.reset(token)
 
@@ -128,6 +173,12 @@ def _declare(
         inspect.Parameter.POSITIONAL_OR_KEYWORD,
     )
     check_key(func, key, signature)
+    if on_limit == "retry" and inspect.iscoroutinefunction(func):
+        raise TypeError(
+            f"on_limit='retry' on {func.__qualname__}, an async def function: "
+            "nothing can send a call of it again (Celery runs sync tasks), so a "
+            "call over the limit would be lost. Use 'raise', 'wait' or 'skip'."
+        )
     if on_limit == "retry" and not takes_self:
         raise TypeError(
             f"on_limit='retry' needs a bound Celery task, but {func.__qualname__} "

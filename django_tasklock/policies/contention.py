@@ -40,6 +40,10 @@ class ContentionPolicy:
     def acquire(self, lock: Lock | Semaphore, run: Run) -> bool:
         return lock.acquire()
 
+    async def aacquire(self, lock: Lock | Semaphore, run: Run) -> bool:
+        """``acquire``, awaited (the run of an ``async def`` function)."""
+        return await lock.aacquire()
+
     def contended(self, run: Run, lock: Lock | Semaphore) -> Any:
         if run.host.in_canvas(run):
             # A chain's next link, a group's result or a chord's callback would
@@ -83,14 +87,20 @@ class Retry(ContentionPolicy):
         return run.host.retry(run, countdown)
 
 
+def _timeout(run: Run) -> float:
+    """How long ``wait`` waits: ``timeout=``, else ``TASKLOCK["WAIT_TIMEOUT"]``."""
+    timeout = run.options.timeout
+    return settings.WAIT_TIMEOUT if timeout is None else timeout
+
+
 class Wait(ContentionPolicy):
     waits = True
 
     def acquire(self, lock: Lock | Semaphore, run: Run) -> bool:
-        timeout = run.options.timeout
-        if timeout is None:
-            timeout = settings.WAIT_TIMEOUT
-        return lock.acquire(blocking=True, timeout=timeout)
+        return lock.acquire(blocking=True, timeout=_timeout(run))
+
+    async def aacquire(self, lock: Lock | Semaphore, run: Run) -> bool:
+        return await lock.aacquire(blocking=True, timeout=_timeout(run))
 
     def contended(self, run: Run, lock: Lock | Semaphore) -> Any:
         return CONTENTION[run.options.on_timeout].contended(run, lock)

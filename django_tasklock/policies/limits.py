@@ -67,6 +67,11 @@ class LimitPolicy:
         )
         return None
 
+    async def aover(self, call: Over) -> Any:
+        """``over``, awaited (an ``async def`` function's call; its
+        ``proceed`` returns an awaitable)."""
+        return self.over(call)
+
 
 class Raise(LimitPolicy):
     def over(self, call: Over) -> Any:
@@ -75,11 +80,20 @@ class Raise(LimitPolicy):
 
 class Wait(LimitPolicy):
     def over(self, call: Over) -> Any:
-        timeout = settings.WAIT_TIMEOUT if call.timeout is None else call.timeout
-        waited = call.limiter.wait(timeout)
+        waited = call.limiter.wait(_timeout(call))
         if not waited:
             raise call.refused(waited.retry_after)
         return call.proceed(waited)
+
+    async def aover(self, call: Over) -> Any:
+        waited = await call.limiter.aadmit(timeout=_timeout(call))
+        if not waited:
+            raise call.refused(waited.retry_after)
+        return await call.proceed(waited)
+
+
+def _timeout(call: Over) -> float:
+    return settings.WAIT_TIMEOUT if call.timeout is None else call.timeout
 
 
 class Retry(LimitPolicy):
