@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 #: The target ratio of an async Lock cycle to its store's raw async floor.
 TARGET = 1.1
+#: The longest a callback may hold the event loop (a coroutine step, CPU time).
+BLOCK_TARGET = 0.010
 
 
 def setup_django(memcached: str, redis_url: str) -> None:
@@ -174,6 +176,8 @@ def measure_storm(
         "holds": len(holds),
         "per_second": len(holds) / span if span > 0 else 0.0,
         "lags": [result["lag"] for result in results],
+        "steps": [result["step"] for result in results],
+        "gcs": [result["gc"] for result in results],
         "waited": sum(result["waited"] for result in results),
     }
 
@@ -195,11 +199,22 @@ def render(samples: dict[str, list[int]], storms: dict[str, dict[str, Any]]) -> 
     lines.append("Storm (1,000 coroutines over 10 ids, in 5 processes):")
     for alias, storm in storms.items():
         lags = ", ".join(f"{lag * 1000:.0f}" for lag in storm["lags"])
+        steps = ", ".join(f"{step * 1000:.1f}" for step in storm["steps"])
+        gcs = ", ".join(f"{pause * 1000:.0f}" for pause in storm["gcs"])
         lines.append(
             f"  {alias:<10} {storm['holds']:6d} holds ({storm['per_second']:.0f}/s), "
-            f"{storm['waited']} after waiting, overlaps {storm['overlaps']}; "
-            f"largest loop lag per process (ms): {lags}"
+            f"{storm['waited']} after waiting, overlaps {storm['overlaps']};\n"
+            f"  {'':<10} longest callback per process, CPU ms (the loop blocked, "
+            f"less GC): {steps};\n"
+            f"  {'':<10} longest garbage collection per process, CPU ms: {gcs};\n"
+            f"  {'':<10} largest probe lag per process, ms (1,000 ready coroutines "
+            f"ahead of it): {lags}"
         )
+        if max(storm["steps"]) > BLOCK_TARGET:
+            misses.append(
+                f"{alias}: a callback held the loop "
+                f"{max(storm['steps']) * 1000:.1f} ms (target {BLOCK_TARGET * 1000:.0f} ms)"
+            )
     if misses:
         lines.append("over target: " + "; ".join(misses))
     return "\n".join(lines)

@@ -24,7 +24,7 @@ import random
 import time
 from typing import TYPE_CHECKING, Any, Final
 
-from .aio import async_backend_for
+from .aio import loop_backend
 from .backends import backend_for
 from .conf import settings
 from .exceptions import LockBackendError, LockUsageError
@@ -201,8 +201,9 @@ class Semaphore(Holding):
         return False
 
     async def _atake_a_free_slot(self) -> bool:
-        ids, backend, keys = self._slots()
-        store = async_backend_for(backend.alias, backend.protocol)
+        alias = self._cache or settings.CACHE
+        store = await loop_backend(alias, settings.MEMCACHED_PROTOCOL)
+        ids, backend, keys = self._slots(store.sync)
         try:
             held = await store.held_many(keys)
         except store.errors as exc:
@@ -214,12 +215,16 @@ class Semaphore(Holding):
                 return True
         return False
 
-    def _slots(self) -> tuple[list[str], LockBackend, list[str]]:
-        """The slots' lock ids, their store, and their keys there."""
+    def _slots(
+        self, backend: LockBackend | None = None
+    ) -> tuple[list[str], LockBackend, list[str]]:
+        """The slots' lock ids, their store (``backend``, else this thread's),
+        and their keys there."""
         ids = self.slot_ids()
-        backend = backend_for(
-            self._cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL
-        )
+        if backend is None:
+            backend = backend_for(
+                self._cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL
+            )
         return ids, backend, [backend.keys_for(lock_id)[0] for lock_id in ids]
 
     def _unread(

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 class Ticks:
@@ -26,6 +29,48 @@ class Ticks:
     def stop(self) -> int:
         self._task.cancel()
         return self.count
+
+
+@contextlib.contextmanager
+def longest_step() -> Iterator[dict[str, float]]:
+    """While inside: how long the event loop was blocked at most, by this
+    thread's CPU clock (not stretched by other processes): ``step``, the
+    longest one callback of the loop took (a coroutine's step, a timer's),
+    less the garbage collector's pauses inside it; ``gc``, the longest such
+    pause (the interpreter's, whatever runs). Times ``asyncio.Handle._run``,
+    which asyncio's own loop calls for every callback (uvloop does not)."""
+    import gc
+    from asyncio import events
+
+    original = events.Handle._run
+    longest = {"step": 0.0, "gc": 0.0}
+    clock = time.thread_time
+    collecting = [0.0, 0.0]  # the pause under way's start; all pauses so far
+
+    def timed(handle: Any) -> None:
+        started, paused = clock(), collecting[1]
+        try:
+            original(handle)
+        finally:
+            spent = clock() - started - (collecting[1] - paused)
+            if spent > longest["step"]:
+                longest["step"] = spent
+
+    def pauses(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collecting[0] = clock()
+            return
+        pause = clock() - collecting[0]
+        collecting[1] += pause
+        longest["gc"] = max(longest["gc"], pause)
+
+    events.Handle._run = timed  # type: ignore[method-assign]
+    gc.callbacks.append(pauses)
+    try:
+        yield longest
+    finally:
+        gc.callbacks.remove(pauses)
+        events.Handle._run = original  # type: ignore[method-assign]
 
 
 async def contend(
@@ -72,25 +117,38 @@ async def contend(
 
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     probing = asyncio.ensure_future(probe())
-    try:
-        with contextlib.suppress(asyncio.TimeoutError):  # the count then says so
-            await all_until(done, [one(n) for n in range(coroutines)], give_up)
-    finally:
-        await probing
-    return {"holds": holds, "waited": waited, "lag": max(lags, default=0.0)}
+    with longest_step() as step:
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):  # the count says so
+                await all_until(done, [one(n) for n in range(coroutines)], give_up)
+        finally:
+            await probing
+    return {
+        "holds": holds,
+        "waited": waited,
+        "lag": max(lags, default=0.0),
+        "step": step["step"],
+        "gc": step["gc"],
+    }
 
 
 async def all_until(done: asyncio.Event, coroutines: list[Any], give_up: float) -> None:
     """Run ``coroutines`` until they end, for at most ``give_up`` seconds; then,
     or when one fails, ``done`` is set and the rest are ended before this
     returns (before the loop's connections close)."""
-    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    tasks = []
+    for number, coroutine in enumerate(coroutines, 1):
+        tasks.append(asyncio.ensure_future(coroutine))
+        if number % 50 == 0:  # a thousand at once would hold the loop itself
+            await asyncio.sleep(0)
     try:
         await asyncio.wait_for(asyncio.gather(*tasks), give_up)
     finally:
         done.set()
-        for task in tasks:
+        for number, task in enumerate(tasks, 1):
             task.cancel()
+            if number % 50 == 0:
+                await asyncio.sleep(0)
         await asyncio.gather(*tasks, return_exceptions=True)
 
 

@@ -18,9 +18,10 @@ from ..backends import backend_for, backends_generation
 from .finishing import finish_cancelled
 
 if TYPE_CHECKING:
+    from ..backends import LockBackend
     from .base import AsyncBackend
 
-__all__ = ["async_backend_for", "close_loop_connections"]
+__all__ = ["async_backend_for", "close_loop_connections", "loop_backend"]
 
 
 class _LoopBackends(dict[tuple[str, str], "AsyncBackend"]):
@@ -47,18 +48,53 @@ def async_backend_for(alias: str, protocol: str) -> AsyncBackend:
     return backend
 
 
-def _build(alias: str, protocol: str) -> AsyncBackend:
+#: The (alias, protocol) pairs whose modules this process has imported.
+_warmed: set[tuple[str, str]] = set()
+
+
+async def loop_backend(alias: str, protocol: str) -> AsyncBackend:
+    """``async_backend_for``, from a coroutine: the first time in a process,
+    the modules the backend needs (the cache's client library, its async
+    twin: ``redis.asyncio`` takes a tenth of a second to import) are
+    imported on an executor thread, not on the loop."""
+    if (alias, protocol) not in _warmed:
+        await asyncio.to_thread(
+            lambda: _native_kind(backend_for(alias, protocol=protocol))
+        )
+        _warmed.add((alias, protocol))
+    return async_backend_for(alias, protocol)
+
+
+def _native_kind(sync: LockBackend) -> str | None:
+    """Which client of this package serves ``sync``'s store from a loop
+    ("memcached", "redis"), its module imported; None for the threaded one."""
     from ..backends.memcached.backend import MemcachedBackend
     from ..backends.redis import DjangoRedisBackend, RedisBackend
+
+    kind = type(sync)
+    if kind is MemcachedBackend and sync.protocol != "classic":
+        from .memcached import AsyncMemcached  # noqa: F401
+
+        return "memcached"
+    if kind in (RedisBackend, DjangoRedisBackend):
+        import redis.asyncio  # noqa: F401
+
+        from .redis import AsyncRedis  # noqa: F401
+
+        return "redis"
+    return None
+
+
+def _build(alias: str, protocol: str) -> AsyncBackend:
     from .threaded import ThreadedBackend
 
     sync = backend_for(alias, protocol=protocol)
-    kind = type(sync)
-    if kind is MemcachedBackend and protocol != "classic":
+    native = _native_kind(sync)
+    if native == "memcached":
         from .memcached import AsyncMemcached
 
         return AsyncMemcached(sync)  # type: ignore[arg-type]
-    if kind in (RedisBackend, DjangoRedisBackend):
+    if native == "redis":
         from .redis import AsyncRedis, async_pool_options
 
         options = async_pool_options(sync._redis(""))  # type: ignore[attr-defined]

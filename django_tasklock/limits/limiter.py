@@ -8,7 +8,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..aio import async_backend_for
+from ..aio import loop_backend
 from ..backends import backend_for
 from ..conf import settings, validate_seconds
 from ..exceptions import LockBackendError
@@ -87,7 +87,10 @@ class RateLimiter:
 
     def _store(self) -> tuple[Any, str]:
         backend = backend_for(self.cache, protocol=settings.MEMCACHED_PROTOCOL)
-        return backend, backend.key_for(f"{self.limit_id}-rate")
+        return backend, self._key(backend)
+
+    def _key(self, backend: LockBackend) -> str:
+        return backend.key_for(f"{self.limit_id}-rate")
 
     def _call(self, doing: str, step: Any, *args: Any) -> Any:
         backend, key = self._store()
@@ -120,8 +123,9 @@ class RateLimiter:
         if timeout is not None:
             validate_seconds(timeout, name="timeout", allow_zero=True)
         deadline = None if timeout is None else time.monotonic() + timeout
-        backend, key = self._store()
-        loop_store = async_backend_for(backend.alias, backend.protocol)
+        loop_store = await loop_backend(self.cache, settings.MEMCACHED_PROTOCOL)
+        backend = loop_store.sync
+        key = self._key(backend)
         while True:
             try:
                 verdict = await store.aadmit(loop_store, key, self.kind)

@@ -23,7 +23,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..aio import async_backend_for
+from ..aio import loop_backend
 from ..aio.finishing import carried_through
 from ..backends import backend_for, fork_generation
 from ..conf import settings, validate_expire
@@ -110,8 +110,8 @@ class AsyncLocking:
             expire = min(expire, self.max_hold)
         renew = self._renew_option if self._renew_option is not None else defaults[3]
         alias, protocol = self._cache or defaults[1], defaults[2]
-        backend = backend_for(alias, protocol=protocol)
-        store = async_backend_for(alias, protocol)
+        store = await loop_backend(alias, protocol)
+        backend = store.sync
         key = backend.keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
         tried_at = started = time.monotonic()
@@ -219,7 +219,7 @@ class AsyncLocking:
             hold, token = acq.hold, acq.token
             if hold is None:  # lost earlier, and reported then
                 return False
-            store = async_backend_for(acq.alias, acq.backend.protocol)
+            store = await loop_backend(acq.alias, acq.backend.protocol)
             try:
                 released = await store.drop(acq.key, hold, token)
             except store.errors as exc:
