@@ -62,6 +62,16 @@ OPERATIONS: list[tuple[str, str, float | None]] = [
         None,
     ),
     ("until_finished .delay(), joined", "floor: plain .delay() (memory broker)", None),
+    # Async: one event loop runs every iteration (the loop's own work, its
+    # epoll waits among it, is counted on both sides of each ratio).
+    ("async floor: meta ms + md (asyncio)", "", None),
+    ("async Lock cycle", "async floor: meta ms + md (asyncio)", 1.1),
+    ("async floor: redis.asyncio SET NX PX + Lua delete", "", None),
+    (
+        "async Lock cycle on Redis",
+        "async floor: redis.asyncio SET NX PX + Lua delete",
+        1.1,
+    ),
     ("floor: valkey-py cluster SET NX PX + Lua delete", "", None),
     (
         "Lock cycle on a cluster",
@@ -160,7 +170,8 @@ def _operations() -> dict[str, Callable[[], object]]:
         plain_delay, published_delay, joined_delay,
         cluster_floor, cluster_lock_cycle,
     ]  # fmt: skip
-    return dict(zip([name for name, _, _ in OPERATIONS], functions, strict=True))
+    names = [name for name, _, _ in OPERATIONS if name not in ASYNC]
+    return dict(zip(names, functions, strict=True))
 
 
 def _cluster_operations() -> tuple[Callable[[], object], Callable[[], object]]:
@@ -204,16 +215,46 @@ def _floor_and_cycle(
     return floor, lock_cycle
 
 
+#: The async rows (``benchmarks.asyncio_locks``' variants), by their names there.
+ASYNC = {
+    "async floor: meta ms + md (asyncio)": "memcached: floor (async ms + md)",
+    "async Lock cycle": "memcached: async Lock cycle",
+    "async floor: redis.asyncio SET NX PX + Lua delete": (
+        "Redis: floor (redis.asyncio SET NX PX + Lua delete)"
+    ),
+    "async Lock cycle on Redis": "Redis: async Lock cycle",
+}
+
+
 def probe(operation: str, iterations: int) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     import django
 
     django.setup()
+    if operation in ASYNC:
+        import asyncio
+
+        asyncio.run(_probe_async(ASYNC[operation], iterations))
+        return
     function = _operations()[operation]
     for _ in range(WARM_UP):
         function()
     for _ in range(iterations):
         function()
+
+
+async def _probe_async(variant: str, iterations: int) -> None:
+    from benchmarks.asyncio_locks import _variants
+    from django_tasklock.aio import close_loop_connections
+
+    function = (await _variants())[variant]
+    try:
+        for _ in range(WARM_UP):
+            await function()
+        for _ in range(iterations):
+            await function()
+    finally:
+        await close_loop_connections()
 
 
 # -- the driver --------------------------------------------------------------------
