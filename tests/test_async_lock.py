@@ -320,3 +320,63 @@ def test_an_async_connection_dropped_while_idle_is_replaced(own_memcached):
         assert await first.arelease()
 
     run(scenario)
+
+
+_IMPORTS_PROBE = """
+import asyncio, importlib.abc, json, os, sys, threading
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+import django
+django.setup()
+WATCHED = {"redis", "redis.asyncio", "django_tasklock.aio.memcached",
+           "django_tasklock.aio.redis"}
+before = sorted(name for name in WATCHED if name in sys.modules)
+where = {}
+
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in WATCHED:
+            where[name] = threading.get_ident()
+        return None
+
+sys.meta_path.insert(0, Watch())
+
+async def main():
+    from django_tasklock import Lock
+    from django_tasklock.aio import close_loop_connections
+    for alias in ("default", "redis"):
+        lock = Lock("async-imports", cache=alias, expire=30)
+        assert await lock.aacquire() and await lock.arelease()
+    await close_loop_connections()
+    return threading.get_ident()
+
+loop_thread = asyncio.run(main())
+print(json.dumps({"before": before, "imported": sorted(where),
+                  "on_the_loop": sorted(n for n, t in where.items() if t == loop_thread)}))
+"""
+
+
+def test_a_store_first_used_from_a_loop_is_imported_off_the_loop():
+    """redis.asyncio took a tenth of a second of the loop's CPU to import:
+    the modules a store needs are imported on an executor thread."""
+    import json
+    import subprocess
+
+    from tests.services import ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["before"] == []  # none was imported before the loop asked
+    assert seen["imported"] == [
+        "django_tasklock.aio.memcached",
+        "django_tasklock.aio.redis",
+        "redis",
+        "redis.asyncio",
+    ]
+    assert seen["on_the_loop"] == []
