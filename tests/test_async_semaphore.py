@@ -16,7 +16,7 @@ from django_tasklock import Lock, LockNotAcquired, LockUsageError, Semaphore
 from django_tasklock.aio import async_backend_for
 from django_tasklock.semaphores import slot_id
 from tests.async_storm import Ticks, all_until
-from tests.test_async_lock import loop, run  # noqa: F401
+from tests.test_async_lock import run
 from tests.test_recovery import holders  # noqa: F401
 from tests.workers import most_at_once
 
@@ -25,7 +25,7 @@ def held_slots(name: str, limit: int) -> list[int]:
     return [slot for slot in range(limit) if Lock(slot_id(name, slot)).locked()]
 
 
-def test_async_semaphore_admits_at_most_limit_with_sync_holders(store, loop):  # noqa: F811
+def test_async_semaphore_admits_at_most_limit_with_sync_holders(store):
     sync_holder = Semaphore("async-slots", 3, expire=30)
     assert sync_holder.acquire()
 
@@ -48,7 +48,7 @@ def test_async_semaphore_admits_at_most_limit_with_sync_holders(store, loop):  #
         assert freed not in held_slots("async-slots", 3)
         assert await second.arelease()
 
-    run(scenario, loop=loop)
+    run(scenario)
     assert held_slots("async-slots", 3) == [sync_holder.slot]
     assert sync_holder.release()
 
@@ -100,7 +100,7 @@ def test_a_blocking_async_semaphore_waits_on_the_loop(store):
     assert held_slots("async-slot-wait", 1) == []
 
 
-def test_async_semaphore_cancelled_at_any_point_leaves_no_slot(store, loop):  # noqa: F811
+def test_async_semaphore_cancelled_at_any_point_leaves_no_slot(store):
     """Cancelled while reading the slots, while taking one, or after: whatever
     it got is released. The cancel comes later after each cancelled try and
     sooner after each that took a slot, so the tries gather around the moment
@@ -132,7 +132,7 @@ def test_async_semaphore_cancelled_at_any_point_leaves_no_slot(store, loop):  # 
             await asyncio.sleep(0.01)
         return got, cancelled
 
-    got, cancelled = run(scenario, loop=loop)
+    got, cancelled = run(scenario)
     assert got >= 5 and cancelled >= 5, (got, cancelled)
     assert held_slots("async-slot-cancel", 2) == []
 
@@ -192,7 +192,7 @@ def _slot_storm(tasklock: dict[str, object], start_at: float) -> list:
 
     async def main():
         try:
-            return await _contend_for_slots(3, 200, 150, start_at)
+            return await _contend_for_slots(3, 100, 60, start_at)
         finally:
             await close_loop_connections()
 
@@ -201,7 +201,7 @@ def _slot_storm(tasklock: dict[str, object], start_at: float) -> list:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("store_name", ["memcached-meta", "redis"])
-def test_coroutines_in_three_processes_never_hold_more_than_the_limit(
+def test_coroutines_in_two_processes_never_hold_more_than_the_limit(
     store_name, settings
 ):
     from tests.helpers import SHARED_STORES
@@ -211,13 +211,13 @@ def test_coroutines_in_three_processes_never_hold_more_than_the_limit(
     settings.TASKLOCK = chosen.tasklock
     context = multiprocessing.get_context("spawn")
     with unmeasured():
-        pool = context.Pool(2)
+        pool = context.Pool(1)
     with pool:
         start_at = time.monotonic() + 5.0
-        others = pool.starmap_async(_slot_storm, [(chosen.tasklock, start_at)] * 2)
+        other = pool.apply_async(_slot_storm, (chosen.tasklock, start_at))
         here = _slot_storm(chosen.tasklock, start_at)
-        results = [here, *others.get(timeout=300)]
-    assert [len(holds) >= 150 for holds in results] == [True] * 3
+        results = [here, other.get(timeout=300)]
+    assert [len(holds) >= 60 for holds in results] == [True] * 2
     holds = [hold for result in results for hold in result]
     # All three slots were in use at once, and never a fourth.
     assert most_at_once(holds) == 3
