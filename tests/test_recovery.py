@@ -253,8 +253,11 @@ def test_a_restart_refuses_new_locks_for_seconds_and_live_holders_keep_theirs(
     assert outcome["on_victim"], outcome
     refused_for = outcome["refused_for"]
     # RESTART_GRACE defaults to LIVENESS (10 s): refused that long (less the
-    # whole second of the server's uptime), and not much longer on a busy machine.
-    assert refused_for is not None and 8 <= refused_for <= 10 + SLACK, outcome
+    # whole second of the server's uptime), not ten minutes (LOCK_EXPIRE). The
+    # figure runs until a fresh process took its lock: its start and its tries
+    # on a machine running the whole suite at once (15.7 s and 19.9 s in two
+    # fresh-clone runs) count too.
+    assert refused_for is not None and 8 <= refused_for <= 10 + 3 * SLACK, outcome
     assert outcome["stolen"] == [], outcome
     assert all(outcome["owned"]), outcome
 
