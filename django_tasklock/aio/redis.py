@@ -5,11 +5,10 @@ own built with the same address and options."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..backends.redis import _ACQUIRE, _RELEASE, _SHA
+from ..backends.redis import _ACQUIRE, _RELEASE, _SHA, known
 from .base import AsyncBackend
 
 if TYPE_CHECKING:
@@ -105,11 +104,8 @@ class AsyncRedis(AsyncBackend):
             return await self._client.eval(script, 1, key, *args)
 
     async def script(self, text: str, keys: tuple[str, ...], *args: Any) -> Any:
-        sha = _SHA.get(text)
-        if sha is None:
-            sha = _SHA[text] = hashlib.sha1(text.encode()).hexdigest()
         try:
-            return await self._client.evalsha(sha, len(keys), *keys, *args)
+            return await self._client.evalsha(known(text), len(keys), *keys, *args)
         except self._no_script:
             return await self._client.eval(text, len(keys), *keys, *args)
 

@@ -94,6 +94,15 @@ _SHA = {
 }
 
 
+def known(text: str) -> str:
+    """The SHA1 of the Lua script ``text``, remembered in ``_SHA`` (by which
+    the script is sent, whole only where the server lacks it)."""
+    sha = _SHA.get(text)
+    if sha is None:
+        sha = _SHA[text] = hashlib.sha1(text.encode()).hexdigest()
+    return sha
+
+
 class RedisBackend(LockBackend):
     """Locks on the primary of a RedisCache alias (reads go to it too)."""
 
@@ -168,8 +177,7 @@ class RedisBackend(LockBackend):
         """Run the Lua script ``text`` (by its SHA once Redis has it) on the
         primary: how other parts of the package (rate limits) run their own
         atomic steps."""
-        if text not in _SHA:
-            _SHA[text] = hashlib.sha1(text.encode()).hexdigest()
+        known(text)
         return self._script(text, keys, *args)
 
     def raw(self, key: str) -> bytes | None:
