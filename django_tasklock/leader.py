@@ -93,6 +93,8 @@ class Leadership:
         self._stop = threading.Event()
         self._leading = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Whether a try was refused since this process last led (logged once).
+        self._standing = False
 
     def __repr__(self) -> str:
         state = f"leader since {self.since:.0f}" if self.is_leader else "standing by"
@@ -161,6 +163,9 @@ class Leadership:
         lock = Lock(self.lock_id, cache=self.cache, expire=self.expire, renew=True)
         try:
             if not lock.acquire():
+                if not self._standing:
+                    self._standing = True
+                    logger.info("Standing by for %r: another process leads", self.name)
                 return
             fence = lock.fence
         except LockBackendError as exc:
@@ -168,6 +173,7 @@ class Leadership:
             lock.release_quietly()
             return
         self._lock, self._fence, self.since = lock, fence, time.time()
+        self._standing = False
         self._leading.set()
         logger.info("Leading %r (fence %s)", self.name, fence)
         self._call(self.on_gain)

@@ -63,7 +63,7 @@ class Beat:
         command = [
             *wrapper, sys.executable, "-m", "celery", "-A", "tests.beat_app", "beat",
             "-S", scheduler, "-s", str(workdir / f"schedule-{host}"),
-            "--pidfile=", "-l", "warning",
+            "--pidfile=", "-l", "info",
         ]  # fmt: skip
         rename = f'hostname {host} && exec "$@"'
         self.host = host
@@ -81,6 +81,25 @@ class Beat:
                  "SINGLE_BEAT_REDIS_SERVER": broker, "SINGLE_BEAT_IDENTIFIER": "beatha",
                  "SINGLE_BEAT_LOCK_TIME": str(LIVENESS), "SINGLE_BEAT_HEARTBEAT_INTERVAL": "1"},
         )  # fmt: skip
+
+    def standing_by(self, timeout: float) -> bool:
+        """Wait until this beat's LeaderScheduler has been refused the role
+        once (it logs "Standing by"): it is up and trying. Whether it was."""
+        path = Path(self.log.name)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "Standing by for" in path.read_text(errors="replace"):
+                return True
+            if self.process.poll() is not None:
+                return False
+            time.sleep(0.1)
+        return False
+
+    def tail(self, lines: int = 30) -> str:
+        """The end of this beat's log."""
+        self.log.flush()
+        text = Path(self.log.name).read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
 
     def owns(self, pid: int) -> bool:
         """Whether process ``pid`` is one of this beat's (its group's)."""
