@@ -560,7 +560,7 @@ def run(quick: bool) -> list[Row]:
         return [scenario() for _ in range(n)]
 
     rows = [
-        _row("34. pool server restarted, lock on the other (LIVENESS 6s)",
+        _row("34. pool server restarted, lock on the other",
              runs(pool_server_restarted), least_tries=10),
         _row("35. pool server stalled 5s (LIVENESS 8s)",
              runs(pool_server_stalled), least_tries=10),

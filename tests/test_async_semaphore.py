@@ -82,7 +82,7 @@ def test_a_blocking_async_semaphore_waits_on_the_loop(store):
         assert not await waiter.aacquire(blocking=True, timeout=1.0)
         assert time.monotonic() - started >= 1.0
         # The loop ran others while it waited: ~100 ticks of 10 ms on an idle
-        # machine; waits slept in the loop (10 ms doubling to 320 ms) would
+        # machine; waits slept in the loop (10 ms, doubling up to 500 ms) would
         # let it tick once between tries, 7 times. (A loaded matrix session
         # ticked twice in a 0.3 s wait.)
         assert ticking.count >= 15
