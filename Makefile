@@ -10,10 +10,18 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lock-demo bench bench-cpu bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
+.PHONY: demo demo-django6 lock-demo bench bench-cpu bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
+
+# The demo on Python 3.13 with Django 6.1 (the matrix's environment, made by
+# nox), where its django.tasks step runs too.
+DJANGO6_SESSION := tests(python='3.13', django='6.1')
+DJANGO6_PYTHON := .nox/tests-python-3-13-django-6-1/bin/python
+demo-django6: services $(STAMP)
+	$(BIN)/nox -s "$(DJANGO6_SESSION)" --install-only
+	$(DJANGO6_PYTHON) -m example_project.demo $(DEMO_ARGS)
 
 # The lock alone, and the cookbook recipe's failure after a flush or a restart.
 lock-demo: services $(STAMP)

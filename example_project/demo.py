@@ -13,10 +13,13 @@ skipped, the most imports of that feed running at one moment, and the entries
 stored. Then the refresh button: ``refresh_feed`` (``mode="coalesce"``) clicked
 many times per feed by every producer; the report shows per feed how many clicks
 were sent, how many became a published task (at most one running plus one
-pending), how many ran, and how many were coalesced into a pending call. Last,
-two ``celery beat`` processes with ``LeaderScheduler``, the leader SIGKILLed
-halfway (``beat_demo``): per periodic entry, the runs the workers received and
-any received twice. The exit status is 1 if any feed was imported twice at once,
+pending), how many ran, and how many were coalesced into a pending call. Then
+an async view (``async with memcache_lock``) and, on Django 6 and later, a
+django.tasks async task (``@single_instance`` on ``async def``) import every
+feed, many requests and enqueues at once. Last, two ``celery beat``
+processes with ``LeaderScheduler``, the leader SIGKILLed halfway
+(``beat_demo``): per periodic entry, the runs the workers received and any
+received twice. The exit status is 1 if any feed was imported twice at once,
 never imported, a task failed, a published refresh did not run, or a periodic
 run was received twice or the other beat did not take over; every process the
 demo started is stopped.
@@ -41,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from django_tasklock.locks.liveness import forget_records  # noqa: E402
-from example_project import beat_demo  # noqa: E402
+from example_project import beat_demo, job_demo  # noqa: E402
 from tests.services import (  # noqa: E402
     Memcached,
     Redis,
@@ -549,7 +552,14 @@ def main(argv: list[str] | None = None) -> int:
         ok = report_web(urls, statuses, lag) and ok
         say()
         say(
-            f"{len(TASKS) + 3}. Celery beat on two processes (LeaderScheduler), two "
+            f"{len(TASKS) + 3}. a django.tasks async task imports a feed, one run "
+            "at a time per feed (@single_instance on async def): "
+            f"{options.producers * options.duplicates} enqueues at once for every feed"
+        )
+        ok = job_demo.run(urls, options.producers * options.duplicates) and ok
+        say()
+        say(
+            f"{len(TASKS) + 4}. Celery beat on two processes (LeaderScheduler), two "
             f"entries every second, for {options.beat_seconds:g}s; the leader is "
             "SIGKILLed halfway"
         )

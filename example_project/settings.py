@@ -101,6 +101,9 @@ else:
     }
 
 TASKLOCK = {"LOCK_EXPIRE": 300, "METRICS": "prometheus"}
+# django.tasks (Django 6 and later; an unused setting on 5.2): tasks run where
+# they are enqueued (feeds/jobs.py, the demo's django.tasks step).
+TASKS = {"default": {"BACKEND": "django.tasks.backends.immediate.ImmediateBackend"}}
 
 BROKER_DIR = Path(os.environ.get("EXAMPLE_BROKER_DIR", str(RUN_DIR / "broker")))
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")

@@ -147,3 +147,37 @@ def test_async_django_tasks_hold_their_lock_and_rate_limit_while_awaited():
     RateLimiter("djtasks-async-limited", "1/10s").reset()
     assert djtasks.ping_partner.enqueue(1).return_value == 1
     assert djtasks.ping_partner.enqueue(2).return_value is None  # over the limit
+
+
+# The test database is SQLite in memory, whose connections Django will not
+# close (that would drop the database): those of the task's threads are
+# collected, and their warning ignored, within this test.
+@pytest.mark.filterwarnings("ignore:unclosed database:ResourceWarning")
+@pytest.mark.django_db(transaction=True)
+def test_the_example_projects_async_task_imports_each_feed_once_at_a_time(capsys):
+    """The demo's django.tasks step (example_project/job_demo.py): 8 enqueues
+    of one feed at once, each run in a thread and event loop of its own
+    (ImmediateBackend), the feed server slow: the feed imported, never two
+    imports at once (measured from the recorded runs), the others skipped
+    while one imported. (One feed: the test database, SQLite in memory,
+    refuses two writers at once, which the demo's file does not.)"""
+    import gc
+    import re
+
+    from example_project import job_demo
+    from example_project.feedserver import FeedServer
+
+    server = FeedServer(delay=0.3).start()
+    try:
+        urls = server.feed_urls()[:1]
+        results = job_demo.enqueue_all(urls, 8)
+        passed = job_demo.report(results)
+    finally:
+        server.stop()
+        gc.collect()
+    out = capsys.readouterr().out
+    assert passed, out
+    counts = re.search(r"(\d+) runs imported, (\d+) skipped", out)
+    assert counts, out
+    imported, skipped = map(int, counts.groups())
+    assert imported + skipped == 8 and imported >= 1 and skipped >= 1, out
