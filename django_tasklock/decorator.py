@@ -183,7 +183,7 @@ def _decorate(func: F, options: Options) -> F:
 
     begin = starter(func, options, lock_id, plain_name, mode.publishes)
     if inspect.iscoroutinefunction(func):
-        refuse_async(plain_name, mode, options)
+        refuse_async(plain_name, options)
     wrapper = _wrap(func, mode, begin)
 
     # Celery reads the signature (getfullargspec) to check a call's arguments

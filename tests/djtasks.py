@@ -76,3 +76,59 @@ async def count_letters(text):
 @rate_limited("1/10s", name="djtasks-async-limited", on_limit="skip")
 async def ping_partner(n):
     return n
+
+
+def _call_of(lock_id):
+    from django_tasklock.status import lock_status
+
+    return list(lock_status(lock_id).call or ())
+
+
+@task
+@single_instance(mode="until_finished")
+async def asummarize(text):
+    """An async until_finished task: what its own lock looks like inside."""
+    import asyncio
+
+    from django_tasklock import lock_id_for
+
+    await asyncio.sleep(0)
+    return _call_of(lock_id_for(asummarize, text))
+
+
+@task
+@single_instance(mode="until_started")
+async def astarted(text):
+    """An async until_started task: its call's mark and its run lock inside."""
+    import asyncio
+
+    from django_tasklock import current_lock, lock_id_for
+
+    await asyncio.sleep(0)
+    run_lock = current_lock()
+    return [_call_of(lock_id_for(astarted, text)), run_lock.lock_id, run_lock.held]
+
+
+@task
+@single_instance(mode="coalesce")
+async def acoalesced(text):
+    """An async coalesce task: its pending mark and its running lock inside."""
+    import asyncio
+
+    from django_tasklock import lock_id_for
+    from django_tasklock.calls import QUEUE_SUFFIX
+    from django_tasklock.status import lock_status
+
+    await asyncio.sleep(0)
+    lock_id = lock_id_for(acoalesced, text)
+    return [lock_status(lock_id + QUEUE_SUFFIX).held, _call_of(lock_id)]
+
+
+@task
+@single_instance(mode="until_finished")
+async def alinger(text, seconds):
+    """An async until_finished task that runs ``seconds``."""
+    import asyncio
+
+    await asyncio.sleep(seconds)
+    return text

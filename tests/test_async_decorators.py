@@ -167,13 +167,30 @@ def test_a_nested_call_of_the_same_lock_never_waits_for_itself():
     run(scenario)
 
 
+@pytest.mark.parametrize("mode", ["until_started", "until_finished", "coalesce"])
+def test_a_publishing_mode_called_in_place_runs_as_while_running(mode):
+    """Awaited in place (no published call), every mode holds the lock while
+    the body is awaited and skips a call that meets it (the worker's side is
+    tests/test_django_tasks.py's)."""
+
+    @single_instance(mode=mode, key="name", expire=30)
+    async def published(name):
+        return Lock(lock_id_for(published, name)).locked()
+
+    async def scenario():
+        assert await published("in-place") is True
+        assert not Lock(lock_id_for(published, "in-place")).locked()
+        holder = Lock(lock_id_for(published, "in-place"), expire=30)
+        assert await holder.aacquire()
+        try:
+            assert await published("in-place") is None  # held: skipped
+        finally:
+            await holder.arelease()
+
+    run(scenario)
+
+
 def test_what_an_async_function_cannot_have_is_refused_when_decorated():
-    for mode in ("until_started", "until_finished", "coalesce"):
-        with pytest.raises(TypeError, match="worker side of a published call"):
-
-            @single_instance(mode=mode)
-            async def published(self, x): ...
-
     with pytest.raises(TypeError, match="nothing can send a call of it again"):
 
         @single_instance(on_contention="retry")

@@ -181,3 +181,81 @@ def test_the_example_projects_async_task_imports_each_feed_once_at_a_time(capsys
     assert counts, out
     imported, skipped = map(int, counts.groups())
     assert imported + skipped == 8 and imported >= 1 and skipped >= 1, out
+
+
+def test_async_tasks_run_as_their_publishing_mode_says():
+    """``@single_instance`` on async django.tasks tasks, each published mode:
+    until_finished takes its lock over from its own queued mark (the lock
+    names the call running), until_started marks its call started and holds
+    a lock named after it, coalesce clears its pending mark and holds the
+    running lock; every lock is free after."""
+    from django_tasklock.calls import QUEUE_SUFFIX
+    from django_tasklock.keys import RUN_MARK
+    from django_tasklock.status import lock_status
+    from tests import djtasks
+
+    finished = djtasks.asummarize.enqueue("a b")
+    assert finished.status == "SUCCESSFUL", finished.errors
+    assert finished.return_value == ["running", finished.id]
+    started = djtasks.astarted.enqueue("s")
+    assert started.status == "SUCCESSFUL", started.errors
+    run_lock = lock_id(djtasks.astarted, "s") + RUN_MARK + started.id
+    assert started.return_value == [["started", started.id], run_lock, True]
+    coalesced = djtasks.acoalesced.enqueue("k")
+    assert coalesced.status == "SUCCESSFUL", coalesced.errors
+    assert coalesced.return_value == [False, ["running", coalesced.id]]
+    for held in (
+        lock_id(djtasks.asummarize, "a b"),
+        lock_id(djtasks.astarted, "s"),
+        run_lock,
+        lock_id(djtasks.acoalesced, "k"),
+        lock_id(djtasks.acoalesced, "k") + QUEUE_SUFFIX,
+    ):
+        assert not lock_status(held).held, held
+
+
+def test_an_async_tasks_pending_call_is_joined(dummy_tasks):
+    from django_tasklock.calls import call_of
+    from django_tasklock.status import lock_status
+    from tests import djtasks
+
+    first = djtasks.asummarize.enqueue("c d")
+    assert djtasks.asummarize.enqueue("c d").id == first.id
+    status = lock_status(lock_id(djtasks.asummarize, "c d"))
+    assert call_of(status.value) == ("queued", first.id)
+
+
+def test_a_second_delivery_of_a_running_async_call_is_dropped(caplog):
+    """Two deliveries of one call (the same result id) of an async
+    until_finished task: the second meets the lock the first holds, which
+    names this very call of a live process, and is dropped (None) while the
+    first runs on."""
+    import asyncio
+
+    from django_tasklock.integrations.django_tasks import _running_result
+    from django_tasklock.status import lock_status
+    from tests import djtasks
+
+    held = lock_id(djtasks.alinger, "twice", 30)
+
+    async def scenario():
+        reset = _running_result.set("call-twice")
+        try:
+            first = asyncio.ensure_future(djtasks.alinger.func("twice", 30))
+            while not lock_status(held).held:
+                await asyncio.sleep(0.01)
+            second = await djtasks.alinger.func("twice", 30)
+            status = lock_status(held)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            return second, list(status.call or ())
+        finally:
+            _running_result.reset(reset)
+
+    with caplog.at_level("WARNING", logger="django_tasklock"):
+        second, call = asyncio.run(scenario())
+    assert second is None
+    assert call == ["running", "call-twice"]
+    assert "Dropped a second delivery" in caplog.text
+    assert not lock_status(held).held  # the cancelled first released it

@@ -22,9 +22,10 @@ from .base import Mode
 
 if TYPE_CHECKING:
     from ..backends import LockBackend
+    from ..locks import Lock
     from ..runs import Run
 
-__all__ = ["UntilStarted"]
+__all__ = ["UntilStarted", "dropped"]
 
 # Logged under 'django_tasklock.decorator' before: that name keeps working (see logs).
 logger = module_logger(__name__, "django_tasklock.decorator")
@@ -55,15 +56,7 @@ class UntilStarted(Mode):
             if verdict is DEFER:
                 return run.host.defer(run, run_lock)
             if verdict is not FREED or not run_lock.acquire():
-                if verdict is not DROP:
-                    logger.warning(
-                        "Dropped a second delivery of %s[%s]: that call is already "
-                        "running (lock %r).",
-                        run.name,
-                        call_id,
-                        run_lock.lock_id,
-                    )
-                return run.host.drop(run)
+                return dropped(run, run_lock, verdict)
         note_run(run_lock, run)
         # current_lock() is the run's lock, and a self.retry() frees it before
         # the retry is sent (its copy would look like a second delivery).
@@ -86,3 +79,17 @@ class UntilStarted(Mode):
             return run.body()
         finally:
             marks.clear(mark, "Could not clear the started mark of lock %r")
+
+
+def dropped(run: Run, run_lock: Lock, verdict: object) -> Any:
+    """End a second delivery whose run lock another delivery of its call
+    holds (said, unless the verdict said it already)."""
+    if verdict is not DROP:
+        logger.warning(
+            "Dropped a second delivery of %s[%s]: that call is already running "
+            "(lock %r).",
+            run.name,
+            run.call_id,
+            run_lock.lock_id,
+        )
+    return run.host.drop(run)
