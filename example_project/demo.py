@@ -52,6 +52,7 @@ from tests.services import (  # noqa: E402
     celery_worker,
     stop_process,
 )
+from tests.workers import most_at_once  # noqa: E402
 
 if TYPE_CHECKING:
     from example_project.feedserver import FeedServer
@@ -383,18 +384,6 @@ def wait_for(task_name: str, expected: int, timeout: float = 60) -> None:
                 f"Timed out: only {done} of {expected} {task_name} tasks finished"
             )
         time.sleep(0.5)
-
-
-def most_at_once(intervals: list[tuple[float, float]]) -> int:
-    """The highest number of intervals open at one moment."""
-    events = sorted(
-        [(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals]
-    )
-    running = peak = 0
-    for _, change in events:  # an end sorts before a start at the same instant
-        running += change
-        peak = max(peak, running)
-    return peak
 
 
 def report(task_name: str, urls: list[str]) -> bool:

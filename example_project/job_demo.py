@@ -58,9 +58,9 @@ def enqueue_all(urls: list[str], per_feed: int) -> dict[str, list[Any]]:
 def report(results: dict[str, list[Any]]) -> bool:
     """Per feed: imported at least once, never twice at once, every run
     successful (imported, or skipped while another imported)."""
-    from example_project.demo import most_at_once
     from example_project.feeds.jobs import JOB_NAME
     from example_project.feeds.models import ImportRun
+    from tests.workers import most_at_once
 
     ok = True
     imported = skipped = 0
