@@ -25,7 +25,7 @@ from ..keys import RUN_MARK
 from ..locks.roster import note_run
 from ..policies import CONTENTION
 from ..runs import DEFER, DROP, FREED, enclosing, held
-from .until_started import dropped
+from .until_started import UntilStarted, dropped
 
 if TYPE_CHECKING:
     from ..locks import Lock
@@ -41,7 +41,7 @@ async def arun(mode: Mode, run: Run) -> Any:
     """Take the run's lock as the mode and the contention policy say, await
     the body as the current lock, release the lock after it."""
     if run.call_id is not None and mode.publishes:
-        if mode.name == "until_started":
+        if isinstance(mode, UntilStarted):
             return await _arun_started(mode, run)
         return await _arun_call(mode, run)
     lock = run.lock = mode.lock_for(run)
