@@ -5,11 +5,10 @@ processes admitting under one limit."""
 from __future__ import annotations
 
 import math
-import multiprocessing
 import time
 from typing import Any
 
-from tests.services import unmeasured
+from tests.workers import Storms, storm
 
 
 def window_violations(times_ms: list[int], count: int, period_ms: int) -> int:
@@ -61,30 +60,19 @@ def admitted_share(
     return len(times) / allowed
 
 
-_total: Any = None
-
-
-def _join(total: Any) -> None:
-    global _total
-    _total = total
-    from tests.workers import setup_django
-
-    setup_django()
-
-
 def admit_until(
     tasklock: dict[str, object],
     limiter: tuple[str, str, dict[str, Any]],
     start_at: float,
-    wanted: int,
     give_up: float,
 ) -> list[int]:
-    """Admit under one limit until the storm's processes have been admitted
-    ``wanted`` times between them, coming back when each refusal says; the
-    admission times (ms, the limit's clock)."""
+    """Admit under one limit, in a storm (``tests.workers.storm``), until its
+    processes have been admitted as often as it wants between them, coming
+    back when each refusal says; the admission times (ms, the limit's clock)."""
     from django.conf import settings
 
     from django_tasklock import RateLimiter
+    from tests.workers import _count_hold, _storm_over
 
     settings.TASKLOCK = tasklock
     limit_id, rate, options = limiter
@@ -93,12 +81,11 @@ def admit_until(
     while time.monotonic() < start_at:
         time.sleep(0.005)
     ends = start_at + give_up
-    while _total.value < wanted and time.monotonic() < ends:
+    while not _storm_over() and time.monotonic() < ends:
         admission = rate_limiter.admit()
         if admission:
             times.append(round(admission.at * 1000))
-            with _total.get_lock():
-                _total.value += 1
+            _count_hold()
         else:
             time.sleep(min(admission.retry_after, 1.0))
     return times
@@ -110,16 +97,12 @@ def admission_storm(
     processes: int,
     wanted: int,
     give_up: float = 120.0,
+    storms: Storms | None = None,
 ) -> list[int]:
-    """``processes`` spawned processes admitting under one limit, started
-    together, until ``wanted`` admissions between them; every admission's time."""
-    context = multiprocessing.get_context("spawn")
-    total = context.Value("q", 0)
-    with unmeasured():  # see tests.services.unmeasured
-        pool = context.Pool(processes, initializer=_join, initargs=(total,))
-    with pool:
-        pool.map(time.sleep, [0.05] * processes * 4)
-        start_at = time.monotonic() + 1.0
-        arguments = (tasklock, limiter, start_at, wanted, give_up)
-        found = pool.starmap(admit_until, [arguments] * processes)
+    """``processes`` spawned processes (of ``storms`` when given) admitting
+    under one limit, started together, until ``wanted`` admissions between
+    them; every admission's time."""
+    found = storm(
+        admit_until, processes, wanted, (tasklock, limiter), (), give_up, storms=storms
+    )
     return sorted(at for times in found for at in times)

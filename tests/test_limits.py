@@ -26,6 +26,7 @@ from tests.limits_helpers import (
     smooth_violations,
     window_violations,
 )
+from tests.workers import Storms
 
 pytestmark = pytest.mark.long
 
@@ -450,17 +451,26 @@ STORM = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def storms():
+    """The storms' processes, started once for every store's."""
+    with Storms(8) as pool:
+        yield pool
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("store", "tasklock", "kind"), STORM, ids=[f"{s}-{k}" for s, _, k in STORM]
 )
-def test_eight_processes_never_exceed_the_limit(store, tasklock, kind):
+def test_eight_processes_never_exceed_the_limit(store, tasklock, kind, storms):
     count, period_ms, burst = 40, 500, 10
     limit_id = f"storm-{store}-{kind}"
     options = {"kind": kind, "burst": burst}
     with override_settings(TASKLOCK=tasklock):
         RateLimiter(limit_id, "40/0.5s", **options).reset()
-    times = admission_storm(tasklock, (limit_id, "40/0.5s", options), 8, 400)
+    times = admission_storm(
+        tasklock, (limit_id, "40/0.5s", options), 8, 400, storms=storms
+    )
     assert len(times) >= 400
     if kind == "window":
         assert window_violations(times, count, period_ms) == 0

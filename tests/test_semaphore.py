@@ -21,6 +21,7 @@ from django_tasklock import (
 from django_tasklock.semaphores import slot_id
 from tests.helpers import drop, in_thread
 from tests.workers import (
+    Storms,
     hammer,
     most_at_once,
     overlaps,
@@ -160,9 +161,18 @@ def test_status_command_shows_the_holders(store):
         assert holder.release()
 
 
+@pytest.fixture(scope="module")
+def storms():
+    """The storms' processes, started once for every store's."""
+    with Storms(16) as pool:
+        yield pool
+
+
 @pytest.mark.slow
-def test_sixteen_processes_never_exceed_the_limit(store):
-    results = storm(hammer, 16, 2000, (store.tasklock, "sixteen"), ("lock", 3))
+def test_sixteen_processes_never_exceed_the_limit(store, storms):
+    results = storm(
+        hammer, 16, 2000, (store.tasklock, "sixteen"), ("lock", 3), storms=storms
+    )
     holds = [hold for process_holds, _ in results for hold in process_holds]
     refused = sum(count for _, count in results)
     assert len(holds) >= 2000, f"only {len(holds)} acquisitions"

@@ -27,14 +27,35 @@ def setup_django() -> None:
 
 
 # A storm's shared hold count and its target, set in each pool process by
-# ``storm``; None where a caller runs ``hammer`` for a fixed time instead.
+# ``Storms.run``; None where a caller runs ``hammer`` for a fixed time instead.
 _storm: tuple[Any, int] | None = None
+_storm_total: Any = None
 
 
-def _join_storm(total: Any, wanted: int) -> None:
-    global _storm
-    _storm = (total, wanted)
+def _join_storms(total: Any) -> None:
+    global _storm_total
+    _storm_total = total
     setup_django()
+
+
+def _stormed(
+    worker: Callable[..., Any], wanted: int, arguments: tuple[Any, ...]
+) -> Any:
+    """``worker(*arguments)`` in a storm of ``wanted`` holds; then this process
+    is left as it was before: no liveness record kept (nor its thread), no
+    connection open, for the next storm, on whatever store."""
+    global _storm
+    _storm = (_storm_total, wanted)
+    try:
+        return worker(*arguments)
+    finally:
+        _storm = None
+        from django.core.cache import close_caches
+
+        from django_tasklock.locks.liveness import forget_records
+
+        forget_records(delete=True)
+        close_caches()
 
 
 def _storm_over() -> bool:
@@ -48,6 +69,56 @@ def _count_hold() -> None:
             _storm[0].value += 1
 
 
+class Storms:
+    """Spawned processes for storms, kept for as many as a caller runs (a
+    module's storms on each store): most of a storm's CPU was its 16
+    Pythons starting and setting Django up, once per store."""
+
+    def __init__(self, processes: int) -> None:
+        from tests.services import unmeasured
+
+        context = multiprocessing.get_context("spawn")
+        self.processes = processes
+        self._total = context.Value("q", 0)
+        with unmeasured():  # (the pool's processes start here)
+            self._pool = context.Pool(
+                processes, initializer=_join_storms, initargs=(self._total,)
+            )
+        # Every process up with Django set up before a storm is timed.
+        self._pool.map(time.sleep, [0.05] * processes * 4)
+
+    def run(
+        self,
+        worker: Callable[..., Any],
+        processes: int,
+        wanted: int,
+        head: tuple[Any, ...],
+        tail: tuple[Any, ...] = (),
+        give_up: float = 180.0,
+    ) -> list[Any]:
+        """See ``storm``; ``processes`` of this pool's, at most all."""
+        if processes > self.processes:
+            raise ValueError(f"a storm of {processes} in a pool of {self.processes}")
+        self._total.value = 0
+        start_at = time.monotonic() + 1.0
+        arguments = (*head, start_at, give_up, *tail)
+        # One call per process: each waits for start_at, then runs until the
+        # storm is over, so no process can take two.
+        return self._pool.starmap(
+            _stormed, [(worker, wanted, arguments)] * processes, chunksize=1
+        )
+
+    def close(self) -> None:
+        self._pool.terminate()
+        self._pool.join()
+
+    def __enter__(self) -> Storms:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 def storm(
     worker: Callable[..., Any],
     processes: int,
@@ -55,26 +126,20 @@ def storm(
     head: tuple[Any, ...],
     tail: tuple[Any, ...] = (),
     give_up: float = 180.0,
+    *,
+    storms: Storms | None = None,
 ) -> list[Any]:
     """Run ``worker(*head, start_at, give_up, *tail)`` in ``processes`` spawned
     processes, started together, until they have held the lock ``wanted`` times
     between them (an event, so a busy machine only makes the storm longer).
     ``give_up`` seconds bound a storm whose holds stop coming: the caller's
-    count assertion then fails and says so.
+    count assertion then fails and says so. In the processes of ``storms``
+    when given, else in processes of its own.
     """
-    from tests.services import unmeasured
-
-    context = multiprocessing.get_context("spawn")
-    total = context.Value("q", 0)
-    with unmeasured():  # (the pool's processes start here)
-        pool = context.Pool(
-            processes, initializer=_join_storm, initargs=(total, wanted)
-        )
-    with pool:
-        # Every process up with Django set up, then start together.
-        pool.map(time.sleep, [0.05] * processes * 4)
-        start_at = time.monotonic() + 1.0
-        return pool.starmap(worker, [(*head, start_at, give_up, *tail)] * processes)
+    if storms is not None:
+        return storms.run(worker, processes, wanted, head, tail, give_up)
+    with Storms(processes) as fresh:
+        return fresh.run(worker, processes, wanted, head, tail, give_up)
 
 
 def hammer(
