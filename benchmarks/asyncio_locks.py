@@ -140,15 +140,16 @@ def _storm_in_process(
     coroutines: int,
     wanted: int,
     start_at: float,
+    freeze: bool,
 ) -> dict[str, Any]:
     os.environ.update(env)
     from tests.async_storm import in_process
 
-    return in_process(tasklock, 10, coroutines, wanted, 120.0, start_at)
+    return in_process(tasklock, 10, coroutines, wanted, 120.0, start_at, freeze=freeze)
 
 
 def measure_storm(
-    alias: str, coroutines: int, wanted: int, processes: int = 4
+    alias: str, coroutines: int, wanted: int, processes: int = 4, freeze: bool = False
 ) -> dict[str, Any]:
     """The storm on ``alias``: overlaps, holds, lags, holds per second."""
     from tests.workers import overlaps
@@ -162,7 +163,7 @@ def measure_storm(
     with context.Pool(processes) as pool:
         pool.map(time.sleep, [0.05] * processes * 2)  # all started
         start_at = time.monotonic() + 3.0
-        arguments = (env, tasklock, coroutines, wanted, start_at)
+        arguments = (env, tasklock, coroutines, wanted, start_at, freeze)
         others = pool.starmap_async(_storm_in_process, [arguments] * processes)
         here = _storm_in_process(*arguments)
         results = [here, *others.get(timeout=600)]
@@ -182,7 +183,11 @@ def measure_storm(
     }
 
 
-def render(samples: dict[str, list[int]], storms: dict[str, dict[str, Any]]) -> str:
+def render(
+    samples: dict[str, list[int]],
+    storms: dict[str, dict[str, Any]],
+    frozen: bool = False,
+) -> str:
     lines = ["Cycles (one loop; median and ratio to the store's async floor):"]
     floors = {
         name.split(":")[0]: statistics.median(values)
@@ -196,7 +201,11 @@ def render(samples: dict[str, list[int]], storms: dict[str, dict[str, Any]]) -> 
         lines.append(f"  {name:<52} {median / 1000:8.1f} us  {ratio:5.2f}x")
         if "async Lock cycle" in name and ratio > TARGET:
             misses.append(f"{name}: {ratio:.2f}x (target {TARGET}x)")
-    lines.append("Storm (1,000 coroutines over 10 ids, in 5 processes):")
+    lines.append(
+        "Storm (1,000 coroutines over 10 ids, in 5 processes"
+        + ("; each process's start-up heap frozen, gc.freeze()" if frozen else "")
+        + "):"
+    )
     for alias, storm in storms.items():
         lags = ", ".join(f"{lag * 1000:.0f}" for lag in storm["lags"])
         steps = ", ".join(f"{step * 1000:.1f}" for step in storm["steps"])
@@ -223,6 +232,13 @@ def render(samples: dict[str, list[int]], storms: dict[str, dict[str, Any]]) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() in each storm process once Django is set up, as a "
+        "server does after its start-up: the collector then walks only what "
+        "the storm made",
+    )
     options = parser.parse_args(argv)
     quick = options.quick
     memcached, redis_server = Memcached().start(), Redis().start()
@@ -236,9 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         for alias in ("default", "redis"):
             print(f"storm on {alias}...", flush=True)
             storms[alias] = measure_storm(
-                alias, coroutines=1000, wanted=200 if quick else 2000
+                alias,
+                coroutines=1000,
+                wanted=200 if quick else 2000,
+                freeze=options.gc_freeze,
             )
-        print(render(samples, storms))
+        print(render(samples, storms, frozen=options.gc_freeze))
         return 1 if any(storm["overlaps"] for storm in storms.values()) else 0
     finally:
         from django_tasklock.locks.liveness import forget_records

@@ -159,11 +159,21 @@ def in_process(
     wanted: int,
     give_up: float,
     start_at: float,
+    *,
+    freeze: bool = False,
 ) -> dict[str, Any]:
-    """``contend`` in a new event loop of a (spawned) process, Django set up."""
+    """``contend`` in a new event loop of a (spawned) process, Django set up;
+    with ``freeze``, what the process holds then is kept out of the garbage
+    collector's passes (``gc.freeze()``, as a server does after its start-up),
+    so that they walk only what the storm made."""
+    import gc
+
     from tests.workers import setup_django
 
     setup_django()
+    if freeze:
+        gc.collect()
+        gc.freeze()
     from django.conf import settings
 
     from django_tasklock.aio import close_loop_connections
