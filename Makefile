@@ -59,9 +59,9 @@ typecheck: $(STAMP)
 # tests start as well, combined with the matrix's Django 6.1 run's (code only Django 6 runs
 # is measured there); fail_under in pyproject.toml is the floor.
 PYTEST_WORKERS ?= 6
-# (xdist hands modules out largest first, whatever order tests/conftest.py
-# gives them: with conftest's long modules first, the valgrind benchmark's
-# short run started under the heaviest load and took over 600 s.)
+# Modules are handed out in the order tests/conftest.py gives them (long ones
+# first: --no-loadscope-reorder), not xdist's largest-first, which left a long
+# module of one test (a fault group) to start last and run on alone for minutes.
 # The tests run in a random order (pytest-randomly), seeded by the commit: a
 # new order for each commit, the same one for every run of a commit, so that a
 # failure repeats. PYTEST_SEED=default draws a new order; the seed is printed.
@@ -70,7 +70,7 @@ pytest: pytest-run
 	$(MAKE) --no-print-directory coverage
 
 pytest-run: services $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --randomly-seed=$(PYTEST_SEED) --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --randomly-seed=$(PYTEST_SEED) --cov --cov-report= --cov-fail-under=0 $(PYTEST_ARGS)
 
 coverage: $(STAMP)
 	if ls .coverage-matrix/* >/dev/null 2>&1; then \

@@ -184,18 +184,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items[place] = item
     # Modules marked long first, then those with slow tests (in
     # pytest-randomly's order among them, and their own tests in its order
-    # too). Under xdist (--dist loadfile) this decides only among modules of
-    # as many tests: it hands modules out largest first. Its own order
-    # (--no-loadscope-reorder) was tried: long modules first put valgrind's
-    # benchmark run under the heaviest load, and the suite took longer.
+    # too). make test hands modules to xdist's workers in this order
+    # (--no-loadscope-reorder): its own, largest first, started a long module
+    # of one test (a fault group) last, to run on alone for minutes.
+    # A module marked ``long(first=False)`` (valgrind's benchmark run, which
+    # took over 600 s under the load of the first long modules) comes after
+    # the other long ones, before the rest.
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.partition("::")[0], []).append(item)
 
     def rank(tests: list[pytest.Item]) -> int:
-        if tests[0].get_closest_marker("long"):
-            return 0
-        return 1 if any(t.get_closest_marker("slow") for t in tests) else 2
+        long = tests[0].get_closest_marker("long")
+        if long is not None:
+            return 0 if long.kwargs.get("first", True) else 1
+        return 2 if any(t.get_closest_marker("slow") for t in tests) else 3
 
     first = sorted(modules.values(), key=rank)
     items[:] = [item for tests in first for item in tests]
