@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.redis import _ACQUIRE, _RELEASE, _SHA, known
 from .base import AsyncBackend
+from .finishing import carried_through
 
 if TYPE_CHECKING:
     from ..backends import Hold
@@ -104,6 +105,15 @@ class AsyncRedis(AsyncBackend):
             return await self._client.eval(script, 1, key, *args)
 
     async def script(self, text: str, keys: tuple[str, ...], *args: Any) -> Any:
+        # In a task of its own, as every command awaited in the caller's own
+        # task here: redis-py's pool can lose a cancel that comes as it hands
+        # the command a connection (the caller then runs on, cancelled in
+        # name only, and an ``asyncio.timeout`` around it is not honoured).
+        return await carried_through(self._script_anywhere(text, keys, *args))
+
+    async def _script_anywhere(
+        self, text: str, keys: tuple[str, ...], *args: Any
+    ) -> Any:
         try:
             return await self._client.evalsha(known(text), len(keys), *keys, *args)
         except self._no_script:
@@ -124,7 +134,8 @@ class AsyncRedis(AsyncBackend):
         return bool(await self._script(_RELEASE, key, hold))
 
     async def held_many(self, keys: list[str]) -> list[bool]:
-        return [value is not None for value in await self._client.mget(keys)]
+        values = await carried_through(self._client.mget(keys))  # see script()
+        return [value is not None for value in values]
 
     async def aclose(self) -> None:
         closing = getattr(self._client, "aclose", None) or self._client.close
