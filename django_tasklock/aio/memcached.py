@@ -36,9 +36,11 @@ from ..backends.memcached.restarts import _refused
 from ..backends.memcached.wire import (
     _RELATIVE_MOST,
     _TEXT_FLAG,
+    MOVES_IN_A_ROW,
     MemcachedHold,
     _server_name,
     exptime,
+    kept_moving,
 )
 from ..values import unique_value
 from .base import AsyncBackend
@@ -423,32 +425,40 @@ class AsyncMemcached(_Servers):
         assert isinstance(hold, MemcachedHold)
         server = self._server(key)
         wire = self._prefix + key.encode()
+        data = new.encode()
+        # Read on a connection since closed, the CAS id proves nothing (the
+        # server may have restarted and given it to another item): the value
+        # tells, as it does after an EX below.
+        taker = hold.sock
+        took = isinstance(taker, _Connection) and taker is server.conn
+        cas: int | None = hold.cas if took and not taker.broken else None
         try:
-            cas, reader = hold.cas, hold.sock
-            if not (
-                isinstance(reader, _Connection)
-                and reader is server.conn
-                and not reader.broken
-            ):
-                # Read on a connection since closed: the server may have
-                # restarted and given the CAS id to another item.
-                by_value = await self._owner_cas(server, wire, old)
-                if by_value is None:
+            for _ in range(MOVES_IN_A_ROW):
+                if cas is None:
+                    cas = await self._owner_cas(server, wire, old)
+                    if cas is None or (cas != hold.cas and not unique_value(old)):
+                        return None
+                command = b"ms %s %d C%d T%d F%d c\r\n%s\r\n" % (
+                    wire, len(data), cas, _ttl(expire), _TEXT_FLAG, data
+                )  # fmt: skip
+                reply, conn, _ = await self._command(server, command)
+                if reply.startswith(b"HD"):
+                    new_cas = _cas_of(reply, b"HD")
+                    if new_cas is None:
+                        break
+                    return MemcachedHold(new_cas, conn)
+                if not reply.startswith((b"EX", b"NF")):
+                    break
+                # EX: another CAS id, another owner's item or ours moved by
+                # the slab rebalancer (NF: gone). The value tells them apart.
+                if not unique_value(old):
                     return None
-                cas = by_value
-            data = new.encode()
-            command = b"ms %s %d C%d T%d F%d c\r\n%s\r\n" % (
-                wire, len(data), cas, _ttl(expire), _TEXT_FLAG, data
-            )  # fmt: skip
-            reply, conn, _ = await self._command(server, command)
+                cas = None
+            else:
+                raise kept_moving(key)
         except NoMetaCommands:
             return await self._threaded.replace(key, hold, old, new, expire)
-        if reply.startswith((b"EX", b"NF")):
-            return None
-        new_cas = _cas_of(reply, b"HD")
-        if new_cas is None:
-            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-        return MemcachedHold(new_cas, conn)
+        raise MemcacheError(f"unexpected reply to ms: {reply!r}")
 
     async def _acquire(
         self,
@@ -521,12 +531,20 @@ class AsyncMemcached(_Servers):
     async def _release_by_value(
         self, server: _Server, wire: bytes, hold: MemcachedHold, token: object
     ) -> bool:
-        cas = await self._owner_cas(server, wire, token)
-        if cas is None or (cas != hold.cas and not unique_value(token)):
-            # (A value other code may store too proves nothing by itself.)
-            return False
-        reply, _, _ = await self._command(server, b"md %s C%d\r\n" % (wire, cas))
-        return reply.startswith(b"HD")
+        for _ in range(MOVES_IN_A_ROW):
+            cas = await self._owner_cas(server, wire, token)
+            if cas is None or (cas != hold.cas and not unique_value(token)):
+                # (A value other code may store too proves nothing by itself.)
+                return False
+            command = b"md %s C%d\r\n" % (wire, cas)
+            reply, _, _ = await self._command(server, command)
+            if reply.startswith(b"HD"):
+                return True
+            if not unique_value(token):
+                return False
+            # EX: moved once more between the read and the delete (or NF,
+            # gone: the read tells).
+        raise kept_moving(wire.decode(errors="replace"))
 
     async def _ours(self, server: _Server, wire: bytes, token: str) -> Hold | None:
         """The hold on the item at ``wire`` if it holds ``token``, else None."""

@@ -23,7 +23,16 @@ from pymemcache.exceptions import MemcacheError
 from ..keys import memcached_key
 from ..values import unique_value
 from .base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
-from .memcached import _PAST, _bad_counter, _talk, _ttl_of, exptime, sure_life
+from .memcached import (
+    _PAST,
+    MOVES_IN_A_ROW,
+    _bad_counter,
+    _talk,
+    _ttl_of,
+    exptime,
+    kept_moving,
+    sure_life,
+)
 
 if TYPE_CHECKING:
     from django.core.cache.backends.memcached import PyLibMCCache
@@ -124,9 +133,25 @@ class PyLibMCBackend(LockBackend):
             return None
         return cas
 
+    def _while_still(
+        self, key: str, hold: Hold, token: object, value: object, expire: int
+    ) -> bool:
+        """Write ``value`` for ``expire`` while the item is still the one
+        ``hold`` took; whether it was written. A unique token read back under
+        yet another CAS id (the slab rebalancer moved it again between the
+        read and the write) is written again, ``MOVES_IN_A_ROW`` times at most."""
+        for _ in range(MOVES_IN_A_ROW):
+            cas = self._still(key, hold, token)
+            if cas is None:
+                return False
+            if self._write(key, value, cas, expire):
+                return True
+            if not unique_value(token):
+                return False
+        raise kept_moving(key)
+
     def release(self, key: str, hold: Hold, token: object) -> bool:
-        cas = self._still(key, hold, token)
-        return cas is not None and self._write(key, token, cas, _PAST)
+        return self._while_still(key, hold, token, token, _PAST)
 
     def discard(self, key: str, token: str) -> bool:
         cas = self._ours(key, token)
@@ -138,15 +163,12 @@ class PyLibMCBackend(LockBackend):
     def replace(
         self, key: str, hold: Hold, old: object, new: str, expire: float
     ) -> Hold | None:
-        cas = self._still(key, hold, old)
-        if cas is None:
-            return None
-        if not self._write(key, new, cas, exptime(expire)):
+        if not self._while_still(key, hold, old, new, exptime(expire)):
             return None
         return self._ours(key, new)
 
     def owned(self, key: str, hold: Hold, token: str) -> bool:
-        return self._ours(key, token) == hold
+        return self._still(key, hold, token) is not None
 
     def locked(self, key: str) -> bool:
         return self._mc.get(key.encode()) is not None

@@ -9,17 +9,20 @@ from .fencing import _bad_counter
 from .restarts import NodeRestarted, _refused, _runs, _unlearnable
 from .wire import (
     _PAST,
+    MOVES_IN_A_ROW,
     MemcachedHold,
     ServerRefused,
     _classic_servers,
     _talk,
     _ttl_of,
     exptime,
+    kept_moving,
     meta_support,
     sure_life,
 )
 
 __all__ = [
+    "MOVES_IN_A_ROW",
     "_PAST",
     "MemcachedBackend",
     "MemcachedHold",
@@ -33,6 +36,7 @@ __all__ = [
     "_ttl_of",
     "_unlearnable",
     "exptime",
+    "kept_moving",
     "meta_support",
     "sure_life",
 ]

@@ -269,10 +269,14 @@ class MemcachedBackend(MemcachedReads):
     def _release(
         self, client: Any, key: str, hold: MemcachedHold, token: object
     ) -> bool:
-        cas = self.wire.owner_cas(client, key, hold, token)
-        if cas is None:
-            return False
-        return delete_if(self.wire, client, key, token, cas)
+        deleted = self.wire.while_ours(
+            client,
+            key,
+            hold,
+            token,
+            lambda cas: delete_if(self.wire, client, key, token, cas) or None,
+        )
+        return bool(deleted)
 
     def discard(self, key: str, token: str) -> bool:
         client = self._client(key)

@@ -26,10 +26,20 @@ def rewrite(
     value is ``old``), only while the store still has that very item: its
     CAS id, or (after a connection change or a slab move) its value; the
     hold on the new item, or None."""
-    shortcut = hold.sock is not None
-    cas = wire.owner_cas(client, key, hold, old)
-    if cas is None:
-        return None
+    return wire.while_ours(
+        client,
+        key,
+        hold,
+        old,
+        lambda cas: _rewrite_at(wire, client, key, cas, new, ttl),
+    )
+
+
+def _rewrite_at(
+    wire: Wire, client: Any, key: str, cas: int, new: str, ttl: int
+) -> MemcachedHold | None:
+    """Store ``new`` at ``key`` only while its CAS id is ``cas``: the hold on
+    the new item, or None (another CAS id by then, or gone)."""
     if wire.meta(client):
         data = new.encode()
         command = b"ms %s %d C%d T%d F%d c\r\n%s" % (
@@ -44,12 +54,6 @@ def rewrite(
         if reply is not None:
             if reply.startswith(b"HD"):
                 return wire.hold(client, _flag(reply, b"c"))
-            if reply.startswith(b"EX") and shortcut:
-                # The CAS id this connection learnt changed: another
-                # owner's item, or ours moved by the slab rebalancer. The
-                # value tells (once).
-                hold.sock = None
-                return rewrite(wire, client, key, hold, old, new, ttl)
             if reply.startswith((b"EX", b"NF")):
                 return None
             raise MemcacheError(f"unexpected reply to ms: {reply!r}")
