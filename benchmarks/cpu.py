@@ -388,10 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--write-docs", action="store_true")
     options = parser.parse_args(arguments)
-    # Iterations cost little beside a start-up under valgrind; the quick run
-    # keeps enough that a one-off event in one run (a collection, a timeout
-    # path on a busy machine) stays small per operation.
-    iterations = 200 if options.quick else 400
+    # Iterations cost little beside a start-up under valgrind (2,000 cycles
+    # are about a twentieth of one); enough of them that the start-ups'
+    # own spread (millions of instructions between two runs on a busy
+    # machine: with 200 iterations the smoke run once counted a Lock cycle
+    # at 0.39 of the floor) stays small per operation.
+    iterations = 2_000
     names = ["floor: raw add + delete", "Lock cycle"] if options.quick else None
     counts = measure(iterations, names)
     table = render(
