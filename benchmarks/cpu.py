@@ -4,12 +4,14 @@
 
 Wall-clock ratios on a shared machine swing from run to run; instruction counts
 do not. Each operation runs in a Python of its own under ``valgrind
---tool=callgrind`` (``PYTHONHASHSEED=0``), twice: with 0 and with N measured
-iterations after the same warm-up, against the same private memcached and Redis.
-The difference, divided by N, is what one operation costs the client, start-up
-and warm-up subtracted. Ratios are to the raw floor of the same store in the
-same run: pymemcache ``add`` + ``delete`` on memcached, redis-py
-``SET NX PX`` + a Lua compare-and-delete on Redis.
+--tool=callgrind`` (``PYTHONHASHSEED=0``), against the same private memcached
+and Redis: start-up, a warm-up, then N measured iterations between two marks.
+A mark is a call of ``os.getppid()``, which callgrind is told to dump its
+counters before (``--dump-before=getppid``), so the part between the two marks
+counts the iterations alone; divided by N, it is what one operation costs the
+client, with nothing of start-up in it. Ratios are to the raw floor of the
+same store in the same run: pymemcache ``add`` + ``delete`` on memcached,
+redis-py ``SET NX PX`` + a Lua compare-and-delete on Redis.
 
 The probe (``python -m benchmarks.cpu probe OPERATION N``) is what runs under
 valgrind; it is not meant to be called by hand.
@@ -246,8 +248,10 @@ def probe(operation: str, iterations: int) -> None:
     function = _operations()[operation]
     for _ in range(WARM_UP):
         function()
+    os.getppid()  # a mark: callgrind dumps its counters here and below
     for _ in range(iterations):
         function()
+    os.getppid()
 
 
 async def _probe_async(variant: str, iterations: int) -> None:
@@ -258,8 +262,10 @@ async def _probe_async(variant: str, iterations: int) -> None:
     try:
         for _ in range(WARM_UP):
             await function()
+        os.getppid()  # the marks, as in probe()
         for _ in range(iterations):
             await function()
+        os.getppid()
     finally:
         await close_loop_connections()
 
@@ -267,9 +273,14 @@ async def _probe_async(variant: str, iterations: int) -> None:
 # -- the driver --------------------------------------------------------------------
 
 
+#: Parts callgrind writes for the probe's main thread: start-up and warm-up,
+#: the measured iterations, what came after the second mark.
+PARTS = 3
+
+
 def instructions(operation: str, iterations: int, env: dict[str, str]) -> int:
-    """Instructions the main thread of one run of the probe executed, start to
-    exit."""
+    """Instructions the main thread of one run of the probe executed between
+    its two marks: ``iterations`` operations."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "callgrind.out"
         subprocess.run(
@@ -280,6 +291,7 @@ def instructions(operation: str, iterations: int, env: dict[str, str]) -> int:
                 # liveness record, written every second) follows the clock,
                 # which valgrind slows fifty-fold, not the operations.
                 "--separate-threads=yes",
+                "--dump-before=getppid",
                 f"--callgrind-out-file={out}",
                 sys.executable,
                 "-m",
@@ -294,7 +306,14 @@ def instructions(operation: str, iterations: int, env: dict[str, str]) -> int:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        text = Path(f"{out}-01").read_text(errors="replace")
+        # Part n of thread 1 is callgrind.out.n-01; the last is written at exit.
+        parts = sorted(Path(folder).glob("callgrind.out.*-01"))
+        if len(parts) != PARTS - 1 or not Path(f"{out}-01").exists():
+            raise RuntimeError(
+                f"{operation}: callgrind wrote {len(parts) + 1} parts for the main "
+                f"thread, not {PARTS}: something else called getppid() in it"
+            )
+        text = Path(f"{out}.2-01").read_text(errors="replace")
     match = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
     if match is None:
         raise RuntimeError("callgrind wrote no instruction total")
@@ -312,11 +331,9 @@ def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]
     memcached, redis_server = Memcached().start(), Redis().start()
     servers: list[Any] = [memcached, redis_server]
     # Every module the probe imports is compiled once, by the run outside
-    # valgrind below, into a cache of this measurement's own: with the
-    # checkout's (or none, under PYTHONDONTWRITEBYTECODE), whether a module
-    # was compiled in a run depended on what other processes had written
-    # meanwhile, and a fresh clone's start-up once counted 370 M instructions
-    # more than the same start-up followed by 2,000 operations.
+    # valgrind below, into a cache of this measurement's own (written even
+    # under PYTHONDONTWRITEBYTECODE): compiling under valgrind is slow. It
+    # would not count: the iterations come after start-up and a warm-up.
     bytecode = tempfile.TemporaryDirectory(prefix="tasklock-cpu-pyc-")
     env = {
         # Not under coverage, even when the suite's smoke run starts it: a
@@ -346,9 +363,7 @@ def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]
         for name, _, _ in OPERATIONS:
             if names is not None and name not in names:
                 continue
-            # Once outside valgrind first: a module imported for the first time
-            # since the checkout is compiled then, which would count in the
-            # start-up of one measured run and not the other.
+            # Once outside valgrind first, which compiles the modules it imports.
             subprocess.run(
                 [sys.executable, "-m", "benchmarks.cpu", "probe", name, "1"],
                 cwd=ROOT,
@@ -356,14 +371,7 @@ def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]
                 check=True,
                 stdout=subprocess.DEVNULL,
             )
-            base = instructions(name, 0, env)
-            measured = instructions(name, iterations, env)
-            if measured <= base:
-                raise RuntimeError(
-                    f"{name}: {iterations} operations counted {measured} instructions, "
-                    f"fewer than the start-up alone ({base}); run it again"
-                )
-            per_operation[name] = (measured - base) / iterations
+            per_operation[name] = instructions(name, iterations, env) / iterations
     finally:
         for server in servers:
             server.stop()
@@ -402,10 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-docs", action="store_true")
     options = parser.parse_args(arguments)
     # Iterations cost little beside a start-up under valgrind (2,000 cycles
-    # are about a twentieth of one); enough of them that the start-ups'
-    # own spread (millions of instructions between two runs on a busy
-    # machine: with 200 iterations the smoke run once counted a Lock cycle
-    # at 0.39 of the floor) stays small per operation.
+    # are about a twentieth of one). Only they are counted (between the
+    # probe's marks); start-up is not subtracted, so its spread between two
+    # runs (millions of instructions on a busy machine, which made the
+    # earlier method's smoke run count a Lock cycle at 0.39 of the floor
+    # once) no longer reaches the figures.
     iterations = 2_000
     names = ["floor: raw add + delete", "Lock cycle"] if options.quick else None
     counts = measure(iterations, names)

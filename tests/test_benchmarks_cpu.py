@@ -20,7 +20,7 @@ def test_instruction_count_quick_run_reports_the_floor_and_a_lock():
     floor = re.search(r"floor: raw add \+ delete\s+([\d,]+)\s+1\.00x", out)
     lock = re.search(r"Lock cycle\s+([\d,]+)\s+(\d+\.\d\d)x", out)
     assert floor and lock, out
-    # Counted, not made up: per operation (start-up subtracted), two commands'
+    # Counted, not made up: per operation (between the probe's marks), two commands'
     # worth each, and two different counts.
     floor_count = int(floor.group(1).replace(",", ""))
     lock_count = int(lock.group(1).replace(",", ""))
