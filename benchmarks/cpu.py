@@ -4,16 +4,18 @@
 
 Wall-clock ratios on a shared machine swing from run to run; instruction counts
 do not. Each operation runs in a Python of its own under ``valgrind
---tool=callgrind`` (``PYTHONHASHSEED=0``), against the same private memcached
-and Redis: start-up, a warm-up, then N measured iterations between two marks.
-A mark is a call of ``os.getppid()``, which callgrind is told to dump its
-counters before (``--dump-before=getppid``), so the part between the two marks
-counts the iterations alone; divided by N, it is what one operation costs the
-client, with nothing of start-up in it. Ratios are to the raw floor of the
-same store in the same run: pymemcache ``add`` + ``delete`` on memcached,
-redis-py ``SET NX PX`` + a Lua compare-and-delete on Redis.
+--tool=callgrind`` (``PYTHONHASHSEED=0``; the ``--quick`` smoke run's two
+share one), against private memcached and Redis servers: start-up, a warm-up,
+then N measured iterations between two marks. A mark is a call of
+``os.getppid()``, which callgrind is told to dump its counters before
+(``--dump-before=getppid``), so the part between an operation's two marks
+counts its iterations alone; divided by N, it is what one operation costs the
+client, with nothing of start-up in it. The heap is frozen (``gc.freeze()``)
+before each operation's first mark. Ratios are to the raw floor of the same
+store in the same run: pymemcache ``add`` + ``delete`` on memcached, redis-py
+``SET NX PX`` + a Lua compare-and-delete on Redis.
 
-The probe (``python -m benchmarks.cpu probe OPERATION N``) is what runs under
+The probe (``python -m benchmarks.cpu probe N OPERATION...``) is what runs under
 valgrind; it is not meant to be called by hand.
 """
 
@@ -229,25 +231,36 @@ ASYNC = {
 }
 
 
-def probe(operation: str, iterations: int) -> None:
+def probe(operations: list[str], iterations: int) -> None:
+    """Start-up, then each of ``operations`` in turn: a warm-up, then
+    ``iterations`` of it between two marks."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     import django
 
     django.setup()
-    # What start-up left is kept out of the collector's reach: a collection
-    # of the whole heap costs millions of instructions, and when one comes
-    # depends on the liveness thread's allocations, which follow the clock (a
-    # start-up alone once counted more than start-up and 200 operations).
+    functions = _operations()
+    for operation in operations:
+        if operation in ASYNC:
+            import asyncio
+
+            asyncio.run(_probe_async(ASYNC[operation], iterations))
+        else:
+            function = functions[operation]
+            for _ in range(WARM_UP):
+                function()
+            _measured(function, iterations)
+
+
+def _frozen() -> None:
+    """What came before is kept out of the collector's reach: a collection of
+    the whole heap costs millions of instructions, and when one comes depends
+    on the liveness thread's allocations, which follow the clock."""
     gc.collect()
     gc.freeze()
-    if operation in ASYNC:
-        import asyncio
 
-        asyncio.run(_probe_async(ASYNC[operation], iterations))
-        return
-    function = _operations()[operation]
-    for _ in range(WARM_UP):
-        function()
+
+def _measured(function: Callable[[], object], iterations: int) -> None:
+    _frozen()
     os.getppid()  # a mark: callgrind dumps its counters here and below
     for _ in range(iterations):
         function()
@@ -262,7 +275,8 @@ async def _probe_async(variant: str, iterations: int) -> None:
     try:
         for _ in range(WARM_UP):
             await function()
-        os.getppid()  # the marks, as in probe()
+        _frozen()
+        os.getppid()  # the marks, as in _measured()
         for _ in range(iterations):
             await function()
         os.getppid()
@@ -273,14 +287,13 @@ async def _probe_async(variant: str, iterations: int) -> None:
 # -- the driver --------------------------------------------------------------------
 
 
-#: Parts callgrind writes for the probe's main thread: start-up and warm-up,
-#: the measured iterations, what came after the second mark.
-PARTS = 3
-
-
-def instructions(operation: str, iterations: int, env: dict[str, str]) -> int:
-    """Instructions the main thread of one run of the probe executed between
-    its two marks: ``iterations`` operations."""
+def instructions(
+    operations: list[str], iterations: int, env: dict[str, str]
+) -> dict[str, int]:
+    """For each of ``operations``, the instructions the main thread of one run
+    of the probe executed between that operation's two marks: ``iterations``
+    operations. Callgrind writes part n of thread 1 as callgrind.out.n-01 at
+    the n-th mark, the last part at exit: operation i (from 0) is part 2i+2."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "callgrind.out"
         subprocess.run(
@@ -297,8 +310,8 @@ def instructions(operation: str, iterations: int, env: dict[str, str]) -> int:
                 "-m",
                 "benchmarks.cpu",
                 "probe",
-                operation,
                 str(iterations),
+                *operations,
             ],
             cwd=ROOT,
             env=env,
@@ -306,21 +319,30 @@ def instructions(operation: str, iterations: int, env: dict[str, str]) -> int:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        # Part n of thread 1 is callgrind.out.n-01; the last is written at exit.
-        parts = sorted(Path(folder).glob("callgrind.out.*-01"))
-        if len(parts) != PARTS - 1 or not Path(f"{out}-01").exists():
+        parts = list(Path(folder).glob("callgrind.out.*-01"))
+        if len(parts) != 2 * len(operations) or not Path(f"{out}-01").exists():
             raise RuntimeError(
-                f"{operation}: callgrind wrote {len(parts) + 1} parts for the main "
-                f"thread, not {PARTS}: something else called getppid() in it"
+                f"callgrind wrote {len(parts) + 1} parts for the probe's main thread, "
+                f"not {2 * len(operations) + 1}: something else called getppid() in it"
             )
-        text = Path(f"{out}.2-01").read_text(errors="replace")
-    match = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
+        return {
+            operation: _total(Path(f"{out}.{2 * i + 2}-01"))
+            for i, operation in enumerate(operations)
+        }
+
+
+def _total(part: Path) -> int:
+    match = re.search(
+        r"^(?:summary|totals):\s+(\d+)", part.read_text(errors="replace"), re.M
+    )
     if match is None:
-        raise RuntimeError("callgrind wrote no instruction total")
+        raise RuntimeError(f"callgrind wrote no instruction total in {part.name}")
     return int(match.group(1))
 
 
-def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]:
+def measure(
+    iterations: int, names: list[str] | None = None, *, together: bool = False
+) -> dict[str, float]:
     from tests.services import Memcached, Redis, RedisCluster
 
     if shutil.which("valgrind") is None:
@@ -358,25 +380,27 @@ def measure(iterations: int, names: list[str] | None = None) -> dict[str, float]
         }
         env["TASKLOCK_TEST_CLUSTER"] = cluster.url
         env["TASKLOCK_TEST_EXTRA_CACHES"] = json.dumps({"cluster": cluster_cache})
-    per_operation: dict[str, float] = {}
+    chosen = [name for name, _, _ in OPERATIONS if names is None or name in names]
     try:
-        for name, _, _ in OPERATIONS:
-            if names is not None and name not in names:
-                continue
-            # Once outside valgrind first, which compiles the modules it imports.
-            subprocess.run(
-                [sys.executable, "-m", "benchmarks.cpu", "probe", name, "1"],
-                cwd=ROOT,
-                env=env,
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
-            per_operation[name] = instructions(name, iterations, env) / iterations
+        # Once outside valgrind first, which compiles the modules it imports.
+        subprocess.run(
+            [sys.executable, "-m", "benchmarks.cpu", "probe", "1", *chosen],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        # One Python per operation, so that none is measured in the state an
+        # earlier one left (the cluster floor differed by 1 % that way); the
+        # smoke run (``together``) measures its two in one, at half the cost.
+        counts: dict[str, int] = {}
+        for group in [chosen] if together else [[name] for name in chosen]:
+            counts.update(instructions(group, iterations, env))
     finally:
         for server in servers:
             server.stop()
         bytecode.cleanup()
-    return per_operation
+    return {name: count / iterations for name, count in counts.items()}
 
 
 def render(counts: dict[str, float], iterations: int, command: str) -> str:
@@ -403,7 +427,7 @@ def render(counts: dict[str, float], iterations: int, command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["probe"]:
-        probe(arguments[1], int(arguments[2]))
+        probe(arguments[2:], int(arguments[1]))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -417,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     # once) no longer reaches the figures.
     iterations = 2_000
     names = ["floor: raw add + delete", "Lock cycle"] if options.quick else None
-    counts = measure(iterations, names)
+    counts = measure(iterations, names, together=options.quick)
     table = render(
         counts,
         iterations,

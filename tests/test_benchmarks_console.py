@@ -12,13 +12,17 @@ from tests.services import run_module
 
 @pytest.mark.slow
 def test_console_page_cost_does_not_grow_with_the_cache():
-    """100,000 held locks in four processes; each page view's round trips are
-    counted, then counted again after 100,000 unrelated keys: the same, two
+    """25,000 held locks in four processes; each page view's round trips are
+    counted, then counted again after 25,000 unrelated keys: the same, two
     reads of the rosters, a stats and three per row shown (the times are printed; the
-    docs' table comes from a full run alone on the machine)."""
+    docs' table comes from a full run alone on the machine, at 100,000 locks
+    and 1,000,000 other keys). A quarter of the size the smoke run had until
+    November 2026: a lock moved by memcached's slab rebalancer, which this run
+    once caught at 100,000, has tests of its own (test_slab_moves.py), and the
+    round trips do not change with the size."""
     out = run_module(
         "benchmarks.console",
-        "--locks", "100000", "--unrelated", "100000", "--views", "1",
+        "--locks", "25000", "--unrelated", "25000", "--views", "1",
         timeout=900, measured=False,
     )  # fmt: skip
     rows = re.findall(
