@@ -14,14 +14,19 @@ import asyncio
 import weakref
 from typing import TYPE_CHECKING
 
-from ..backends import backend_for, backends_generation
+from ..backends import _generation, backend_for
 from .finishing import finish_cancelled
 
 if TYPE_CHECKING:
     from ..backends import LockBackend
     from .base import AsyncBackend
 
-__all__ = ["async_backend_for", "close_loop_connections", "loop_backend"]
+__all__ = [
+    "async_backend_for",
+    "close_loop_connections",
+    "loop_backend",
+    "warm_backend",
+]
 
 
 class _LoopBackends(dict[tuple[str, str], "AsyncBackend"]):
@@ -35,13 +40,25 @@ _per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopBackends] =
 )
 
 
+#: The loop asked for last (a weak reference) and its backends: most calls
+#: come from the loop before, and find them with no weak dictionary's lookup.
+#: One tuple, read and replaced whole: loops of other threads replace it too.
+_last: tuple[weakref.ref[asyncio.AbstractEventLoop], _LoopBackends] | None = None
+
+
 def async_backend_for(alias: str, protocol: str) -> AsyncBackend:
     """The running loop's async backend of the CACHES entry ``alias``."""
+    global _last
     loop = asyncio.get_running_loop()
-    memo = _per_loop.get(loop)
-    generation = backends_generation()
-    if memo is None or memo.generation != generation:
-        memo = _per_loop[loop] = _LoopBackends(generation)
+    generation = _generation[0]
+    last = _last
+    if last is not None and last[0]() is loop and last[1].generation == generation:
+        memo = last[1]
+    else:
+        memo = _per_loop.get(loop)  # type: ignore[assignment]
+        if memo is None or memo.generation != generation:
+            memo = _per_loop[loop] = _LoopBackends(generation)
+        _last = (weakref.ref(loop), memo)
     backend = memo.get((alias, protocol))
     if backend is None:
         backend = memo[alias, protocol] = _build(alias, protocol)
@@ -63,6 +80,14 @@ async def loop_backend(alias: str, protocol: str) -> AsyncBackend:
         )
         _warmed.add((alias, protocol))
     return async_backend_for(alias, protocol)
+
+
+def warm_backend(alias: str, protocol: str) -> AsyncBackend | None:
+    """``loop_backend``'s answer with no coroutine of its own, once its modules
+    are imported (the hot path of every take and release); None before."""
+    if (alias, protocol) in _warmed:
+        return async_backend_for(alias, protocol)
+    return None
 
 
 def _native_kind(sync: LockBackend) -> str | None:
@@ -107,7 +132,12 @@ async def close_loop_connections() -> None:
     """Close the connections django_tasklock opened for the running loop (call
     it before the loop ends, as ``asyncio.run``'s main coroutine's last step,
     to leave no socket behind). A later lock reconnects."""
+    global _last
     await finish_cancelled()
-    memo = _per_loop.pop(asyncio.get_running_loop(), None)
+    loop = asyncio.get_running_loop()
+    memo = _per_loop.pop(loop, None)
+    last = _last
+    if last is not None and last[0]() is loop:
+        _last = None
     for backend in (memo or {}).values():
         await backend.aclose()

@@ -312,7 +312,9 @@ class _Servers(AsyncBackend):
         for attempt in (1, 2):
             conn = server.conn
             reused = conn is not None and not conn.broken
-            conn = await server.connection(self.alias, self.sync.protocol)
+            if not reused:  # (a coroutine less on the hot path)
+                conn = await server.connection(self.alias, self.sync.protocol)
+            assert conn is not None
             if not server.meta:
                 raise NoMetaCommands(_server_name(server.server))
             if take and _refused:

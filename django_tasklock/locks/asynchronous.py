@@ -23,12 +23,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..aio import loop_backend
+from ..aio import loop_backend, warm_backend
 from ..aio.finishing import carried_through
 from ..backends import backend_for, fork_generation
 from ..conf import settings, validate_expire
 from ..exceptions import LockBackendError
 from ..signals import lock_acquired, lock_contended, lock_released
+from ..tokens import new_live_token, new_token
 from .acquisition import Acquisition
 from .fencing import draw_fence
 from .heartbeat import Heartbeat
@@ -110,7 +111,7 @@ class AsyncLocking:
             expire = min(expire, self.max_hold)
         renew = self._renew_option if self._renew_option is not None else defaults[3]
         alias, protocol = self._cache or defaults[1], defaults[2]
-        store = await loop_backend(alias, protocol)
+        store = warm_backend(alias, protocol) or await loop_backend(alias, protocol)
         backend = store.sync
         key = backend.keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
@@ -219,7 +220,8 @@ class AsyncLocking:
             hold, token = acq.hold, acq.token
             if hold is None:  # lost earlier, and reported then
                 return False
-            store = await loop_backend(acq.alias, acq.backend.protocol)
+            alias, protocol = acq.alias, acq.backend.protocol
+            store = warm_backend(alias, protocol) or await loop_backend(alias, protocol)
             try:
                 released = await store.drop(acq.key, hold, token)
             except store.errors as exc:
@@ -283,8 +285,6 @@ async def _kept(
     alias: str, bound: float | None, backend: LockBackend, now: float, key: str
 ) -> tuple[Record | None, Callable[[str], str]]:
     """``liveness.kept_record``, its write (when due) on an executor thread."""
-    from ..tokens import new_live_token, new_token
-
     record = record_beside(alias, bound, backend, key)
     if record is None:
         return None, new_token
