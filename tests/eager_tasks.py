@@ -80,6 +80,13 @@ def coalesce(self: Any, key: str, nested: bool = False) -> object:
     return _body(self, key, nested)
 
 
+@app.task(bind=True, name="eager.coalesce_briefly")
+@single_instance(key="key", mode="coalesce", expire=60, timeout=2)
+def coalesce_briefly(self: Any, key: str, nested: bool = False) -> object:
+    """``coalesce`` with a wait short enough to wait out in a test."""
+    return _body(self, key, nested)
+
+
 @app.task(bind=True, name="eager.flaky", max_retries=3)
 @single_instance(key="key", mode="until_finished", expire=60)
 def flaky(self: Any, key: str, failures: int = 1) -> object:

@@ -167,14 +167,17 @@ def test_an_eager_coalesce_call_that_waits_in_vain_fails_visibly(
     again in place (and again)."""
     from django_tasklock import Lock
 
-    other = Lock(lock_id_for(tasks.coalesce, "i"), expire=60)
+    task = tasks.coalesce_briefly  # (waits 2 s, where coalesce waits 30)
+    other = Lock(lock_id_for(task, "i"), expire=60)
     assert other.acquire()
     try:
+        started = time.monotonic()
         with pytest.raises(LockNotAcquired, match="cannot be sent back"):
-            tasks.coalesce.apply_async(("i",), kwargs={}, countdown=0).get()
+            task.apply_async(("i",), kwargs={}, countdown=0).get()
+        assert time.monotonic() - started >= 2  # it waited first
     finally:
         assert other.release()
-    isolated.assert_free(lock_id_for(tasks.coalesce, "i") + QUEUE_SUFFIX)
+    isolated.assert_free(lock_id_for(task, "i") + QUEUE_SUFFIX)
     assert tasks.ran == []
 
 
