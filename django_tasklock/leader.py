@@ -13,7 +13,9 @@ holder, so everything the lock guarantees holds for leadership:
 - **A dead leader is replaced within** ``TASKLOCK["LIVENESS"]`` **plus one
   poll**: its liveness record stops being renewed, and a standby's next try
   judges it dead and takes the lock (crash recovery). A paused leader that was
-  replaced finds ``is_leader`` false at its first look, and ``on_loss`` runs.
+  replaced finds ``is_leader`` false at its first look, and ``on_loss`` runs;
+  one that lost the role by its own clock while nobody took it removes its
+  token and takes the role anew (a larger fence) at its next try.
 - **A fence (epoch) that grows with every new leader**: ``fence``, drawn when
   the leadership is gained. Pass it with whatever the leader writes, so that a
   store which saw a newer leader's fence refuses an older one's (a leader that
@@ -152,7 +154,14 @@ class Leadership:
                 if self._lock is None:
                     self._try()
                 elif self._lock.lost:
+                    lost = self._lock
                     self._lose("lost")
+                    # Gone from the store, or ours still, as when this process
+                    # was paused past its liveness record's life and nobody
+                    # took the role: removed then (owner-checked), so that
+                    # every candidate, this one too, may take it at its next
+                    # try, not only once the lock expires.
+                    lost.release_quietly()
                 self._stop.wait(self.poll)
         finally:
             if self._lock is not None:

@@ -174,6 +174,39 @@ def test_a_paused_leader_that_was_replaced_learns_it_and_never_leads_again(
     ), first.lines
 
 
+@pytest.mark.slow
+@STORES
+def test_a_leader_paused_past_its_liveness_with_nobody_waiting_leads_again_at_once(
+    alias, candidates
+):
+    """Paused longer than its liveness record lives, a leader loses the role
+    by its own clock, though nobody took the lock: its token is still stored,
+    with most of the 60 s expire left. It removes that token (owner-checked)
+    and takes the role anew at its next try, with a larger fence, rather than
+    stand by behind its own token until the lock expires. (A celery beat on a
+    starved machine once stood by 30 s so.)"""
+    first = candidates(alias, "paused-alone", "tasklock-leader-e")
+    first_gain = gained(first, timeout=30)
+    assert first_gain is not None
+    stop_and_wait(first.process.pid)
+    try:
+        # The fault: paused past the record's life (LIVENESS on Redis, less on
+        # memcached, whose record is sure to live LIVENESS - 2 s).
+        time.sleep(LIVENESS + 1)
+    finally:
+        os.kill(first.process.pid, signal.SIGCONT)
+    lost = first.expect("lost ", timeout=30)
+    assert lost is not None, first.lines
+    regained: list[str] = []
+    deadline = time.monotonic() + 30  # half the expire the old token has left
+    while not regained and time.monotonic() < deadline:
+        time.sleep(0.05)
+        regained = [line for line in first.lines if line.startswith("gained ")][1:]
+    assert regained, f"not leader again within 30 s of its loss: {first.lines}"
+    _, fence, at = regained[0].split()
+    assert int(fence) > first_gain[0] and float(at) >= float(lost.split()[1])
+
+
 @STORES
 def test_in_one_process_the_role_passes_when_given_up(alias, settings):
     settings.TASKLOCK = {"CACHE": alias, "LIVENESS": LIVENESS}
