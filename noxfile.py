@@ -62,6 +62,8 @@ STORES = {
 COVERED = PAIRS[-1]
 #: Its xdist workers: it runs the most tests of the three, side by side.
 COVERED_WORKERS = "3"
+#: The modules the tests' processes import, compiled once before a run.
+SOURCES = ["django_tasklock", "tests", "example_project", "benchmarks", "reliability"]
 
 
 def _interpreters_on_path() -> None:
@@ -103,7 +105,13 @@ def _commit_seed() -> int:
 @nox.parametrize("python,django", PAIRS)
 def tests(session: nox.Session, django: str) -> None:
     """The suite but its slow tests; on the ``COVERED`` pair, traced."""
-    session.install("-e", ".[test]", f"Django~={django}")
+    # Compiled to bytecode (uv does not by default): where
+    # PYTHONDONTWRITEBYTECODE is set, every process the tests start compiled
+    # Django and Celery anew otherwise (Makefile, $(STAMP)).
+    session.install(
+        "-e", ".[test]", f"Django~={django}", env={"UV_COMPILE_BYTECODE": "1"}
+    )
+    session.run("python", "-m", "compileall", "-q", "-j0", *SOURCES)
     coverage = ROOT / ".coverage-matrix"
     coverage.mkdir(exist_ok=True)
     measured = (session.python, django) == COVERED and not session.posargs

@@ -49,6 +49,9 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             "pip",
             "install",
             "--quiet",
+            # As pip does: the project's processes compile nothing at start
+            # where PYTHONDONTWRITEBYTECODE is set.
+            "--compile-bytecode",
             "--python",
             str(venv / "bin" / "python"),
         ]
