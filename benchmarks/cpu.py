@@ -10,7 +10,9 @@ then N measured iterations between two marks. A mark is a call of
 ``os.getppid()``, which callgrind is told to dump its counters before
 (``--dump-before=getppid``), so the part between an operation's two marks
 counts its iterations alone; divided by N, it is what one operation costs the
-client, with nothing of start-up in it. The heap is frozen (``gc.freeze()``)
+client, with nothing of start-up in it. Start-up runs uninstrumented
+(``--instr-atstart=no``); the probe turns callgrind on after it
+(``benchmarks/valgrind.py``). The heap is frozen (``gc.freeze()``)
 before each operation's first mark. Ratios are to the raw floor of the same
 store in the same run: pymemcache ``add`` + ``delete`` on memcached, redis-py
 ``SET NX PX`` + a Lua compare-and-delete on Redis.
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.tables import write_section  # noqa: E402
+from benchmarks.valgrind import start_instrumentation  # noqa: E402
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -239,6 +242,10 @@ def probe(operations: list[str], iterations: int) -> None:
 
     django.setup()
     functions = _operations()
+    # Counted from here (the valgrind run starts with --instr-atstart=no):
+    # start-up under full instrumentation was most of a run's CPU, and none of
+    # it reached a figure, which counts what lies between two marks.
+    start_instrumentation()
     for operation in operations:
         if operation in ASYNC:
             import asyncio
@@ -304,6 +311,9 @@ def instructions(
                 # liveness record, written every second) follows the clock,
                 # which valgrind slows fifty-fold, not the operations.
                 "--separate-threads=yes",
+                # Start-up runs uninstrumented, several times faster; the
+                # probe turns instrumentation on before its first warm-up.
+                "--instr-atstart=no",
                 "--dump-before=getppid",
                 f"--callgrind-out-file={out}",
                 sys.executable,

@@ -3,7 +3,6 @@ worker, a store that goes away, bad input and many locks."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import signal
@@ -11,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from reliability.faults import Row, setup_django, use_cache
+from tests.processes import process_context
 from tests.services import celery_worker, stop_process
 from tests.workers import hammer, overlaps
 
@@ -28,7 +28,7 @@ def intersect(first: tuple[float, float], second: tuple[float, float]) -> bool:
 
 def contention(memcached: Memcached, processes: int, minimum: int, limit: float) -> Row:
     """``processes`` processes hammer one lock id until ``minimum`` acquisitions."""
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     holds: list[tuple[float, float]] = []
     refused = 0
     active = 0.0
@@ -88,7 +88,7 @@ def expiry_and_retake(memcached: Memcached, tries: int) -> Row:
     """A holder works 3 s under a 1 s lock; another takes it once it expired."""
     from django_tasklock import Lock
 
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     attempts = overlapping = wrong = told = newer = 0
     waits = []
     for _ in range(tries):
@@ -499,7 +499,7 @@ def _take_many(
 
 
 def many_locks(memcached: Memcached, count: int, processes: int) -> Row:
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     ids = [f"fault-many-{n}" for n in range(count)]
     before = memcached.keys()
     with context.Manager() as manager:

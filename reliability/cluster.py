@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import signal
 import threading
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reliability.faults import Row
+from tests.processes import process_context
 from tests.services import Redis, RedisCluster
 from tests.workers import hammer, most_at_once, overlaps, storm
 
@@ -219,7 +219,7 @@ def failover(grace: float, locks: int = 20) -> Failover:
             victim.stop(signal.SIGKILL)
             cluster.wait_until_ok()
             promoted_after = time.monotonic() - killed_at
-            context = multiprocessing.get_context("spawn")
+            context = process_context()
             with context.Pool(1) as pool:
                 outcomes = pool.apply(try_to_take, (tasklock, ids))
                 put_back = _settle(backend, holders)

@@ -4,13 +4,13 @@ lock lives, and how far a lock capped by max_hold outlives it on memcached."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
 from typing import TYPE_CHECKING, Any
 
 from reliability.faults import Row, setup_django, use_cache
+from tests.processes import process_context
 from tests.services import stop_and_wait
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def _renewing_holder(memcached: str, lock_id: str, queue: Any) -> None:
 
 
 def _start(memcached: Memcached, lock_id: str) -> tuple[Any, Any, float, int]:
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     queue = context.Queue()
     holder = context.Process(
         target=_renewing_holder, args=(memcached.address, lock_id, queue)

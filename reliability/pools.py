@@ -4,10 +4,10 @@ same ids."""
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 
 from reliability.faults import Row, setup_django
+from tests.processes import process_context
 from tests.services import Memcached
 from tests.workers import hold_and_restart_busiest, take_until_all
 
@@ -25,7 +25,7 @@ def node_restarted(main: Memcached, tries: int, ids: int = 75) -> Row:
 
     attempts = overlapping = wrong = 0
     waits: list[float] = []
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     for n in range(tries):
         servers = [Memcached().start() for _ in range(3)]
         caches_setting = {

@@ -9,7 +9,6 @@ namespace of their own, that is, on another host by hostname.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import signal
@@ -22,6 +21,7 @@ from typing import Any
 
 from reliability.faults import ROOT, Row
 from tests.helpers import wait_until
+from tests.processes import process_context
 from tests.services import Memcached, stop_and_wait
 from tests.workers import Holder, overlaps, started_runs
 
@@ -453,7 +453,7 @@ def stress(seconds: float, processes: int = 16) -> Row:
     was not held again within TARGET + SLACK."""
     from django_tasklock.status import lock_status
 
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     kills: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as name:
         directory = Path(name)

@@ -3,13 +3,13 @@ holders are killed and whose limit is lowered while they hold it."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
 from typing import TYPE_CHECKING
 
 from reliability.faults import Row, setup_django
+from tests.processes import process_context
 from tests.workers import beyond, hammer, most_at_once, semaphore_holder
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ LIMIT = 3
 
 def contention(memcached: Memcached, processes: int, minimum: int, limit: float) -> Row:
     """``processes`` processes hammer one semaphore of limit 3."""
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     holds: list[tuple[float, float]] = []
     refused = 0
     with context.Pool(
@@ -61,7 +61,7 @@ def killed_and_lowered(memcached: Memcached, tries: int) -> Row:
     from django_tasklock import Lock, Semaphore
     from django_tasklock.semaphores import slot_id
 
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     attempts = overlapping = wrong = 0
     frees: list[float] = []
     for attempt in range(tries):

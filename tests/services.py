@@ -30,7 +30,7 @@ INSTALL_HINT = (
 
 #: What coverage (``patch = ["subprocess"]``, pyproject.toml) leaves in the
 #: environment so that every Python process a test starts measures itself too.
-_COVERAGE_VARIABLES = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
+COVERAGE_VARIABLES = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
 
 
 @contextlib.contextmanager
@@ -44,7 +44,7 @@ def unmeasured() -> Iterator[None]:
     stay measured.
     """
     saved = {
-        name: os.environ.pop(name) for name in _COVERAGE_VARIABLES if name in os.environ
+        name: os.environ.pop(name) for name in COVERAGE_VARIABLES if name in os.environ
     }
     try:
         yield

@@ -14,6 +14,7 @@ import pytest
 from django_tasklock import Lock, LockNotAcquired, memcache_lock
 from django_tasklock.aio import async_backend_for, close_loop_connections
 from tests.async_storm import Ticks
+from tests.processes import process_context
 
 #: The stores whose take and release are the loop's own round trips.
 NATIVE = {"memcached-meta", "redis", "django-redis"}
@@ -218,8 +219,6 @@ def test_several_loops_in_threads_share_one_lock_safely(store):
 @pytest.mark.slow
 @pytest.mark.parametrize("store_name", ["memcached-meta", "redis"])
 def test_a_thousand_coroutines_and_four_processes_never_overlap(store_name, settings):
-    import multiprocessing
-
     from tests.async_storm import in_process
     from tests.helpers import SHARED_STORES
     from tests.services import unmeasured
@@ -230,7 +229,7 @@ def test_a_thousand_coroutines_and_four_processes_never_overlap(store_name, sett
     # 50 holds per process: enough to see contention (asserted below); the
     # Redis storm ran at ~2 holds a second in all beside a whole suite.
     arguments = (store.tasklock, 10, 1000, 50, 180.0)
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     with unmeasured():
         pool = context.Pool(4)
     with pool:

@@ -6,7 +6,6 @@ taken as the sync semaphore takes it."""
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import random
 import time
 
@@ -16,6 +15,7 @@ from django_tasklock import Lock, LockNotAcquired, LockUsageError, Semaphore
 from django_tasklock.aio import async_backend_for
 from django_tasklock.semaphores import slot_id
 from tests.async_storm import Ticks, all_until
+from tests.processes import process_context
 from tests.test_async_lock import run
 from tests.test_recovery import holders  # noqa: F401
 from tests.workers import most_at_once
@@ -214,7 +214,7 @@ def test_coroutines_in_two_processes_never_hold_more_than_the_limit(
 
     chosen = next(s for s in SHARED_STORES if s.name == store_name)
     settings.TASKLOCK = chosen.tasklock
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     with unmeasured():
         pool = context.Pool(1)
     with pool:

@@ -4,10 +4,12 @@ module of its own so that it runs beside the other benchmarks' short runs."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
-from tests.services import run_module
+from tests.services import ROOT, run_module
 
 # After the other long modules (tests/conftest.py): valgrind's run is CPU
 # bound, and under the load of the first ones it took over 600 s.
@@ -28,3 +30,21 @@ def test_instruction_count_quick_run_reports_the_floor_and_a_lock():
     assert floor_count / 2 < lock_count < floor_count * 3
     assert lock_count != floor_count
     assert float(lock.group(2)) == pytest.approx(lock_count / floor_count, abs=0.01)
+
+
+@pytest.mark.slow
+def test_a_client_request_reaches_valgrind_and_is_nothing_natively():
+    """The request the probe turns callgrind's instrumentation on with
+    (benchmarks/valgrind.py): valgrind answers it; natively it answers 0."""
+    code = "from benchmarks.valgrind import running_on_valgrind as r; print(r())"
+    native = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
+    )
+    under = subprocess.run(
+        ["valgrind", "--tool=none", "-q", sys.executable, "-S", "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert (native.stdout, under.stdout) == ("0\n", "1\n"), native.stderr + under.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import socket
 import subprocess
@@ -16,6 +15,7 @@ from django.core.management import CommandError, call_command
 from django_tasklock import Lock, lock_id_for
 from django_tasklock.status import Owner, lock_status, remove
 from tests import tasks
+from tests.processes import process_context
 from tests.services import ROOT, free_port
 from tests.workers import crashing_holder
 
@@ -192,7 +192,7 @@ def test_release_refuses_a_live_holder_without_force(store):
 
 
 def test_release_clears_a_crashed_holders_lock_without_force(store):
-    process = multiprocessing.get_context("spawn").Process(
+    process = process_context().Process(
         target=crashing_holder, args=(store.tasklock, "crashed")
     )
     process.start()
@@ -207,7 +207,7 @@ def test_release_clears_a_crashed_holders_lock_without_force(store):
 
 
 def test_release_removes_only_the_item_it_judged_stale(store):
-    process = multiprocessing.get_context("spawn").Process(
+    process = process_context().Process(
         target=crashing_holder, args=(store.tasklock, "handover")
     )
     process.start()

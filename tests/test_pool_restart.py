@@ -9,7 +9,6 @@ process leaves on the pool's other nodes.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -20,6 +19,7 @@ from django.core.cache import caches
 from django_tasklock import Lock, LockBackendError
 from django_tasklock.backends import backend_for
 from tests.helpers import close_connections
+from tests.processes import process_context
 from tests.services import Memcached
 from tests.workers import hold_and_restart_busiest, setup_django, take_until_all
 
@@ -58,7 +58,7 @@ def second_process():
     """A fresh process, spawned and set up before anything restarts: the
     grace runs from the restart, and a busy machine may take seconds to start
     a Python and Django."""
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     with context.Pool(1, initializer=setup_django) as workers:
         workers.apply(os.getpid)  # started, and set up
         yield workers

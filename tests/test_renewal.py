@@ -4,7 +4,6 @@ the holder, never outlives max_hold, and reports a lost lock within one beat."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import threading
@@ -22,6 +21,7 @@ from django_tasklock import (
 )
 from django_tasklock.signals import lock_lost
 from tests.helpers import in_thread
+from tests.processes import process_context
 from tests.services import stop_and_wait
 from tests.workers import renewing_holder, setup_django
 
@@ -311,7 +311,7 @@ def test_bad_lifecycle_options_rejected(option, value):
 @pytest.mark.parametrize("alias", ["default", "redis"])
 def test_sigkill_of_renewing_holder_frees_lock_within_one_expiry(settings, alias):
     settings.TASKLOCK = {"CACHE": alias}
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     queue = context.Queue()
     holder = context.Process(
         target=renewing_holder, args=({"CACHE": alias}, "killed", EXPIRE, queue)

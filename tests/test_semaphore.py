@@ -3,7 +3,6 @@ stores and many processes."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -20,6 +19,7 @@ from django_tasklock import (
 )
 from django_tasklock.semaphores import slot_id
 from tests.helpers import drop, in_thread
+from tests.processes import process_context
 from tests.workers import (
     Storms,
     hammer,
@@ -196,7 +196,7 @@ HOLDER_EXPIRE = 3
 
 @pytest.mark.slow
 def test_sigkilled_holders_free_only_their_own_slots(store):
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     queue = context.Queue()
     processes = [
         context.Process(

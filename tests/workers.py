@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import socket
@@ -12,6 +11,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tests.processes import process_context
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -77,7 +78,7 @@ class Storms:
     def __init__(self, processes: int) -> None:
         from tests.services import unmeasured
 
-        context = multiprocessing.get_context("spawn")
+        context = process_context()
         self.processes = processes
         self._total = context.Value("q", 0)
         with unmeasured():  # (the pool's processes start here)
@@ -528,7 +529,7 @@ def restart_under_holders(
         for n in range(10_000)
         if backend._client(backend.key_for(f"restart-new-{n}")).server[1] == victim_port  # type: ignore[attr-defined]
     )
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     with context.Pool(1, initializer=setup_django) as pool:
         result = pool.apply(
             take_until_all, (caches_setting, {"CACHE": alias}, [fresh], 60)
