@@ -28,13 +28,34 @@ def _run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[st
     )
 
 
+def _checkout_copy(where: Path) -> Path:
+    """The checkout's files (committed or not, but none git ignores), copied
+    into ``where``: setuptools writes build/ and *.egg-info where it builds,
+    and ``make test`` installs the checkout into the matrix's environments
+    beside this test (``make matrix-envs``), which write there too."""
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+    for name in filter(None, listing.split(b"\0")):
+        source = ROOT / os.fsdecode(name)
+        if source.is_file():  # (not one deleted since its last commit)
+            target = where / os.fsdecode(name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return where
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The project's directory and its Python, the wheel installed there."""
     where = tmp_path_factory.mktemp("newproject")
+    source = _checkout_copy(tmp_path_factory.mktemp("source"))
     built = _run(
         [sys.executable, "-m", "build", "--no-isolation", "--wheel",
-         "--outdir", str(where / "dist"), str(ROOT)],
+         "--outdir", str(where / "dist"), str(source)],
         timeout=300,
     )  # fmt: skip
     assert built.returncode == 0, built.stdout + built.stderr
