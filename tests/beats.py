@@ -95,6 +95,18 @@ class Beat:
             time.sleep(0.1)
         return False
 
+    def role(self) -> str | None:
+        """What this beat's log last said of its role: "leading", "standing
+        by", "lost" (no longer leading), or None (nothing yet)."""
+        text = Path(self.log.name).read_text(errors="replace")
+        said = {
+            text.rfind("Leading '"): "leading",
+            text.rfind("Standing by for"): "standing by",
+            text.rfind("No longer leading"): "lost",
+        }
+        last = max(said)
+        return said[last] if last >= 0 else None
+
     def tail(self, lines: int = 30) -> str:
         """The end of this beat's log."""
         self.log.flush()
@@ -124,6 +136,27 @@ class Beat:
                 self.process.wait()
         self.signal(signal.SIGKILL)  # a child its wrapper left behind
         self.log.close()
+
+
+def settled_roles(first: Beat, second: Beat, timeout: float) -> tuple[Beat, Beat]:
+    """(leader, standby): once one beat leads and the other stands by, as
+    their logs last said, waiting up to ``timeout`` seconds. Usually the first
+    leads; on a starved machine the first may judge its lock lost by its own
+    clock (its liveness thread was not run in time) and let it go, and the
+    second, starting, lead instead."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        roles = (first.role(), second.role())
+        if roles == ("leading", "standing by"):
+            return first, second
+        if roles == ("standing by", "leading"):
+            return second, first
+        if first.process.poll() is not None or second.process.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(
+        f"no leader and standby within {timeout}s:\n{first.tail()}\n{second.tail()}"
+    )
 
 
 def sends(client: redis.Redis) -> list[dict]:
