@@ -82,19 +82,6 @@ class Beat:
                  "SINGLE_BEAT_LOCK_TIME": str(LIVENESS), "SINGLE_BEAT_HEARTBEAT_INTERVAL": "1"},
         )  # fmt: skip
 
-    def standing_by(self, timeout: float) -> bool:
-        """Wait until this beat's LeaderScheduler has been refused the role
-        once (it logs "Standing by"): it is up and trying. Whether it was."""
-        path = Path(self.log.name)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if "Standing by for" in path.read_text(errors="replace"):
-                return True
-            if self.process.poll() is not None:
-                return False
-            time.sleep(0.1)
-        return False
-
     def role(self) -> str | None:
         """What this beat's log last said of its role: "leading", "standing
         by", "lost" (no longer leading), or None (nothing yet)."""

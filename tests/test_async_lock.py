@@ -229,9 +229,8 @@ def test_a_thousand_coroutines_and_four_processes_never_overlap(store_name, sett
     # 50 holds per process: enough to see contention (asserted below); the
     # Redis storm ran at ~2 holds a second in all beside a whole suite.
     arguments = (store.tasklock, 10, 1000, 50, 180.0)
-    context = process_context()
     with unmeasured():
-        pool = context.Pool(4)
+        pool = process_context().Pool(4)
     with pool:
         start_at = time.monotonic() + 5.0
         others = pool.starmap_async(in_process, [(*arguments, start_at)] * 4)

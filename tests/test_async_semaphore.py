@@ -214,9 +214,8 @@ def test_coroutines_in_two_processes_never_hold_more_than_the_limit(
 
     chosen = next(s for s in SHARED_STORES if s.name == store_name)
     settings.TASKLOCK = chosen.tasklock
-    context = process_context()
     with unmeasured():
-        pool = context.Pool(1)
+        pool = process_context().Pool(1)
     with pool:
         start_at = time.monotonic() + 5.0
         other = pool.apply_async(_slot_storm, (chosen.tasklock, start_at))

@@ -55,9 +55,9 @@ def hold_all_and_restart_one(servers):
 
 @pytest.fixture
 def second_process():
-    """A fresh process, spawned and set up before anything restarts: the
+    """A fresh process, started and set up before anything restarts: the
     grace runs from the restart, and a busy machine may take seconds to start
-    a Python and Django."""
+    a process and set Django up."""
     context = process_context()
     with context.Pool(1, initializer=setup_django) as workers:
         workers.apply(os.getpid)  # started, and set up

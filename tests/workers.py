@@ -71,17 +71,19 @@ def _count_hold() -> None:
 
 
 class Storms:
-    """Spawned processes for storms, kept for as many as a caller runs (a
-    module's storms on each store): most of a storm's CPU was its 16
-    Pythons starting and setting Django up, once per store."""
+    """Processes for storms, kept for as many as a caller runs (a module's
+    storms on each store): most of a storm's CPU was its 16 Pythons starting
+    and setting Django up, once per store."""
 
     def __init__(self, processes: int) -> None:
         from tests.services import unmeasured
 
-        context = process_context()
         self.processes = processes
-        self._total = context.Value("q", 0)
-        with unmeasured():  # (the pool's processes start here)
+        # Chosen untraced, so forked (tests/processes.py) even where coverage
+        # measures the rest; the pool's processes start here.
+        with unmeasured():
+            context = process_context()
+            self._total = context.Value("q", 0)
             self._pool = context.Pool(
                 processes, initializer=_join_storms, initargs=(self._total,)
             )
