@@ -182,11 +182,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     )
     for place, item in zip(places, ordered, strict=True):
         items[place] = item
-    # Modules marked long first, then those with slow tests (in
-    # pytest-randomly's order among them, and their own tests in its order
-    # too). make test hands modules to xdist's workers in this order
-    # (--no-loadscope-reorder): its own, largest first, started a long module
-    # of one test (a fault group) last, to run on alone for minutes.
+    # Modules marked long first, longest first (their ``seconds``, measured
+    # in make test's run), then those with slow tests (in pytest-randomly's
+    # order among them, and their own tests in its order too). make test
+    # hands modules to xdist's workers in this order (--no-loadscope-reorder;
+    # tests/scheduling.py): its own, largest first, started a long module of
+    # one test (a fault group) last, to run on alone for minutes.
     # A module marked ``long(first=False)`` (valgrind's benchmark run, which
     # took over 600 s under the load of the first long modules) comes after
     # the other long ones, before the rest.
@@ -194,11 +195,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         modules.setdefault(item.nodeid.partition("::")[0], []).append(item)
 
-    def rank(tests: list[pytest.Item]) -> int:
+    def rank(tests: list[pytest.Item]) -> tuple[int, float]:
         long = tests[0].get_closest_marker("long")
         if long is not None:
-            return 0 if long.kwargs.get("first", True) else 1
-        return 2 if any(t.get_closest_marker("slow") for t in tests) else 3
+            group = 0 if long.kwargs.get("first", True) else 1
+            return group, -long.kwargs["seconds"]
+        return (2 if any(t.get_closest_marker("slow") for t in tests) else 3), 0.0
 
     first = sorted(modules.values(), key=rank)
     items[:] = [item for tests in first for item in tests]
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile`` as tests/scheduling.py has it: a long module of one
+    test keeps no other long module waiting behind it on its worker."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.scheduling import LongFirstScheduling
+
+    return LongFirstScheduling(config, log)

@@ -29,7 +29,7 @@ from tests.beats import (
 )
 from tests.services import stop_and_wait
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = [pytest.mark.slow, pytest.mark.long(seconds=100)]
 
 
 @pytest.fixture

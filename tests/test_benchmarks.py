@@ -8,7 +8,7 @@ import pytest
 
 from tests.services import run_module
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.long(seconds=75)
 
 
 @pytest.mark.slow

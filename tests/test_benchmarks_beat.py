@@ -9,7 +9,7 @@ import pytest
 
 from tests.services import run_module
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.long(seconds=70)
 
 
 @pytest.mark.slow

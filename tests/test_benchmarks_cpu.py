@@ -13,7 +13,7 @@ from tests.services import ROOT, run_module
 
 # After the other long modules (tests/conftest.py): valgrind's run is CPU
 # bound, and under the load of the first ones it took over 600 s.
-pytestmark = pytest.mark.long(first=False)
+pytestmark = pytest.mark.long(first=False, seconds=40)
 
 
 @pytest.mark.slow

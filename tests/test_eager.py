@@ -17,8 +17,6 @@ from django_tasklock import AlreadyQueued, LockNotAcquired, RateLimited, lock_id
 from django_tasklock.calls import QUEUE_SUFFIX
 from tests import eager_tasks as tasks
 
-pytestmark = pytest.mark.long
-
 STORES = pytest.mark.parametrize(
     "cache", ["default", "redis"], ids=["memcached", "redis"]
 )

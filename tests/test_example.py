@@ -31,7 +31,7 @@ from example_project.feedserver import FeedServer
 from tests.helpers import forget_backend, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.long]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.long(seconds=170)]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from reliability.faults import PARTS, Row, bad
 from tests.faults_checks import FIGURES, GROUPS, run_group, table_rows
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.long(seconds=100)
 
 
 def test_table_rows_are_read_by_column():

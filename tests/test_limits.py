@@ -28,7 +28,7 @@ from tests.limits_helpers import (
 )
 from tests.workers import Storms
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.long(seconds=60)
 
 # -- rates -------------------------------------------------------------------------
 

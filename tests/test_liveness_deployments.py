@@ -20,7 +20,7 @@ from reliability import deployments
 from reliability.deployments import LIVENESS, MEMCACHED, Memcached
 from tests.helpers import background, wait_until
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.long(seconds=90)
 
 
 def assert_never_robbed(outcome: deployments.Outcome, least_tries: int) -> None:

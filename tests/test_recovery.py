@@ -31,7 +31,7 @@ from tests.helpers import background, record_beside, wait_until
 from tests.services import stop_and_wait
 from tests.workers import Holder
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.long(seconds=240)
 
 LIVENESS = 3.0
 

@@ -25,7 +25,7 @@ from tests.processes import process_context
 from tests.services import stop_and_wait
 from tests.workers import renewing_holder, setup_django
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.long(seconds=235)
 
 EXPIRE = 3
 

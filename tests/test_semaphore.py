@@ -29,7 +29,7 @@ from tests.workers import (
     storm,
 )
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.long(seconds=90)
 
 
 def test_at_most_limit_holders(any_store):
