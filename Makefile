@@ -57,8 +57,11 @@ typecheck: $(STAMP)
 # In parallel (pytest-xdist: each worker process starts its own servers on free
 # ports; a module's tests stay on one worker, so its shared Celery workers start
 # once). Untraced: coverage is measured by the matrix's Python 3.13 run
-# (noxfile.py), where it costs 8 % more CPU, not 44 % as here.
-PYTEST_WORKERS ?= 6
+# (noxfile.py), where it costs 8 % more CPU, not 44 % as here. Eight workers:
+# most of a long module's time is waits (expiries, workers, servers), and with
+# modules handed out longest first (tests/scheduling.py) the run took 361 s on
+# eight and 413 s on six, with 1.7 and 1.4 of the two cores busy.
+PYTEST_WORKERS ?= 8
 # The modules the tests' processes import, compiled once before the run (for
 # the same reason as the venv's: PYTHONDONTWRITEBYTECODE).
 SOURCES := django_tasklock tests example_project benchmarks reliability
