@@ -24,15 +24,18 @@ __all__ = [
 ]
 
 
-def wait_until(condition, limit: float = 30.0, about=None) -> float:
-    """Seconds until ``condition()`` held, polling every 5 ms; ``about()``
-    says what the failure message should show of the state then."""
+def wait_until(
+    condition, limit: float = 30.0, about=None, every: float = 0.005
+) -> float:
+    """Seconds until ``condition()`` held, polling every ``every`` seconds
+    (longer for a condition that costs a round trip per key it reads);
+    ``about()`` says what the failure message should show of the state then."""
     started = time.monotonic()
     while not condition():
         if time.monotonic() - started > limit:
             shown = f": {about()}" if about is not None else ""
             raise AssertionError(f"not within {limit}s{shown}")
-        time.sleep(0.005)
+        time.sleep(every)
     return time.monotonic() - started
 
 
