@@ -78,7 +78,7 @@ def log_in(browser, live_server, username, password="pw"):
     browser.find_element(By.NAME, "username").send_keys(username)
     browser.find_element(By.NAME, "password").send_keys(password)
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
-    wait_until(lambda: "/admin/login/" not in browser.current_url, 30)
+    wait_until(lambda: "/admin/login/" not in browser.current_url, 30, every=0.05)
 
 
 def row_of(browser, live_server, lock_id, query=""):
@@ -95,7 +95,9 @@ def row_of(browser, live_server, lock_id, query=""):
             found["row"] = rows[0]
         return bool(rows)
 
-    wait_until(listed, 30)
+    # Each look loads the page in the browser: every 100 ms, not every 5 (a
+    # look at what the browser shows asks chromedriver: every 50 ms).
+    wait_until(listed, 30, every=0.1)
     return found["row"]
 
 
@@ -174,7 +176,7 @@ def test_a_workers_lock_is_listed_found_and_released(workers, browser, live_serv
         browser.find_element(
             By.CSS_SELECTOR, "#tasklock-filters input[type=submit]"
         ).click()
-        wait_until(lambda: f"q={result.id}" in browser.current_url, 30)
+        wait_until(lambda: f"q={result.id}" in browser.current_url, 30, every=0.05)
         rows = browser.find_elements(By.CSS_SELECTOR, "tr.tasklock-row")
         assert [r.get_attribute("data-lock-id") for r in rows] == [lock_id]
 
@@ -183,12 +185,16 @@ def test_a_workers_lock_is_listed_found_and_released(workers, browser, live_serv
         assert "Its holder may still run" in browser.page_source
         browser.find_element(By.ID, "tasklock-release").click()
         # (Read again until the answer to the POST is the page shown.)
-        wait_until(lambda: "Release anyway" in text_of(browser, "tasklock-refusal"), 30)
+        wait_until(
+            lambda: "Release anyway" in text_of(browser, "tasklock-refusal"),
+            30,
+            every=0.05,
+        )
         assert lock_status(lock_id).held
         screenshot(browser, "console-release.png")
         browser.find_element(By.ID, "tasklock-force").click()
         browser.find_element(By.ID, "tasklock-release").click()
-        wait_until(lambda: "Released lock" in browser.page_source, 30)
+        wait_until(lambda: "Released lock" in browser.page_source, 30, every=0.05)
         assert not lock_status(lock_id).held
     finally:
         tasks.let_go(key)
@@ -246,5 +252,5 @@ def test_a_killed_workers_lock_shows_its_holder_dead(workers, browser, live_serv
     assert "Its holder is gone" in browser.page_source
     assert not browser.find_elements(By.ID, "tasklock-force")
     browser.find_element(By.ID, "tasklock-release").click()
-    wait_until(lambda: "its holder was gone" in browser.page_source, 30)
+    wait_until(lambda: "its holder was gone" in browser.page_source, 30, every=0.05)
     assert not lock_status(lock_id).held
