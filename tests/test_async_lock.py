@@ -380,3 +380,33 @@ def test_a_store_first_used_from_a_loop_is_imported_off_the_loop():
         "redis.asyncio",
     ]
     assert seen["on_the_loop"] == []
+
+
+def test_an_async_take_on_memcached_without_cas_ids_is_refused(settings):
+    """A server run with -C stores the lock but gives it no CAS id to release
+    it by: the take raises, on a new connection and on the loop's warm one,
+    and leaves no lock behind."""
+    from django.core.cache import caches
+
+    from django_tasklock import LockBackendError
+    from tests.helpers import close_connections
+    from tests.services import Memcached
+
+    server = Memcached(args=["-C"]).start()
+    try:
+        backend = "django.core.cache.backends.memcached.PyMemcacheCache"
+        config = {"BACKEND": backend, "LOCATION": server.address}
+        settings.CACHES = {**settings.CACHES, "own": config}
+        settings.TASKLOCK = {"CACHE": "own", "LIVENESS": None}
+
+        async def scenario():
+            for _ in range(2):  # a new connection, then the warm one
+                with pytest.raises(LockBackendError, match="without CAS ids"):
+                    await Lock("async-no-cas").aacquire()
+            await close_loop_connections()
+
+        run(scenario)
+        assert caches["own"].get("async-no-cas") is None, "left a lock behind"
+    finally:
+        close_connections()
+        server.stop()

@@ -82,12 +82,33 @@ async def loop_backend(alias: str, protocol: str) -> AsyncBackend:
     return async_backend_for(alias, protocol)
 
 
+#: The backend ``warm_backend`` gave last: (alias, protocol, a weak reference
+#: to its loop, the generation of CACHES, the backend). One tuple, read and
+#: replaced whole, as ``_last``.
+_last_warm: (
+    tuple[str, str, weakref.ref[asyncio.AbstractEventLoop], int, AsyncBackend] | None
+) = None
+
+
 def warm_backend(alias: str, protocol: str) -> AsyncBackend | None:
     """``loop_backend``'s answer with no coroutine of its own, once its modules
     are imported (the hot path of every take and release); None before."""
-    if (alias, protocol) in _warmed:
-        return async_backend_for(alias, protocol)
-    return None
+    global _last_warm
+    last = _last_warm
+    if (
+        last is not None
+        and last[0] == alias
+        and last[1] == protocol
+        and last[2]() is asyncio.get_running_loop()
+        and last[3] == _generation[0]
+    ):
+        return last[4]
+    if (alias, protocol) not in _warmed:
+        return None
+    backend = async_backend_for(alias, protocol)
+    loop = weakref.ref(asyncio.get_running_loop())
+    _last_warm = (alias, protocol, loop, _generation[0], backend)
+    return backend
 
 
 def _native_kind(sync: LockBackend) -> str | None:
@@ -132,12 +153,15 @@ async def close_loop_connections() -> None:
     """Close the connections django_tasklock opened for the running loop (call
     it before the loop ends, as ``asyncio.run``'s main coroutine's last step,
     to leave no socket behind). A later lock reconnects."""
-    global _last
+    global _last, _last_warm
     await finish_cancelled()
     loop = asyncio.get_running_loop()
     memo = _per_loop.pop(loop, None)
     last = _last
     if last is not None and last[0]() is loop:
         _last = None
+    warm = _last_warm
+    if warm is not None and warm[2]() is loop:
+        _last_warm = None
     for backend in (memo or {}).values():
         await backend.aclose()

@@ -301,15 +301,17 @@ class _Servers(AsyncBackend):
         command: bytes,
         take: bool = False,
         late: Callable[[_Connection, bytes | None], object] | None = None,
+        dropped: bool = False,
     ) -> tuple[bytes, _Connection, bool]:
         """``command``'s reply, the connection that carried it, and whether it
         was sent twice: once more on a new connection if one from before had
-        dropped (a restart, an idle timeout), as the sync backend does. A new
-        connection that fails is an outage, and is raised. A ``take`` is
+        dropped (a restart, an idle timeout), as the sync backend does
+        (``dropped``: it was sent once already, on a connection that dropped).
+        A new connection that fails is an outage, and is raised. A ``take`` is
         refused on a server that restarted within ``RESTART_GRACE``. ``late``
         gets the connection and the reply if the caller is cancelled once the
         command is written."""
-        for attempt in (1, 2):
+        for attempt in (2,) if dropped else (1, 2):
             conn = server.conn
             reused = conn is not None and not conn.broken
             if not reused:  # (a coroutine less on the hot path)
@@ -370,15 +372,55 @@ class AsyncMemcached(_Servers):
     ) -> Hold | None:
         # No task of its own: a cancel once the command is written leaves its
         # reply to the connection's reader, which hands it to if_cancelled.
+        server = self._by_key.get(key) or self._server(key)
+        conn = server.conn
+        if conn is not None and server.meta and not conn.broken and not _refused:
+            # The hot path, in one coroutine: the server's connection is open
+            # and speaks meta commands, and no server is in its restart grace.
+            wire = self._prefix + key.encode()
+            command = self._take_command(wire, token, expire)
+            landed = _Landed(conn, if_cancelled, if_failed)
+            try:
+                reply = await conn.send(command, server.timeout, landed)
+            except ConnectionError:
+                pass  # it may have been stored before it dropped: sent again below
+            else:
+                if reply[:4] == b"HD c" and reply[4:-2].isdigit():
+                    cas = int(reply[4:-2])
+                    if cas:
+                        return MemcachedHold(cas, conn)
+                return await self._took(server, wire, reply, token, False, if_failed)
+            dropped = True
+        else:
+            dropped = False
         try:
-            return await self._acquire(key, token, expire, if_cancelled, if_failed)
+            return await self._acquire(
+                key, token, expire, if_cancelled, if_failed, dropped
+            )
         except NoMetaCommands:
             threaded = self._threaded
             return await threaded.take(key, token, expire, if_cancelled, if_failed)
 
     async def drop(self, key: str, hold: Hold, token: object) -> bool:
+        server = self._by_key.get(key) or self._server(key)
+        conn = server.conn
+        if getattr(hold, "sock", None) is conn and conn is not None and not conn.broken:
+            # The hot path, in one coroutine. The connection that took it,
+            # never closed since: no restart since, so the CAS id alone proves
+            # it is this holder's item.
+            command = b"md %s%s C%d\r\n" % (self._prefix, key.encode(), hold.cas)  # type: ignore[attr-defined]
+            try:
+                reply = await conn.send(command, server.timeout)
+            except ConnectionError:
+                reply = b""  # it may have gone: checked by value below
+            if reply[:2] == b"HD":
+                return True
+            if reply[:2] == b"NF":
+                return False
+            # EX: another CAS id, another owner's item or ours moved by the
+            # slab rebalancer: the value tells them apart.
         try:
-            return await self._release(key, hold, token)
+            return await self._release(server, key, hold, token)
         except NoMetaCommands:
             return await self._threaded.drop(key, hold, token)
 
@@ -462,6 +504,14 @@ class AsyncMemcached(_Servers):
             return await self._threaded.replace(key, hold, old, new, expire)
         raise MemcacheError(f"unexpected reply to ms: {reply!r}")
 
+    @staticmethod
+    def _take_command(wire: bytes, token: str, expire: float) -> bytes:
+        """``ms`` in add mode: stored only if absent, its CAS id returned."""
+        data = token.encode()
+        return b"ms %s %d T%d F%d ME c\r\n%s\r\n" % (
+            wire, len(data), _ttl(expire), _TEXT_FLAG, data
+        )  # fmt: skip
+
     async def _acquire(
         self,
         key: str,
@@ -469,24 +519,34 @@ class AsyncMemcached(_Servers):
         expire: float,
         if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
         if_failed: Callable[[BaseException], object] | None,
+        dropped: bool = False,
     ) -> Hold | None:
         server = self._server(key)
-        data, wire = token.encode(), self._prefix + key.encode()
-        command = b"ms %s %d T%d F%d ME c\r\n%s\r\n" % (
-            wire, len(data), _ttl(expire), _TEXT_FLAG, data
-        )  # fmt: skip
+        wire = self._prefix + key.encode()
+        command = self._take_command(wire, token, expire)
 
         def landed(conn: _Connection, line: bytes | None) -> None:
-            """The reply of a take whose caller was cancelled."""
-            if line is None:
-                if if_failed is not None:
-                    if_failed(ConnectionResetError("memcached connection lost"))
-                return
-            cas = _cas_of(line, b"HD")
-            if cas and if_cancelled is not None:
-                finish_later(if_cancelled(MemcachedHold(cas, conn)))
+            _Landed(conn, if_cancelled, if_failed)(line)
 
-        reply, conn, retried = await self._command(server, command, True, landed)
+        reply, conn, retried = await self._command(
+            server, command, True, landed, dropped
+        )
+        cas = _cas_of(reply, b"HD")
+        if cas:
+            return MemcachedHold(cas, conn)
+        return await self._took(server, wire, reply, token, retried, if_failed)
+
+    async def _took(
+        self,
+        server: _Server,
+        wire: bytes,
+        reply: bytes,
+        token: str,
+        retried: bool,
+        if_failed: Callable[[BaseException], object] | None,
+    ) -> Hold | None:
+        """What a take's reply other than a CAS id means: refused (None), ours
+        after all (a take sent twice), or an error, raised."""
         if reply.startswith(b"NS"):
             if retried:
                 # The first try, on a connection that dropped, may have
@@ -498,36 +558,20 @@ class AsyncMemcached(_Servers):
                         if_failed(ConnectionResetError("cancelled while checking"))
                     raise
             return None
-        cas = _cas_of(reply, b"HD")
-        if cas is None and not reply.startswith(b"HD"):
-            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-        if not cas:
+        if reply.startswith(b"HD"):
             raise MemcacheError(
                 f"memcached at {_server_name(server.server)} runs without CAS "
                 "ids (-C), so a lock cannot be owner-checked; restart it without -C"
             )
-        return MemcachedHold(cas, conn)
+        raise MemcacheError(f"unexpected reply to ms: {reply!r}")
 
-    async def _release(self, key: str, hold: Hold, token: object) -> bool:
+    async def _release(
+        self, server: _Server, key: str, hold: Hold, token: object
+    ) -> bool:
+        """Release by value: two round trips, carried to their end through a
+        cancel."""
         assert isinstance(hold, MemcachedHold)
-        server = self._server(key)
         wire = self._prefix + key.encode()
-        taker = hold.sock
-        if isinstance(taker, _Connection) and taker is server.conn and not taker.broken:
-            # The connection that took it, never closed since: no restart
-            # since, so the CAS id alone proves it is this holder's item.
-            try:
-                command = b"md %s C%d\r\n" % (wire, hold.cas)
-                reply = await taker.send(command, server.timeout)
-            except ConnectionError:
-                reply = b""  # it may have gone: checked by value below
-            if reply.startswith(b"HD"):
-                return True
-            if reply.startswith(b"NF"):
-                return False
-            # EX: another CAS id, another owner's item or ours moved by the
-            # slab rebalancer: the value tells them apart.
-        # Two round trips: carried to their end through a cancel.
         return await carried_through(self._release_by_value(server, wire, hold, token))
 
     async def _release_by_value(
@@ -553,6 +597,31 @@ class AsyncMemcached(_Servers):
         cas = await self._owner_cas(server, wire, token)
         # Checked by value from now on: no connection of the first try is left.
         return None if cas is None else MemcachedHold(cas, None)
+
+
+class _Landed:
+    """What becomes of the reply of a take whose caller was cancelled once it
+    was sent: a lock it took is released (``if_cancelled``); a connection lost
+    first leaves its fate unknown (``if_failed``)."""
+
+    __slots__ = ("conn", "if_cancelled", "if_failed")
+
+    def __init__(
+        self,
+        conn: _Connection,
+        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
+        if_failed: Callable[[BaseException], object] | None,
+    ) -> None:
+        self.conn, self.if_cancelled, self.if_failed = conn, if_cancelled, if_failed
+
+    def __call__(self, line: bytes | None) -> None:
+        if line is None:
+            if self.if_failed is not None:
+                self.if_failed(ConnectionResetError("memcached connection lost"))
+            return
+        cas = _cas_of(line, b"HD")
+        if cas and self.if_cancelled is not None:
+            finish_later(self.if_cancelled(MemcachedHold(cas, self.conn)))
 
 
 def _ttl(expire: float) -> int:

@@ -5,6 +5,7 @@ own built with the same address and options."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -81,10 +82,12 @@ class AsyncRedis(AsyncBackend):
 
         # Its own pool, closed with it (aclose): at most POOL_SIZE
         # connections, a command waiting for one when all are busy (a loop of
-        # a thousand coroutines must not open a thousand sockets).
-        pool = redis.asyncio.BlockingConnectionPool(
-            max_connections=POOL_SIZE, timeout=None, **options
-        )
+        # a thousand coroutines must not open a thousand sockets). The wait is
+        # this backend's (``_slots``): redis-py's BlockingConnectionPool waits
+        # on a condition under a timeout for every command, which cost more
+        # than the rest of a lock's Python.
+        pool = redis.asyncio.ConnectionPool(max_connections=POOL_SIZE, **options)
+        self._slots = asyncio.Semaphore(POOL_SIZE)
         if hasattr(redis.asyncio.Redis, "from_pool"):  # redis-py 5.0.1+
             self._client = redis.asyncio.Redis.from_pool(pool)
         else:
@@ -99,10 +102,11 @@ class AsyncRedis(AsyncBackend):
         self._encode = sync._encode
 
     async def _script(self, script: str, key: str, *args: Any) -> Any:
-        try:
-            return await self._client.evalsha(_SHA[script], 1, key, *args)
-        except self._no_script:
-            return await self._client.eval(script, 1, key, *args)
+        async with self._slots:
+            try:
+                return await self._client.evalsha(_SHA[script], 1, key, *args)
+            except self._no_script:
+                return await self._client.eval(script, 1, key, *args)
 
     async def script(self, text: str, keys: tuple[str, ...], *args: Any) -> Any:
         # In a task of its own, as every command awaited in the caller's own
@@ -114,10 +118,11 @@ class AsyncRedis(AsyncBackend):
     async def _script_anywhere(
         self, text: str, keys: tuple[str, ...], *args: Any
     ) -> Any:
-        try:
-            return await self._client.evalsha(known(text), len(keys), *keys, *args)
-        except self._no_script:
-            return await self._client.eval(text, len(keys), *keys, *args)
+        async with self._slots:
+            try:
+                return await self._client.evalsha(known(text), len(keys), *keys, *args)
+            except self._no_script:
+                return await self._client.eval(text, len(keys), *keys, *args)
 
     async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         value = self._encode(token)
@@ -134,8 +139,12 @@ class AsyncRedis(AsyncBackend):
         return bool(await self._script(_RELEASE, key, hold))
 
     async def held_many(self, keys: list[str]) -> list[bool]:
-        values = await carried_through(self._client.mget(keys))  # see script()
+        values = await carried_through(self._mget(keys))  # see script()
         return [value is not None for value in values]
+
+    async def _mget(self, keys: list[str]) -> list[Any]:
+        async with self._slots:
+            return await self._client.mget(keys)
 
     async def aclose(self) -> None:
         closing = getattr(self._client, "aclose", None) or self._client.close

@@ -52,6 +52,13 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncLocking"]
 
+#: What a take whose caller was cancelled does with what it got, and with a
+#: take whose fate is unknown (``AsyncBackend.take``'s last two arguments).
+_IfCancelled = tuple[
+    "Callable[[Hold | None], Awaitable[object]]",
+    "Callable[[BaseException], object]",
+]
+
 # The sync Lock's logger: a release's failure is logged under one name.
 logger = logging.getLogger("django_tasklock.locks.lock")
 
@@ -116,19 +123,19 @@ class AsyncLocking:
         key = backend.keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
         tried_at = started = time.monotonic()
-        record, make_token = await _kept(alias, defaults[4], backend, started, key)
+        record = record_beside(alias, defaults[4], backend, key)
+        if record is not None and started >= record.due:
+            record = await _kept(alias, backend, record)
         deadline, pause = None if timeout is None else started + timeout, POLL_MIN
         while True:
-            token = make_token(self.owner)
+            token = (new_token if record is None else new_live_token)(self.owner)
+            if_cancelled = self._if_cancelled(store, backend, key, token)
             try:
-                hold = await self._take(
-                    store,
-                    key,
-                    token,
-                    expire,
-                    functools.partial(_let_go, store, key, token=token),
-                    functools.partial(self._failed, store, backend, key, token),
-                )
+                hold = await self._take(store, key, token, expire, if_cancelled)
+                if hold is None and store.looks.get(key, 0.0) <= time.monotonic():
+                    hold = await self._from_dead(
+                        store, key, token, expire, if_cancelled
+                    )
             except store.errors as exc:
                 raise take_failed(self, alias, backend, key, token, exc) from exc  # type: ignore[arg-type]
             if hold is not None:
@@ -146,6 +153,16 @@ class AsyncLocking:
                 return False
             await asyncio.sleep(wait[0])
             pause, tried_at = wait[1], time.monotonic()
+
+    def _if_cancelled(
+        self, store: AsyncBackend, backend: LockBackend, key: str, token: str
+    ) -> _IfCancelled:
+        """What a take of ``token`` does if its caller is cancelled in flight:
+        release what it got; a take whose fate is unknown, watched."""
+        return (
+            functools.partial(_let_go, store, key, token),
+            functools.partial(self._failed, store, backend, key, token),
+        )
 
     def _failed(
         self,
@@ -171,37 +188,49 @@ class AsyncLocking:
             waited = acq.acquired_at - started
             self._send(lock_acquired, acq.token, fence=None, waited=waited)
 
-    async def _take(
+    def _take(
         self,
         store: AsyncBackend,
         key: str,
         token: str,
         expire: float,
-        if_cancelled: Callable[[Hold | None], Awaitable[object]],
-        if_failed: Callable[[BaseException], object],
+        if_cancelled: _IfCancelled,
+    ) -> Awaitable[Hold | None]:
+        """One try's take, carried through a cancel (``if_cancelled``: what to
+        do with what it got, and with a take whose fate is unknown): the
+        store's own, or ``take_over``'s in a thread. Not a coroutine of its
+        own: the hot path awaits the store's."""
+        if self._take_over is None:
+            return store.take(key, token, expire, *if_cancelled)
+        taken_over = self._take_over
+        alias, protocol = store.alias, store.sync.protocol
+
+        def take_over() -> Hold | None:
+            backend = backend_for(alias, protocol=protocol)
+            return backend.take_over(key, taken_over, token, expire)
+
+        return carried_through(asyncio.to_thread(take_over), *if_cancelled)
+
+    async def _from_dead(
+        self,
+        store: AsyncBackend,
+        key: str,
+        token: str,
+        expire: float,
+        if_cancelled: _IfCancelled,
     ) -> Hold | None:
-        """One try, carried through a cancel (what it got is then released):
-        the lock, else (when due) its holder looked at, in a thread, and the
-        lock taken from it if it is dead."""
+        """After a refused take, when due (and not a ``take_over``): the lock's
+        holder looked at, in a thread, and the lock taken from it if it is
+        dead (carried through a cancel, as a take)."""
         if self._take_over is not None:
-            taken_over = self._take_over
-            alias, protocol = store.alias, store.sync.protocol
-
-            def take_over() -> Hold | None:
-                backend = backend_for(alias, protocol=protocol)
-                return backend.take_over(key, taken_over, token, expire)
-
-            work = asyncio.to_thread(take_over)
-            return await carried_through(work, if_cancelled, if_failed)
-        hold = await store.take(key, token, expire, if_cancelled, if_failed)
-        if hold is None and store.looks.get(key, 0.0) <= time.monotonic():
-            store.looks[key] = time.monotonic() + LOOK_EVERY
-            work = asyncio.to_thread(
-                _take_from_dead, self.lock_id, store, key, token, expire
-            )
-            hold = await carried_through(work, if_cancelled, if_failed)
-            if hold is not None:
-                store.looks.pop(key, None)
+            return None
+        store.looks[key] = time.monotonic() + LOOK_EVERY
+        work = asyncio.to_thread(
+            _take_from_dead, self.lock_id, store, key, token, expire
+        )
+        hold = await carried_through(work, *if_cancelled)
+        if hold is not None:
+            store.looks.pop(key, None)
         return hold
 
     async def arelease(self) -> bool:
@@ -281,21 +310,14 @@ class AsyncLocking:
             logger.exception("Could not release lock %r", self.lock_id)
 
 
-async def _kept(
-    alias: str, bound: float | None, backend: LockBackend, now: float, key: str
-) -> tuple[Record | None, Callable[[str], str]]:
-    """``liveness.kept_record``, its write (when due) on an executor thread."""
-    record = record_beside(alias, bound, backend, key)
-    if record is None:
-        return None, new_token
-    if now >= record.due:
-        protocol = backend.protocol
-        written = await asyncio.to_thread(
-            lambda: record.ensure(backend_for(alias, protocol=protocol))
-        )
-        if not written:
-            return None, new_token
-    return record, new_live_token
+async def _kept(alias: str, backend: LockBackend, record: Record) -> Record | None:
+    """``record`` written (it is due: ``liveness.kept_record``), on an executor
+    thread; None if it could not be."""
+    protocol = backend.protocol
+    written = await asyncio.to_thread(
+        lambda: record.ensure(backend_for(alias, protocol=protocol))
+    )
+    return record if written else None
 
 
 def _take_from_dead(
@@ -306,9 +328,7 @@ def _take_from_dead(
     return take_from_dead(lock_id, backend, key, token, expire)
 
 
-async def _let_go(
-    store: AsyncBackend, key: str, hold: Hold | None, *, token: str
-) -> None:
+async def _let_go(store: AsyncBackend, key: str, token: str, hold: Hold | None) -> None:
     """Release what a take got after its caller was cancelled."""
     if hold is None:
         return
