@@ -406,7 +406,7 @@ def test_an_async_take_on_memcached_without_cas_ids_is_refused(settings):
                     await Lock("async-no-cas").aacquire()
                 # What the take stored is removed by the watch on takes of
                 # unknown outcome, not left held.
-                await _waited_until(lambda: orphans.removed_count() > removed, 10)
+                await _waited_until(lambda n=removed: orphans.removed_count() > n, 10)
             await close_loop_connections()
 
         run(scenario)
