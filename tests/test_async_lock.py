@@ -5,11 +5,13 @@ client here, and cancellation that never leaves a lock behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import time
 
 import pytest
+from django.core.cache import caches
 
 from django_tasklock import Lock, LockNotAcquired, memcache_lock
 from django_tasklock.aio import async_backend_for, close_loop_connections
@@ -136,6 +138,11 @@ def test_a_blocking_aacquire_waits_on_the_loop_and_honours_a_timeout(store):
 
 def test_a_take_cancelled_in_flight_leaves_no_lock_held(store, loop):
     async def scenario():
+        # A lock taken first: the loop's connections made and the process's
+        # liveness record written, so that the cancels below land in the takes
+        # themselves (a first take waits on both before it sends anything).
+        warm = Lock("async-cancel-warm", expire=30)
+        assert await warm.aacquire() and await warm.arelease()
         outcomes = []
         for attempt in range(20):
             lock_id = f"async-cancel-{attempt}"
@@ -414,3 +421,48 @@ def test_an_async_take_on_memcached_without_cas_ids_is_refused(settings):
     finally:
         close_connections()
         server.stop()
+
+
+# -- Redis: the pipelined connection (aio.resp) -------------------------------------
+
+
+@pytest.mark.parametrize("alias", ["redis", "django_redis"])
+def test_an_async_redis_connection_dropped_while_idle_is_replaced(settings, alias):
+    settings.TASKLOCK = {"CACHE": alias, "LOCK_EXPIRE": 60}
+
+    async def scenario():
+        first = Lock("async-redis-drop-1")
+        assert await first.aacquire()
+        store = async_backend_for(alias, "auto")
+        pipe = store._pipe
+        pipe.conn._writer.transport.abort()  # as after an idle timeout
+        second = Lock("async-redis-drop-2")
+        assert await second.aacquire()  # once more, on a new connection
+        assert store._pipe is not pipe and pipe.broken
+        assert await second.arelease()
+        assert await first.arelease()  # by its value, on the new connection
+        assert not Lock("async-redis-drop-1").locked()
+
+    run(scenario)
+
+
+def test_a_redis_release_cancelled_in_flight_is_carried_out(settings):
+    """A release's reply read for a caller that no longer waits (the pipe
+    keeps it), and a server that lost the script is sent it whole then."""
+    settings.TASKLOCK = {"CACHE": "redis", "LOCK_EXPIRE": 60}
+
+    async def scenario():
+        for flush in (False, True):
+            lock = Lock("async-redis-release")
+            assert await lock.aacquire()
+            if flush:
+                caches["redis"]._cache.get_client(write=True).script_flush()
+            task = asyncio.ensure_future(lock.arelease())
+            for _ in range(3):  # the release written, its reply not read yet
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await _waited_until(lambda: not Lock("async-redis-release").locked())
+
+    run(scenario)

@@ -1,19 +1,25 @@
 """Locks on Redis from an event loop, through ``redis.asyncio``: the sync
 backend's scripts (taken by SHA, sent whole when the server lacks them), on
-the primary the sync backend talks to, over a connection pool of the loop's
-own built with the same address and options."""
+the primary the sync backend talks to, over connections of the loop's own
+built with the same address and options: takes and releases pipelined on one
+(``aio.resp``), the rest (rate limits' scripts, semaphores' reads) over a
+pool."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
 from ..backends.redis import _ACQUIRE, _RELEASE, _SHA, known
 from .base import AsyncBackend
-from .finishing import carried_through
+from .finishing import carried_through, finish_later
+from .resp import Pipe, pack
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from ..backends import Hold
     from ..backends.redis import RedisBackend
 
@@ -95,18 +101,55 @@ class AsyncRedis(AsyncBackend):
                 connection_pool=pool, auto_close_connection_pool=True
             )
         self._no_script = redis.exceptions.NoScriptError
+        self._lost = redis.exceptions.ConnectionError
         self._dropped = (
             redis.exceptions.ConnectionError,
             redis.exceptions.TimeoutError,
         )
         self._encode = sync._encode
+        # Takes and releases: on one pipelined connection (``aio.resp``).
+        self._connect_options = dict(options)
+        self._connection_class = self._connect_options.pop("connection_class")
+        self._pipe: Pipe | None = None
+        self._opening: asyncio.Future[Pipe] | None = None
 
-    async def _script(self, script: str, key: str, *args: Any) -> Any:
-        async with self._slots:
-            try:
-                return await self._client.evalsha(_SHA[script], 1, key, *args)
-            except self._no_script:
-                return await self._client.eval(script, 1, key, *args)
+    async def _connected(self) -> Pipe:
+        """The loop's pipelined connection, made when first needed and again
+        after it broke."""
+        pipe = self._pipe
+        if pipe is not None and not pipe.broken:
+            return pipe
+        opening = self._opening
+        if opening is None:
+            opening = self._opening = asyncio.ensure_future(self._connect())
+            opening.add_done_callback(self._opened)
+        return await asyncio.shield(opening)
+
+    async def _connect(self) -> Pipe:
+        conn = self._connection_class(**self._connect_options)
+        await conn.connect()
+        return Pipe(conn)
+
+    def _opened(self, opening: asyncio.Future[Pipe]) -> None:
+        self._opening = None
+        if not opening.cancelled() and opening.exception() is None:
+            self._pipe = opening.result()
+
+    async def _run(
+        self,
+        script: str,
+        args: tuple[Any, ...],
+        late: Callable[[Any], object] | None = None,
+    ) -> Any:
+        """``script``'s reply on the loop's pipelined connection: by its SHA,
+        sent whole if the server lacks it."""
+        pipe = self._pipe
+        if pipe is None or pipe.broken:
+            pipe = await self._connected()
+        try:
+            return await pipe.send(pack(b"EVALSHA", _SHA[script], *args), late)
+        except self._no_script:
+            return await pipe.send(pack(b"EVAL", script, *args), late)
 
     async def script(self, text: str, keys: tuple[str, ...], *args: Any) -> Any:
         # In a task of its own, as every command awaited in the caller's own
@@ -125,18 +168,48 @@ class AsyncRedis(AsyncBackend):
                 return await self._client.eval(text, len(keys), *keys, *args)
 
     async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        return await self.take(key, token, expire, None, None)
+
+    async def release(self, key: str, hold: Hold, token: object) -> bool:
+        return await self.drop(key, hold, token)
+
+    async def take(
+        self,
+        key: str,
+        token: str,
+        expire: float,
+        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
+        if_failed: Callable[[BaseException], object] | None,
+    ) -> Hold | None:
+        # No task of its own: a cancel once the command is written leaves its
+        # reply to the connection's reader, which hands it to if_cancelled.
         value = self._encode(token)
-        milliseconds = math.ceil(expire * 1000)
+        args = (1, key, value, math.ceil(expire * 1000))
+        landed = _Taken(value, if_cancelled, if_failed, self._lost)
         try:
-            taken = await self._script(_ACQUIRE, key, value, milliseconds)
+            taken = await self._run(_ACQUIRE, args, landed)
         except self._dropped:
             # As in the sync backend: the script may have run with its reply
             # lost; once more with the same token finds the lock ours if so.
-            taken = await self._script(_ACQUIRE, key, value, milliseconds)
+            taken = await self._run(_ACQUIRE, args, landed)
         return value if taken else None
 
-    async def release(self, key: str, hold: Hold, token: object) -> bool:
-        return bool(await self._script(_RELEASE, key, hold))
+    async def drop(self, key: str, hold: Hold, token: object) -> bool:
+        pipe = self._pipe
+        if pipe is None or pipe.broken:
+            # Not sent before a new connection: carried to its end through a
+            # cancel, the connection made first.
+            return bool(await carried_through(self._run(_RELEASE, (1, key, hold))))
+        # Once written, the release is carried out and its reply read, whether
+        # or not the caller waits for it; a server that lacked the script is
+        # sent it whole then too.
+        late = functools.partial(self._released_late, key, hold)
+        return bool(await self._run(_RELEASE, (1, key, hold), late))
+
+    def _released_late(self, key: str, hold: Hold, reply: Any) -> None:
+        """The reply to a release whose caller was cancelled."""
+        if isinstance(reply, self._no_script):
+            finish_later(self._run(_RELEASE, (1, key, hold)))
 
     async def held_many(self, keys: list[str]) -> list[bool]:
         values = await carried_through(self._mget(keys))  # see script()
@@ -147,5 +220,38 @@ class AsyncRedis(AsyncBackend):
             return await self._client.mget(keys)
 
     async def aclose(self) -> None:
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            await pipe.close()
         closing = getattr(self._client, "aclose", None) or self._client.close
         await closing()
+
+
+class _Taken:
+    """What becomes of the reply of a take whose caller was cancelled once it
+    was sent: a lock it took is released (``if_cancelled``); a connection lost
+    first leaves its fate unknown (``if_failed``); an error reply took
+    nothing."""
+
+    __slots__ = ("if_cancelled", "if_failed", "lost", "value")
+
+    def __init__(
+        self,
+        value: bytes,
+        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
+        if_failed: Callable[[BaseException], object] | None,
+        lost: type[Exception],
+    ) -> None:
+        self.value, self.lost = value, lost
+        self.if_cancelled, self.if_failed = if_cancelled, if_failed
+
+    def __call__(self, reply: Any) -> None:
+        if reply is None:
+            if self.if_failed is not None:
+                self.if_failed(self.lost("Redis connection lost"))
+        elif (
+            reply
+            and not isinstance(reply, BaseException)
+            and self.if_cancelled is not None
+        ):
+            finish_later(self.if_cancelled(self.value))
