@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-__all__ = ["AsyncBackend"]
+__all__ = ["AsyncBackend", "PipelinedBackend"]
 
 
 class AsyncBackend(abc.ABC):
@@ -98,3 +98,16 @@ class AsyncBackend(abc.ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - most have nothing of their own
         """Close the connections this backend opened."""
+
+
+class PipelinedBackend(AsyncBackend):
+    """A backend whose take and release keep a cancelled caller's reply on
+    their connection (its reader hands it on), with no task of their own:
+    ``take`` and ``drop`` are its own, and ``acquire`` and ``release`` are
+    them, with nothing to do after a cancel."""
+
+    async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        return await self.take(key, token, expire, None, None)
+
+    async def release(self, key: str, hold: Hold, token: object) -> bool:
+        return await self.drop(key, hold, token)

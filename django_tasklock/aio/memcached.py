@@ -43,7 +43,7 @@ from ..backends.memcached.wire import (
     kept_moving,
 )
 from ..values import unique_value
-from .base import AsyncBackend
+from .base import PipelinedBackend
 from .finishing import carried_through, finish_later
 from .threaded import ThreadedBackend
 
@@ -255,7 +255,7 @@ def _client_at(backend: MemcachedBackend, server: Any) -> Any:
     raise MemcacheError(f"cache {backend.alias!r} has no server {server!r}")
 
 
-class _Servers(AsyncBackend):
+class _Servers(PipelinedBackend):
     """The loop's connections to the servers of one PyMemcacheCache alias,
     and a command sent on the one that holds a key."""
 
@@ -355,12 +355,6 @@ class _Servers(AsyncBackend):
 class AsyncMemcached(_Servers):
     """Locks and the items of rate limits on the servers of one
     PyMemcacheCache alias, from one event loop."""
-
-    async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        return await self.take(key, token, expire, None, None)
-
-    async def release(self, key: str, hold: Hold, token: object) -> bool:
-        return await self.drop(key, hold, token)
 
     async def take(
         self,

@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ..backends.redis import _ACQUIRE, _RELEASE, _SHA, known
-from .base import AsyncBackend
+from .base import PipelinedBackend
 from .finishing import carried_through, finish_later
 from .resp import Pipe, pack
 
@@ -76,7 +76,7 @@ def async_pool_options(primary: Any) -> dict[str, Any] | None:
     return options
 
 
-class AsyncRedis(AsyncBackend):
+class AsyncRedis(PipelinedBackend):
     """The loop's connections to the primary of a Redis alias."""
 
     native = True
@@ -166,12 +166,6 @@ class AsyncRedis(AsyncBackend):
                 return await self._client.evalsha(known(text), len(keys), *keys, *args)
             except self._no_script:
                 return await self._client.eval(text, len(keys), *keys, *args)
-
-    async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        return await self.take(key, token, expire, None, None)
-
-    async def release(self, key: str, hold: Hold, token: object) -> bool:
-        return await self.drop(key, hold, token)
 
     async def take(
         self,
