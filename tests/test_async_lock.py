@@ -319,7 +319,7 @@ def test_an_async_connection_dropped_while_idle_is_replaced(own_memcached):
 
         store = async_backend_for("own", "auto")
         (server,) = store._servers.values()
-        server.conn.writer.transport.abort()
+        server.conn.transport.abort()
         second = Lock("async-drop-2")
         assert await second.aacquire()  # once more, on a new connection
         assert await second.arelease()

@@ -4,10 +4,9 @@ sent over asyncio connections of the loop's own.
 The hot path (take a lock: ``ms`` in add mode; release it: ``md`` with the CAS
 id) is one round trip, as in the sync backend, over the loop's one connection
 to the lock's server: commands of every coroutine are pipelined on it, their
-replies read in order by one reader task (memcached answers a connection's
-commands in the order they came), so a coroutine cancelled mid-command never
-leaves a reply unread. What a
-new connection needs first is done the sync backend's way, in a thread: which
+replies parsed in order as the bytes arrive (memcached answers a connection's
+commands in the order they came; ``aio.pipeline``), so a coroutine cancelled
+mid-command never leaves a reply unread. What a new connection needs first is done the sync backend's way, in a thread: which
 run of the server it reaches (a restarted memcached comes back empty, and new
 locks on it wait out ``RESTART_GRACE``, see ``backends.memcached.restarts``)
 and whether it speaks meta commands (one that does not is served by the sync
@@ -22,11 +21,9 @@ as the sync backend does over a connection of another thread.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pymemcache.client.hash import HashClient
 from pymemcache.exceptions import MemcacheError
@@ -45,6 +42,7 @@ from ..backends.memcached.wire import (
 from ..values import unique_value
 from .base import PipelinedBackend
 from .finishing import carried_through, finish_later
+from .pipeline import Pipeline
 from .threaded import ThreadedBackend
 
 if TYPE_CHECKING:
@@ -58,119 +56,122 @@ __all__ = ["AsyncMemcached", "NoMetaCommands"]
 #: Bytes waiting to be sent on a connection past which a command waits for
 #: them to go (the server is slow to read).
 _HIGH_WATER = 1 << 16
+#: Replies handed out in one callback before the loop runs others.
+_REPLIES_AT_ONCE = 32
 
 
 class NoMetaCommands(Exception):
     """The server does not speak meta commands: the sync backend serves it."""
 
 
-class _Connection:
-    """One asyncio connection to a memcached server: commands pipelined, their
-    replies read in order by a task of its own."""
+class _Connection(Pipeline, asyncio.Protocol):
+    """One asyncio connection to a memcached server: commands pipelined
+    (``Pipeline``), their replies parsed as the bytes arrive, with no task
+    or stream reader between the socket and the waiters."""
 
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        self.reader, self.writer = reader, writer
-        self.pending: collections.deque[asyncio.Future[bytes]] = collections.deque()
-        #: What to do with the reply of a command whose caller was cancelled
-        #: (None: the connection failed first), by the caller's waiter.
-        self.late: dict[asyncio.Future[bytes], Callable[[bytes | None], object]] = {}
-        self.broken = False
-        self._reading = asyncio.ensure_future(self._read())
+    def __init__(self) -> None:
+        super().__init__()
+        self.transport: asyncio.Transport | None = None
+        self._buffer = b""
+        #: A parse of replies left in the buffer, scheduled to run next.
+        self._parsing: asyncio.Handle | None = None
+        self._closed = asyncio.get_running_loop().create_future()
+        self._resumed: asyncio.Future[None] | None = None
 
-    async def _read(self) -> None:
-        reader = self.reader
-        try:
-            while True:
-                line = await reader.readline()
-                if not line.endswith(b"\r\n"):
-                    raise ConnectionResetError("memcached closed the connection")
-                if line.startswith(b"VA "):
-                    size = int(line.split(b" ", 2)[1])
-                    line += await reader.readexactly(size + 2)
-                if not self.pending:
-                    raise ConnectionResetError(f"memcached sent {line!r} unasked")
-                waiter = self.pending.popleft()
-                if not waiter.done():
-                    waiter.set_result(line)
-                elif self.late:  # its caller was cancelled
-                    handler = self.late.pop(waiter, None)
-                    if handler is not None:
-                        handler(line)
-        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-            self._fail(exc)
-        except asyncio.CancelledError:
-            self._fail(ConnectionResetError("the connection was closed"))
-            raise
+    # -- asyncio.Protocol --------------------------------------------------
 
-    def _fail(self, exc: BaseException) -> None:
-        self.broken = True
-        self.writer.close()
-        while self.pending:
-            waiter = self.pending.popleft()
-            if not waiter.done():
-                error = ConnectionResetError(f"memcached connection lost: {exc!r}")
-                waiter.set_exception(error)
-            else:
-                handler = self.late.pop(waiter, None)
-                if handler is not None:
-                    handler(None)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (uvloop's transports are not asyncio.Transport subclasses.)
+        self.transport = stream = cast("asyncio.Transport", transport)
+        stream.set_write_buffer_limits(high=_HIGH_WATER)
 
-    async def send(
-        self,
-        command: bytes,
-        timeout: float | None = None,
-        late: Callable[[bytes | None], object] | None = None,
-    ) -> bytes:
-        """``command``'s reply (with the value that follows a ``VA``). One not
-        come within ``timeout`` seconds (the client's ``timeout`` option)
-        breaks the connection, as pymemcache closes its socket then. If the
-        caller is cancelled once the command is written, ``late`` gets its
-        reply when it comes (None if the connection fails first)."""
+    def data_received(self, data: bytes) -> None:
+        if self._buffer or self._parsing is not None:
+            self._buffer += data
+            if self._parsing is None:
+                self._parse()
+        elif (
+            data.find(b"\r\n") == len(data) - 2 and data[:3] != b"VA " and self.pending
+        ):
+            self._deliver(data)  # one reply, whole: the common case
+        else:
+            self._buffer = data
+            self._parse()
+
+    def eof_received(self) -> None:
+        self._fail(ConnectionResetError("memcached closed the connection"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.broken:
+            self._fail(exc or ConnectionResetError("memcached closed the connection"))
+        if not self._closed.done():
+            self._closed.set_result(None)
+        resumed = self._resumed
+        if resumed is not None and not resumed.done():
+            resumed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._resumed = asyncio.get_running_loop().create_future()
+        self._drain = self._resuming
+
+    def resume_writing(self) -> None:
+        self._drain = None
+        resumed = self._resumed
+        if resumed is not None and not resumed.done():
+            resumed.set_result(None)
+
+    async def _resuming(self) -> None:
+        resumed = self._resumed
+        if resumed is not None:
+            await asyncio.shield(resumed)
         if self.broken:
-            raise ConnectionResetError("memcached connection lost")
-        waiter: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self.pending.append(waiter)
-        self.writer.write(command)
-        if late is not None:
-            # Before any await: the reader may take the reply of a cancelled
-            # caller before that caller resumes.
-            self.late[waiter] = late
+            raise self.lost("memcached connection lost")
+
+    # -- Pipeline ----------------------------------------------------------
+
+    def _write(self, command: bytes) -> None:
+        self.transport.write(command)  # type: ignore[union-attr]
+
+    def _close_transport(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _parse(self) -> None:
+        """Hand out the replies whole in the buffer, at most
+        ``_REPLIES_AT_ONCE`` in one callback (those of a thousand coroutines
+        would hold the loop): the rest in the next."""
+        self._parsing = None
+        buffer, start = self._buffer, 0
         try:
-            if self.writer.transport.get_write_buffer_size() > _HIGH_WATER:
-                await self.writer.drain()
-            if timeout is None:
-                reply = await waiter
+            for _ in range(_REPLIES_AT_ONCE):
+                end = buffer.find(b"\r\n", start)
+                if end < 0:
+                    break
+                stop = end + 2
+                if buffer.startswith(b"VA ", start):
+                    stop += int(buffer[start + 3 : end].split(b" ", 1)[0]) + 2
+                    if len(buffer) < stop:
+                        break
+                if not self.pending:
+                    raise ConnectionResetError(
+                        f"memcached sent {buffer[start:stop]!r} unasked"
+                    )
+                self._deliver(buffer[start:stop])
+                start = stop
             else:
-                reply = await asyncio.wait_for(waiter, timeout)
-        except asyncio.TimeoutError:
-            self._fail(TimeoutError(f"no reply within {timeout}s"))
-            raise
-        except asyncio.CancelledError:
-            if not waiter.done():  # (cancelled while the write drained)
-                waiter.cancel()
-            elif not waiter.cancelled():
-                # The reply came, and then the cancel, before this resumed.
-                handler = self.late.pop(waiter, None)
-                if handler is not None:
-                    handler(waiter.result() if waiter.exception() is None else None)
-            raise  # (a cancelled waiter's handler is the reader's to call)
-        except BaseException:
-            self.late.pop(waiter, None)
-            raise
-        if late is not None:
-            del self.late[waiter]
-        return reply
+                if buffer.find(b"\r\n", start) >= 0:
+                    loop = asyncio.get_running_loop()
+                    self._parsing = loop.call_soon(self._parse)
+        except (ConnectionError, ValueError) as exc:
+            self._buffer = b""
+            self._fail(exc)
+            return
+        self._buffer = buffer[start:] if start else buffer
 
     async def close(self) -> None:
-        self.broken = True
-        self._reading.cancel()
-        self.writer.close()
-        with contextlib.suppress(OSError, asyncio.CancelledError):
-            await self._reading
-        with contextlib.suppress(OSError):
-            await self.writer.wait_closed()
+        if not self.broken:
+            self._fail(ConnectionResetError("the connection was closed"))
+        await self._closed
 
 
 class _Server:
@@ -203,13 +204,13 @@ class _Server:
     async def _open(self, alias: str, protocol: str) -> _Connection:
         server = self.server
         connect_timeout = getattr(self.client, "connect_timeout", None)
+        loop = asyncio.get_running_loop()
         opening = (
-            asyncio.open_connection(*server)
+            loop.create_connection(_Connection, *server)
             if isinstance(server, tuple)
-            else asyncio.open_unix_connection(server)
+            else loop.create_unix_connection(_Connection, server)
         )
-        reader, writer = await asyncio.wait_for(opening, connect_timeout)
-        conn = _Connection(reader, writer)
+        _, conn = await asyncio.wait_for(opening, connect_timeout)
         try:
             # Opened first, then the server's run learnt: a restart in between
             # has broken this connection already.

@@ -147,9 +147,9 @@ class AsyncRedis(PipelinedBackend):
         if pipe is None or pipe.broken:
             pipe = await self._connected()
         try:
-            return await pipe.send(pack(b"EVALSHA", _SHA[script], *args), late)
+            return await pipe.send(pack(b"EVALSHA", _SHA[script], *args), None, late)
         except self._no_script:
-            return await pipe.send(pack(b"EVAL", script, *args), late)
+            return await pipe.send(pack(b"EVAL", script, *args), None, late)
 
     async def script(self, text: str, keys: tuple[str, ...], *args: Any) -> Any:
         # In a task of its own, as every command awaited in the caller's own

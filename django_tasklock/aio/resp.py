@@ -9,7 +9,8 @@ own client reads a reply in the caller's task, so a cancel there drops the
 connection and the reply with it; this package ran each command in a task of
 its own to keep the reply, which cost more than the rest of a lock's Python.
 
-The connection itself (address, password, database, TLS, client name) is
+What the two share, the line of waiters and what a cancel leaves, is
+``aio.pipeline``'s. The connection itself (address, password, database, TLS, client name) is
 redis-py's, made from the same options as the sync client's (``aio.redis``),
 and so is the reading of replies (its parser, its timeout: ``socket_timeout``).
 """
@@ -17,12 +18,10 @@ and so is the reading of replies (its parser, its timeout: ``socket_timeout``).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
+from .pipeline import Pipeline
 
 __all__ = ["Pipe", "pack"]
 
@@ -42,22 +41,17 @@ def pack(*args: bytes | str | int) -> bytes:
     return b"".join(parts)
 
 
-class Pipe:
-    """A connected ``redis.asyncio`` connection, its replies read by a task
-    of its own. ``broken`` once it failed: a new one is made for what comes
-    next."""
+class Pipe(Pipeline):
+    """A connected ``redis.asyncio`` connection, its commands pipelined
+    (``Pipeline``) and their replies read by a task of its own."""
 
     def __init__(self, conn: Any) -> None:
         import redis.exceptions
 
+        super().__init__()
         self.conn = conn
-        self.pending: collections.deque[asyncio.Future[Any]] = collections.deque()
-        #: What to do with the reply of a command whose caller was cancelled
-        #: (None: the connection failed first), by the caller's waiter.
-        self.late: dict[asyncio.Future[Any], Callable[[Any], object]] = {}
-        self.broken = False
+        self.lost = redis.exceptions.ConnectionError
         self._error_reply = redis.exceptions.ResponseError
-        self._lost = redis.exceptions.ConnectionError
         self._idle: asyncio.Future[None] | None = None
         self._reading = asyncio.ensure_future(self._read())
 
@@ -73,87 +67,42 @@ class Pipe:
                     await self._idle
                     continue
                 try:
-                    reply: Any = await conn.read_response()
+                    self._deliver(await conn.read_response())
                 except self._error_reply as error:  # a reply: still in step
-                    reply = error
+                    self._deliver(None, error)
                 read += 1
-                waiter = pending.popleft()
-                if not waiter.done():
-                    if isinstance(reply, BaseException):
-                        waiter.set_exception(reply)
-                    else:
-                        waiter.set_result(reply)
-                elif self.late:  # its caller was cancelled
-                    handler = self.late.pop(waiter, None)
-                    if handler is not None:
-                        handler(reply)
                 if read % _REPLIES_AT_ONCE == 0:
                     # Replies already buffered are read with no pause: those
                     # of a thousand coroutines held the loop for 10 ms at once.
                     # (``read`` counts from the last time nothing was pending.)
                     await asyncio.sleep(0)
         except asyncio.CancelledError:
-            self._fail(self._lost("the connection was closed"))
+            self._fail(self.lost("the connection was closed"))
             raise
         except Exception as exc:  # lost, timed out, or out of step
-            self._fail(exc if isinstance(exc, self._lost) else self._lost(repr(exc)))
+            self._fail(exc)
 
-    def _fail(self, exc: BaseException) -> None:
-        self.broken = True
-        while self.pending:
-            waiter = self.pending.popleft()
-            if not waiter.done():
-                waiter.set_exception(self._lost(f"Redis connection lost: {exc!r}"))
-            else:
-                handler = self.late.pop(waiter, None)
-                if handler is not None:
-                    handler(None)
-        writer = getattr(self.conn, "_writer", None)
-        if writer is not None:
-            writer.close()
-
-    async def send(
-        self, command: bytes, late: Callable[[Any], object] | None = None
-    ) -> Any:
-        """``command``'s reply (an error reply raised). If the caller is
-        cancelled once the command is written, ``late`` gets the reply when it
-        comes (None if the connection fails first)."""
+    def _write(self, command: bytes) -> None:
+        # The connection's stream writer, written to at once: redis-py's
+        # ``send_packed_command`` starts a task per write under a timeout and
+        # drops the whole connection when its caller is cancelled mid-write.
         writer = self.conn._writer
-        if self.broken or writer is None:  # (None: redis-py closed it, failing)
-            raise self._lost("Redis connection lost")
-        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.pending.append(waiter)
+        if writer is None:  # redis-py closed it, failing
+            self.pending.pop()
+            raise self.lost("Redis connection lost")
         writer.write(command)
-        if late is not None:
-            # Before any await: the reader may take the reply of a cancelled
-            # caller before that caller resumes.
-            self.late[waiter] = late
+        if writer.transport.get_write_buffer_size() > _HIGH_WATER:
+            self._drain = writer.drain
+        elif self._drain is not None:
+            self._drain = None
         idle = self._idle
         if idle is not None and not idle.done():
             idle.set_result(None)
-        try:
-            if writer.transport.get_write_buffer_size() > _HIGH_WATER:
-                await writer.drain()
-            reply = await waiter
-        except asyncio.CancelledError:
-            if not waiter.done():
-                waiter.cancel()
-            elif not waiter.cancelled():
-                # The reply came, and then the cancel, before this resumed.
-                handler = self.late.pop(waiter, None)
-                if handler is not None:
-                    handler(
-                        waiter.result()
-                        if waiter.exception() is None
-                        else waiter.exception()
-                    )
-            raise  # (a cancelled waiter's handler is the reader's to call)
-        except BaseException:
-            self.late.pop(waiter, None)
-            raise
-        if late is not None:
-            del self.late[waiter]
-        return reply
+
+    def _close_transport(self) -> None:
+        writer = getattr(self.conn, "_writer", None)
+        if writer is not None:
+            writer.close()
 
     async def close(self) -> None:
         self.broken = True
