@@ -144,3 +144,48 @@ def test_a_server_slow_to_read_makes_commands_wait_then_all_complete(own_memcach
         assert conn._drain is None and not conn.broken
 
     run(scenario)
+
+
+@pytest.mark.parametrize("kind", ["memcached", "redis"])
+def test_a_take_cancelled_as_its_connection_fails_leaves_no_lock(settings, kind):
+    """The take is written; the connection is lost, and its caller cancelled
+    before it resumed (the loss and the cancel land in one turn of the loop).
+    The take's fate is unknown, so its token is watched: the resumed store,
+    which carries out the take for nobody, has it removed."""
+    server = Memcached().start() if kind == "memcached" else Redis().start()
+    if kind == "memcached":
+        config = {"BACKEND": MEMCACHED, "LOCATION": server.address}
+    else:
+        config = {"BACKEND": REDIS, "LOCATION": server.url}
+    settings.CACHES = {**settings.CACHES, "lossy": config}
+    settings.TASKLOCK = {"CACHE": "lossy", "LOCK_EXPIRE": 60}
+    key = caches["lossy"].make_key("async-lost")
+
+    async def scenario():
+        warm = Lock("async-warm-up")  # connected, scripts loaded
+        assert await warm.aacquire() and await warm.arelease()
+        store = async_backend_for("lossy", "auto")
+        conn = store._pipe if kind == "redis" else store._server(key).conn
+        watched = orphans.watched_count()
+        stop_and_wait(server.process.pid)
+        try:
+            taking = asyncio.ensure_future(Lock("async-lost").aacquire())
+            while not conn.pending:  # written
+                await asyncio.sleep(0.001)
+            conn._fail(ConnectionResetError("dropped"))
+            taking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await taking
+            assert orphans.watched_count() == watched + 1
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        await asyncio.to_thread(
+            wait_until, lambda: orphans.watched_count() == watched, limit=10
+        )
+        assert not caches["lossy"].get(key)
+
+    try:
+        run(scenario)
+    finally:
+        close_connections()
+        server.stop()
