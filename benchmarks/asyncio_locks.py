@@ -5,10 +5,12 @@
 Everything runs against one private memcached and one private Redis, in one
 run, so the ratios compare like with like on a shared, noisy machine:
 
-1. Cycles, in one event loop, per store: the raw async floor (the async
-   memcached client's add + delete, as ``ms`` and ``md`` on its connection;
-   ``redis.asyncio`` ``SET NX PX`` + a Lua compare-and-delete), an async
-   ``Lock`` cycle (``aacquire`` + ``arelease``) and the cookbook recipe through
+1. Cycles, in one event loop, per store: the raw async floor (the asyncio
+   memcached client's add + delete, ``aiomcache``, as pymemcache's are the
+   sync floor; ``redis.asyncio`` ``SET NX PX`` + a Lua compare-and-delete),
+   the bare wire under the memcached lock (``ms`` + ``md`` written on this
+   package's own connection: no key, no token, no lock), an async ``Lock``
+   cycle (``aacquire`` + ``arelease``) and the cookbook recipe through
    ``asgiref``'s ``sync_to_async`` (``cache.add`` + ``cache.delete``, which
    is what Django's own async cache methods do), in rounds that interleave them (each
    round in a new random order). Median per cycle and its ratio to the floor.
@@ -41,6 +43,9 @@ if TYPE_CHECKING:
 
 #: The target ratio of an async Lock cycle to its store's raw async floor.
 TARGET = 1.1
+#: What ``_variants`` opened beside the package's own connections (closed by
+#: ``close_variants``).
+_opened: list[Callable[[], Awaitable[object]]] = []
 #: The longest a callback may hold the event loop (a coroutine step, CPU time).
 BLOCK_TARGET = 0.010
 
@@ -56,6 +61,7 @@ def setup_django(memcached: str, redis_url: str) -> None:
 
 async def _variants() -> dict[str, Callable[[], Awaitable[object]]]:
     """Per store: its floor, an async Lock cycle, the recipe via sync_to_async."""
+    import aiomcache
     import redis.asyncio
     from asgiref.sync import sync_to_async
     from django.core.cache import caches
@@ -64,12 +70,20 @@ async def _variants() -> dict[str, Callable[[], Awaitable[object]]]:
     from django_tasklock.aio import async_backend_for
 
     store: Any = async_backend_for("default", "meta")
-    server = store._server("bench-async-floor")
+    server = store._server("bench-async-wire")
     conn = await server.connection("default", "meta")
 
+    async def memcached_wire() -> None:
+        await conn.send(b"ms bench-async-wire 5 T60 ME\r\ntoken\r\n")
+        await conn.send(b"md bench-async-wire\r\n")
+
+    host, port = os.environ["TASKLOCK_TEST_MEMCACHED"].rsplit(":", 1)
+    client = aiomcache.Client(host, int(port))
+    _opened.append(client.close)
+
     async def memcached_floor() -> None:
-        await conn.send(b"ms bench-async-floor 5 T60 ME\r\ntoken\r\n")
-        await conn.send(b"md bench-async-floor\r\n")
+        await client.add(b"bench-async-floor", b"token", exptime=60)
+        await client.delete(b"bench-async-floor")
 
     async def memcached_lock() -> None:
         lock = Lock("bench-async-lock")
@@ -77,6 +91,7 @@ async def _variants() -> dict[str, Callable[[], Awaitable[object]]]:
         await lock.arelease()
 
     raw = redis.asyncio.Redis.from_url(os.environ["TASKLOCK_TEST_REDIS"])
+    _opened.append(getattr(raw, "aclose", None) or raw.close)
     delete_if = raw.register_script(
         "if redis.call('get', KEYS[1]) == ARGV[1] then "
         "return redis.call('del', KEYS[1]) end return 0"
@@ -102,7 +117,8 @@ async def _variants() -> dict[str, Callable[[], Awaitable[object]]]:
         return recipe
 
     return {
-        "memcached: floor (async ms + md)": memcached_floor,
+        "memcached: floor (aiomcache add + delete)": memcached_floor,
+        "memcached: the bare wire (ms + md, no lock)": memcached_wire,
         "memcached: async Lock cycle": memcached_lock,
         "memcached: sync_to_async(cache.add + delete)": recipe_on("default"),
         "Redis: floor (redis.asyncio SET NX PX + Lua delete)": redis_floor,
@@ -111,9 +127,17 @@ async def _variants() -> dict[str, Callable[[], Awaitable[object]]]:
     }
 
 
+async def close_variants() -> None:
+    """Close what ``_variants`` opened, and the loop's connections."""
+    from django_tasklock.aio import close_loop_connections
+
+    while _opened:
+        await _opened.pop()()
+    await close_loop_connections()
+
+
 async def measure_cycles(rounds: int, per_round: int) -> dict[str, list[int]]:
     """Nanoseconds per cycle of each variant, every cycle."""
-    from django_tasklock.aio import close_loop_connections
 
     variants = await _variants()
     samples: dict[str, list[int]] = {name: [] for name in variants}
@@ -130,7 +154,7 @@ async def measure_cycles(rounds: int, per_round: int) -> dict[str, list[int]]:
                     await function()
                     samples[name].append(time.perf_counter_ns() - started)
     finally:
-        await close_loop_connections()
+        await close_variants()
     return samples
 
 
@@ -201,6 +225,13 @@ def render(
         lines.append(f"  {name:<52} {median / 1000:8.1f} us  {ratio:5.2f}x")
         if "async Lock cycle" in name and ratio > TARGET:
             misses.append(f"{name}: {ratio:.2f}x (target {TARGET}x)")
+    wire = samples.get("memcached: the bare wire (ms + md, no lock)")
+    lock = samples.get("memcached: async Lock cycle")
+    if wire and lock:
+        over = statistics.median(lock) / statistics.median(wire)
+        lines.append(
+            f"  (memcached: the async Lock cycle is {over:.2f}x the bare wire)"
+        )
     lines.append(
         "Storm (1,000 coroutines over 10 ids, in 5 processes"
         + ("; each process's start-up heap frozen, gc.freeze()" if frozen else "")

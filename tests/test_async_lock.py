@@ -466,3 +466,26 @@ def test_a_redis_release_cancelled_in_flight_is_carried_out(settings):
             await _waited_until(lambda: not Lock("async-redis-release").locked())
 
     run(scenario)
+
+
+def test_an_async_take_over_replaces_only_the_expected_mark(store):
+    """``aacquire`` with ``take_over`` (an until_finished run taking its
+    queued call's lock): refused over another call's mark, which is left as
+    it was; granted over its own, as an ordinary hold its release removes."""
+    from django_tasklock.backends import backend_for
+
+    backend = backend_for(store.alias, protocol=store.protocol)
+    key = backend.key_for("async-take-over")
+    assert backend.acquire(key, "queued:call-1", 60) is not None
+
+    async def scenario():
+        other = Lock("async-take-over", take_over="queued:call-2")
+        assert not await other.aacquire()
+        assert backend.peek(key).value == "queued:call-1"
+        own = Lock("async-take-over", take_over="queued:call-1")
+        assert await own.aacquire()
+        assert backend.peek(key).value == own.acquisition.token
+        assert await own.arelease()
+        assert backend.peek(key) is None
+
+    run(scenario)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ..backends import backend_for
+from ..backends import _generation, backend_for
 from .finishing import carried_through
 
 if TYPE_CHECKING:
@@ -17,7 +17,17 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-__all__ = ["AsyncBackend", "PipelinedBackend"]
+__all__ = ["AsyncBackend", "Cancel", "PipelinedBackend"]
+
+
+class Cancel(Protocol):
+    """What a take does if its caller is cancelled once it was sent: the
+    lock it took is released (``taken``); one whose fate is unknown (the
+    connection failed first) is watched (``failed``)."""
+
+    def taken(self, hold: Hold | None) -> Awaitable[object]: ...
+
+    def failed(self, exc: BaseException) -> object: ...
 
 
 class AsyncBackend(abc.ABC):
@@ -31,6 +41,10 @@ class AsyncBackend(abc.ABC):
     def __init__(self, sync: LockBackend) -> None:
         self.sync = sync
         self.alias = sync.alias
+        #: The loop it serves and the generation of CACHES it was built in: a
+        #: holder's release reuses it while both still hold.
+        self.loop = asyncio.get_running_loop()
+        self.generation = _generation[0]
         self.errors: tuple[type[BaseException], ...] = sync.errors
         #: key -> when this loop may next look at who holds that lock
         #: (``locks.recovery``; monotonic).
@@ -54,15 +68,15 @@ class AsyncBackend(abc.ABC):
         key: str,
         token: str,
         expire: float,
-        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
-        if_failed: Callable[[BaseException], object] | None,
+        cancel: Cancel | None,
     ) -> Hold | None:
         """``acquire``, carried through a cancel of its caller: then
-        ``if_cancelled(hold)`` gets what it took, or ``if_failed(error)`` a
-        take whose fate is unknown."""
-        return await carried_through(
-            self.acquire(key, token, expire), if_cancelled, if_failed
-        )
+        ``cancel.taken(hold)`` gets what it took, or ``cancel.failed(error)``
+        a take whose fate is unknown."""
+        work = self.acquire(key, token, expire)
+        if cancel is None:
+            return await carried_through(work)
+        return await carried_through(work, cancel.taken, cancel.failed)
 
     async def drop(self, key: str, hold: Hold, token: object) -> bool:
         """``release``, carried to its end through a cancel of its caller."""
@@ -107,7 +121,7 @@ class PipelinedBackend(AsyncBackend):
     them, with nothing to do after a cancel."""
 
     async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        return await self.take(key, token, expire, None, None)
+        return await self.take(key, token, expire, None)
 
     async def release(self, key: str, hold: Hold, token: object) -> bool:
         return await self.drop(key, hold, token)

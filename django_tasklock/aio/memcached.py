@@ -6,11 +6,12 @@ id) is one round trip, as in the sync backend, over the loop's one connection
 to the lock's server: commands of every coroutine are pipelined on it, their
 replies parsed in order as the bytes arrive (memcached answers a connection's
 commands in the order they came; ``aio.pipeline``), so a coroutine cancelled
-mid-command never leaves a reply unread. What a new connection needs first is done the sync backend's way, in a thread: which
-run of the server it reaches (a restarted memcached comes back empty, and new
-locks on it wait out ``RESTART_GRACE``, see ``backends.memcached.restarts``)
-and whether it speaks meta commands (one that does not is served by the sync
-backend in a thread, ``aio.threaded``).
+mid-command never leaves a reply unread. What a new connection needs first
+is done the sync backend's way, in a thread: which run of the server it
+reaches (a restarted memcached comes back empty, and new locks on it wait out
+``RESTART_GRACE``, see ``backends.memcached.restarts``) and whether it speaks
+meta commands (one that does not is served by the sync backend in a thread,
+``aio.threaded``).
 
 A CAS id alone proves ownership only over the connection that took the lock,
 still open: a server restarted since hands its ids out again from 1. A new
@@ -40,13 +41,13 @@ from ..backends.memcached.wire import (
     kept_moving,
 )
 from ..values import unique_value
-from .base import PipelinedBackend
+from .base import Cancel, PipelinedBackend
 from .finishing import carried_through, finish_later
 from .pipeline import Pipeline
 from .threaded import ThreadedBackend
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Callable
 
     from ..backends import Hold
     from ..backends.memcached.backend import MemcachedBackend
@@ -84,6 +85,7 @@ class _Connection(Pipeline, asyncio.Protocol):
         # (uvloop's transports are not asyncio.Transport subclasses.)
         self.transport = stream = cast("asyncio.Transport", transport)
         stream.set_write_buffer_limits(high=_HIGH_WATER)
+        self._write = stream.write
 
     def data_received(self, data: bytes) -> None:
         if self._buffer or self._parsing is not None:
@@ -93,7 +95,14 @@ class _Connection(Pipeline, asyncio.Protocol):
         elif (
             data.find(b"\r\n") == len(data) - 2 and data[:3] != b"VA " and self.pending
         ):
-            self._deliver(data)  # one reply, whole: the common case
+            # One reply, whole (the common case): ``_deliver``, inlined.
+            waiter = self.pending.popleft()
+            if not waiter.done():
+                waiter.set_result(data)
+            elif self.late:
+                handler = self.late.pop(waiter, None)
+                if handler is not None:
+                    handler(data)
         else:
             self._buffer = data
             self._parse()
@@ -128,9 +137,6 @@ class _Connection(Pipeline, asyncio.Protocol):
             raise self.lost("memcached connection lost")
 
     # -- Pipeline ----------------------------------------------------------
-
-    def _write(self, command: bytes) -> None:
-        self.transport.write(command)  # type: ignore[union-attr]
 
     def _close_transport(self) -> None:
         if self.transport is not None:
@@ -362,11 +368,10 @@ class AsyncMemcached(_Servers):
         key: str,
         token: str,
         expire: float,
-        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
-        if_failed: Callable[[BaseException], object] | None,
+        cancel: Cancel | None,
     ) -> Hold | None:
         # No task of its own: a cancel once the command is written leaves its
-        # reply to the connection's reader, which hands it to if_cancelled.
+        # reply to the connection, which hands it to ``cancel``.
         server = self._by_key.get(key) or self._server(key)
         conn = server.conn
         if conn is not None and server.meta and not conn.broken and not _refused:
@@ -374,7 +379,7 @@ class AsyncMemcached(_Servers):
             # and speaks meta commands, and no server is in its restart grace.
             wire = self._prefix + key.encode()
             command = self._take_command(wire, token, expire)
-            landed = _Landed(conn, if_cancelled, if_failed)
+            landed = _Landed(conn, cancel)
             try:
                 reply = await conn.send(command, server.timeout, landed)
             except ConnectionError:
@@ -384,17 +389,15 @@ class AsyncMemcached(_Servers):
                     cas = int(reply[4:-2])
                     if cas:
                         return MemcachedHold(cas, conn)
-                return await self._took(server, wire, reply, token, False, if_failed)
+                return await self._took(server, wire, reply, token, False, cancel)
             dropped = True
         else:
             dropped = False
         try:
-            return await self._acquire(
-                key, token, expire, if_cancelled, if_failed, dropped
-            )
+            return await self._acquire(key, token, expire, cancel, dropped)
         except NoMetaCommands:
             threaded = self._threaded
-            return await threaded.take(key, token, expire, if_cancelled, if_failed)
+            return await threaded.take(key, token, expire, cancel)
 
     async def drop(self, key: str, hold: Hold, token: object) -> bool:
         server = self._by_key.get(key) or self._server(key)
@@ -503,8 +506,11 @@ class AsyncMemcached(_Servers):
     def _take_command(wire: bytes, token: str, expire: float) -> bytes:
         """``ms`` in add mode: stored only if absent, its CAS id returned."""
         data = token.encode()
+        ttl = math.ceil(expire)  # (``_ttl``, inlined)
+        if ttl > _RELATIVE_MOST:
+            ttl = exptime(expire)
         return b"ms %s %d T%d F%d ME c\r\n%s\r\n" % (
-            wire, len(data), _ttl(expire), _TEXT_FLAG, data
+            wire, len(data), ttl, _TEXT_FLAG, data
         )  # fmt: skip
 
     async def _acquire(
@@ -512,8 +518,7 @@ class AsyncMemcached(_Servers):
         key: str,
         token: str,
         expire: float,
-        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
-        if_failed: Callable[[BaseException], object] | None,
+        cancel: Cancel | None,
         dropped: bool = False,
     ) -> Hold | None:
         server = self._server(key)
@@ -521,7 +526,7 @@ class AsyncMemcached(_Servers):
         command = self._take_command(wire, token, expire)
 
         def landed(conn: _Connection, line: bytes | None) -> None:
-            _Landed(conn, if_cancelled, if_failed)(line)
+            _Landed(conn, cancel)(line)
 
         reply, conn, retried = await self._command(
             server, command, True, landed, dropped
@@ -529,7 +534,7 @@ class AsyncMemcached(_Servers):
         cas = _cas_of(reply, b"HD")
         if cas:
             return MemcachedHold(cas, conn)
-        return await self._took(server, wire, reply, token, retried, if_failed)
+        return await self._took(server, wire, reply, token, retried, cancel)
 
     async def _took(
         self,
@@ -538,7 +543,7 @@ class AsyncMemcached(_Servers):
         reply: bytes,
         token: str,
         retried: bool,
-        if_failed: Callable[[BaseException], object] | None,
+        cancel: Cancel | None,
     ) -> Hold | None:
         """What a take's reply other than a CAS id means: refused (None), ours
         after all (a take sent twice), or an error, raised."""
@@ -549,8 +554,8 @@ class AsyncMemcached(_Servers):
                 try:
                     return await self._ours(server, wire, token)
                 except asyncio.CancelledError:
-                    if if_failed is not None:  # ours or not: removed if so
-                        if_failed(ConnectionResetError("cancelled while checking"))
+                    if cancel is not None:  # ours or not: removed if so
+                        cancel.failed(ConnectionResetError("cancelled while checking"))
                     raise
             return None
         if reply.startswith(b"HD"):
@@ -596,27 +601,24 @@ class AsyncMemcached(_Servers):
 
 class _Landed:
     """What becomes of the reply of a take whose caller was cancelled once it
-    was sent: a lock it took is released (``if_cancelled``); a connection lost
-    first leaves its fate unknown (``if_failed``)."""
+    was sent: a lock it took is released; a connection lost first leaves its
+    fate unknown (``cancel``)."""
 
-    __slots__ = ("conn", "if_cancelled", "if_failed")
+    __slots__ = ("cancel", "conn")
 
-    def __init__(
-        self,
-        conn: _Connection,
-        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
-        if_failed: Callable[[BaseException], object] | None,
-    ) -> None:
-        self.conn, self.if_cancelled, self.if_failed = conn, if_cancelled, if_failed
+    def __init__(self, conn: _Connection, cancel: Cancel | None) -> None:
+        self.conn, self.cancel = conn, cancel
 
     def __call__(self, line: bytes | None) -> None:
+        cancel = self.cancel
+        if cancel is None:
+            return
         if line is None:
-            if self.if_failed is not None:
-                self.if_failed(ConnectionResetError("memcached connection lost"))
+            cancel.failed(ConnectionResetError("memcached connection lost"))
             return
         cas = _cas_of(line, b"HD")
-        if cas and self.if_cancelled is not None:
-            finish_later(self.if_cancelled(MemcachedHold(cas, self.conn)))
+        if cas:
+            finish_later(cancel.taken(MemcachedHold(cas, self.conn)))
 
 
 def _ttl(expire: float) -> int:

@@ -26,7 +26,7 @@ __all__ = ["Pipeline"]
 class Pipeline:
     """The waiters of one connection's commands, in the order they were sent.
 
-    A subclass writes (``_write``), reads replies and hands each to
+    A subclass sets ``_write``, reads replies and hands each to
     ``_deliver``, and closes (``_close_transport``). ``broken`` once the
     connection failed: a new one is made for what comes next.
     """
@@ -38,6 +38,7 @@ class Pipeline:
     store = "memcached"
 
     def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self.pending: collections.deque[asyncio.Future[Any]] = collections.deque()
         #: What to do with the reply of a command whose caller was cancelled
         #: (None: the connection failed first), by the caller's waiter.
@@ -47,8 +48,9 @@ class Pipeline:
         #: command waits on it before its reply.
         self._drain: Callable[[], Awaitable[None]] | None = None
 
-    def _write(self, command: bytes) -> None:
-        raise NotImplementedError
+    #: Writes a command (the transport's own ``write`` where it needs no
+    #: more: a call less per command).
+    _write: Callable[[bytes], object]
 
     def _close_transport(self) -> None:
         raise NotImplementedError
@@ -95,7 +97,7 @@ class Pipeline:
         first)."""
         if self.broken:
             raise self.lost(f"{self.store} connection lost")
-        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[Any] = self._loop.create_future()
         self.pending.append(waiter)
         self._write(command)
         if late is not None:

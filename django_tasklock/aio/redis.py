@@ -13,12 +13,12 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ..backends.redis import _ACQUIRE, _RELEASE, _SHA, known
-from .base import PipelinedBackend
+from .base import Cancel, PipelinedBackend
 from .finishing import carried_through, finish_later
 from .resp import Pipe, pack
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Callable
 
     from ..backends import Hold
     from ..backends.redis import RedisBackend
@@ -172,14 +172,13 @@ class AsyncRedis(PipelinedBackend):
         key: str,
         token: str,
         expire: float,
-        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
-        if_failed: Callable[[BaseException], object] | None,
+        cancel: Cancel | None,
     ) -> Hold | None:
         # No task of its own: a cancel once the command is written leaves its
-        # reply to the connection's reader, which hands it to if_cancelled.
+        # reply to the connection's reader, which hands it to ``cancel``.
         value = self._encode(token)
         args = (1, key, value, math.ceil(expire * 1000))
-        landed = _Taken(value, if_cancelled, if_failed, self._lost)
+        landed = _Taken(value, cancel, self._lost)
         try:
             taken = await self._run(_ACQUIRE, args, landed)
         except self._dropped:
@@ -223,29 +222,21 @@ class AsyncRedis(PipelinedBackend):
 
 class _Taken:
     """What becomes of the reply of a take whose caller was cancelled once it
-    was sent: a lock it took is released (``if_cancelled``); a connection lost
-    first leaves its fate unknown (``if_failed``); an error reply took
-    nothing."""
+    was sent: a lock it took is released; a connection lost first leaves its
+    fate unknown (``cancel``); an error reply took nothing."""
 
-    __slots__ = ("if_cancelled", "if_failed", "lost", "value")
+    __slots__ = ("cancel", "lost", "value")
 
     def __init__(
-        self,
-        value: bytes,
-        if_cancelled: Callable[[Hold | None], Awaitable[object]] | None,
-        if_failed: Callable[[BaseException], object] | None,
-        lost: type[Exception],
+        self, value: bytes, cancel: Cancel | None, lost: type[Exception]
     ) -> None:
-        self.value, self.lost = value, lost
-        self.if_cancelled, self.if_failed = if_cancelled, if_failed
+        self.value, self.cancel, self.lost = value, cancel, lost
 
     def __call__(self, reply: Any) -> None:
+        cancel = self.cancel
+        if cancel is None:
+            return
         if reply is None:
-            if self.if_failed is not None:
-                self.if_failed(self.lost("Redis connection lost"))
-        elif (
-            reply
-            and not isinstance(reply, BaseException)
-            and self.if_cancelled is not None
-        ):
-            finish_later(self.if_cancelled(self.value))
+            cancel.failed(self.lost("Redis connection lost"))
+        elif reply and not isinstance(reply, BaseException):
+            finish_later(cancel.taken(self.value))

@@ -53,6 +53,7 @@ class Pipe(Pipeline):
         self.lost = redis.exceptions.ConnectionError
         self._error_reply = redis.exceptions.ResponseError
         self._idle: asyncio.Future[None] | None = None
+        self._write = self._write_stream
         self._reading = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
@@ -82,7 +83,7 @@ class Pipe(Pipeline):
         except Exception as exc:  # lost, timed out, or out of step
             self._fail(exc)
 
-    def _write(self, command: bytes) -> None:
+    def _write_stream(self, command: bytes) -> None:
         # The connection's stream writer, written to at once: redis-py's
         # ``send_packed_command`` starts a task per write under a timeout and
         # drops the whole connection when its caller is cancelled mid-write.

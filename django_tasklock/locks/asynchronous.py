@@ -18,14 +18,13 @@ the lock to expire, or to crash recovery when its holder's process is gone.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..aio import loop_backend, warm_backend
 from ..aio.finishing import carried_through
-from ..backends import backend_for, fork_generation
+from ..backends import _generation, backend_for, fork_generation
 from ..conf import settings, validate_expire
 from ..exceptions import LockBackendError
 from ..signals import lock_acquired, lock_contended, lock_released
@@ -45,19 +44,12 @@ if TYPE_CHECKING:
 
     from django.dispatch import Signal
 
-    from ..aio.base import AsyncBackend
+    from ..aio.base import AsyncBackend, Cancel
     from ..backends import Hold, LockBackend
     from .heartbeat import Heartbeat as HeartbeatType
     from .liveness import Record
 
 __all__ = ["AsyncLocking"]
-
-#: What a take whose caller was cancelled does with what it got, and with a
-#: take whose fate is unknown (``AsyncBackend.take``'s last two arguments).
-_IfCancelled = tuple[
-    "Callable[[Hold | None], Awaitable[object]]",
-    "Callable[[BaseException], object]",
-]
 
 # The sync Lock's logger: a release's failure is logged under one name.
 logger = logging.getLogger("django_tasklock.locks.lock")
@@ -77,6 +69,8 @@ class AsyncLocking:
     _take_over: str | None
     _guard: Any
     _heartbeat: HeartbeatType | None
+    #: The loop's backend that took the held lock (its release reuses it).
+    _store: AsyncBackend | None = None
 
     if TYPE_CHECKING:  # Lock's own
 
@@ -127,15 +121,14 @@ class AsyncLocking:
         if record is not None and started >= record.due:
             record = await _kept(alias, backend, record)
         deadline, pause = None if timeout is None else started + timeout, POLL_MIN
+        take = store.take if self._take_over is None else self._taking_over(store)
         while True:
             token = (new_token if record is None else new_live_token)(self.owner)
-            if_cancelled = self._if_cancelled(store, backend, key, token)
+            cancel = _LetGo(self, store, backend, key, token)
             try:
-                hold = await self._take(store, key, token, expire, if_cancelled)
+                hold = await take(key, token, expire, cancel)
                 if hold is None and store.looks.get(key, 0.0) <= time.monotonic():
-                    hold = await self._from_dead(
-                        store, key, token, expire, if_cancelled
-                    )
+                    hold = await self._from_dead(store, key, token, expire, cancel)
             except store.errors as exc:
                 raise take_failed(self, alias, backend, key, token, exc) from exc  # type: ignore[arg-type]
             if hold is not None:
@@ -143,7 +136,7 @@ class AsyncLocking:
                 acq = Acquisition(
                     holder, backend, alias, key, token, hold, expire, tried_at, record
                 )
-                self._start_holding(acq, beat if renew else None, started)
+                self._start_holding(acq, store, beat if renew else None, started)
                 return True
             now = time.monotonic()
             wait = next_wait(pause, deadline, now) if blocking else None
@@ -153,16 +146,6 @@ class AsyncLocking:
                 return False
             await asyncio.sleep(wait[0])
             pause, tried_at = wait[1], time.monotonic()
-
-    def _if_cancelled(
-        self, store: AsyncBackend, backend: LockBackend, key: str, token: str
-    ) -> _IfCancelled:
-        """What a take of ``token`` does if its caller is cancelled in flight:
-        release what it got; a take whose fate is unknown, watched."""
-        return (
-            functools.partial(_let_go, store, key, token),
-            functools.partial(self._failed, store, backend, key, token),
-        )
 
     def _failed(
         self,
@@ -178,38 +161,43 @@ class AsyncLocking:
             take_failed(self, store.alias, backend, key, token, exc)  # type: ignore[arg-type]
 
     def _start_holding(
-        self, acq: Acquisition, beat: float | None, started: float
+        self,
+        acq: Acquisition,
+        store: AsyncBackend,
+        beat: float | None,
+        started: float,
     ) -> None:
-        """Hold ``acq``: renewed every ``beat`` seconds (None: not renewed)."""
-        self._acq = acq
+        """Hold ``acq``, taken through ``store`` (its release reuses it):
+        renewed every ``beat`` seconds (None: not renewed)."""
+        self._acq, self._store = acq, store
         if beat is not None:
             self._heartbeat = Heartbeat(acq, beat).start()
         if lock_acquired.receivers:
             waited = acq.acquired_at - started
             self._send(lock_acquired, acq.token, fence=None, waited=waited)
 
-    def _take(
-        self,
-        store: AsyncBackend,
-        key: str,
-        token: str,
-        expire: float,
-        if_cancelled: _IfCancelled,
-    ) -> Awaitable[Hold | None]:
-        """One try's take, carried through a cancel (``if_cancelled``: what to
-        do with what it got, and with a take whose fate is unknown): the
-        store's own, or ``take_over``'s in a thread. Not a coroutine of its
-        own: the hot path awaits the store's."""
-        if self._take_over is None:
-            return store.take(key, token, expire, *if_cancelled)
+    def _taking_over(
+        self, store: AsyncBackend
+    ) -> Callable[[str, str, float, Cancel | None], Awaitable[Hold | None]]:
+        """A try's take with ``take_over``: in a thread, carried through a
+        cancel (``cancel``: what to do with what it got, and with a take
+        whose fate is unknown)."""
         taken_over = self._take_over
+        assert taken_over is not None
         alias, protocol = store.alias, store.sync.protocol
 
-        def take_over() -> Hold | None:
-            backend = backend_for(alias, protocol=protocol)
-            return backend.take_over(key, taken_over, token, expire)
+        def take(
+            key: str, token: str, expire: float, cancel: Cancel | None
+        ) -> Awaitable[Hold | None]:
+            def take_over() -> Hold | None:
+                backend = backend_for(alias, protocol=protocol)
+                return backend.take_over(key, taken_over, token, expire)
 
-        return carried_through(asyncio.to_thread(take_over), *if_cancelled)
+            assert cancel is not None
+            work = asyncio.to_thread(take_over)
+            return carried_through(work, cancel.taken, cancel.failed)
+
+        return take
 
     async def _from_dead(
         self,
@@ -217,7 +205,7 @@ class AsyncLocking:
         key: str,
         token: str,
         expire: float,
-        if_cancelled: _IfCancelled,
+        cancel: Cancel,
     ) -> Hold | None:
         """After a refused take, when due (and not a ``take_over``): the lock's
         holder looked at, in a thread, and the lock taken from it if it is
@@ -228,7 +216,7 @@ class AsyncLocking:
         work = asyncio.to_thread(
             _take_from_dead, self.lock_id, store, key, token, expire
         )
-        hold = await carried_through(work, *if_cancelled)
+        hold = await carried_through(work, cancel.taken, cancel.failed)
         if hold is not None:
             store.looks.pop(key, None)
         return hold
@@ -249,8 +237,16 @@ class AsyncLocking:
             hold, token = acq.hold, acq.token
             if hold is None:  # lost earlier, and reported then
                 return False
-            alias, protocol = acq.alias, acq.backend.protocol
-            store = warm_backend(alias, protocol) or await loop_backend(alias, protocol)
+            store, self._store = self._store, None
+            if (
+                store is None
+                or store.loop is not asyncio.get_running_loop()
+                or store.generation != _generation[0]
+            ):  # (released from another loop, or CACHES changed since)
+                alias, protocol = acq.alias, acq.backend.protocol
+                store = warm_backend(alias, protocol) or await loop_backend(
+                    alias, protocol
+                )
             try:
                 released = await store.drop(acq.key, hold, token)
             except store.errors as exc:
@@ -326,6 +322,31 @@ def _take_from_dead(
     backend = backend_for(store.alias, protocol=store.sync.protocol)
     backend.looks.pop(key, None)  # (the loop's ``looks`` decided it is due)
     return take_from_dead(lock_id, backend, key, token, expire)
+
+
+class _LetGo:
+    """What a take of ``token`` does if its caller is cancelled once it was
+    sent (``aio.base.Cancel``): release what it got; a take whose fate is
+    unknown, watched. One object per try, made before the take is sent."""
+
+    __slots__ = ("backend", "key", "lock", "store", "token")
+
+    def __init__(
+        self,
+        lock: AsyncLocking,
+        store: AsyncBackend,
+        backend: LockBackend,
+        key: str,
+        token: str,
+    ) -> None:
+        self.lock, self.store, self.backend = lock, store, backend
+        self.key, self.token = key, token
+
+    def taken(self, hold: Hold | None) -> Awaitable[object]:
+        return _let_go(self.store, self.key, self.token, hold)
+
+    def failed(self, exc: BaseException) -> None:
+        self.lock._failed(self.store, self.backend, self.key, self.token, exc)
 
 
 async def _let_go(store: AsyncBackend, key: str, token: str, hold: Hold | None) -> None:
