@@ -88,6 +88,14 @@ def _interpreters_on_path() -> None:
 
 _interpreters_on_path()
 
+# nox finds each pair's interpreter by running it (python-discovery), and gives
+# up on one that has not answered within 15 s by default. The matrix's
+# environments are made beside the main run at the lowest CPU priority (make
+# matrix-envs): a fresh clone's run failed there once, "Python interpreter
+# 3.10 not found" after two minutes, with the load average at 11-12; nox then
+# tried to download a Python, which this machine cannot.
+os.environ.setdefault("PY_DISCOVERY_TIMEOUT", "600")
+
 
 def _commit_seed() -> int:
     """The first 32 bits of the commit checked out; a random seed outside a

@@ -489,3 +489,32 @@ def test_an_async_take_over_replaces_only_the_expected_mark(store):
         assert backend.peek(key) is None
 
     run(scenario)
+
+
+def test_a_redis_connection_dropped_while_idle_serves_reads_and_scripts_again(
+    settings,
+):
+    """A semaphore's read of its slots (MGET) and a rate limit's script, each
+    the first command after the loop's connection dropped: sent once more,
+    on a new connection, as a take is."""
+    from django_tasklock import RateLimiter, Semaphore
+
+    settings.TASKLOCK = {"CACHE": "redis", "LOCK_EXPIRE": 60}
+
+    async def scenario():
+        limiter = RateLimiter("async-redis-drop-rate", "2/60s")
+        assert (await limiter.aadmit()).admitted
+        store = async_backend_for("redis", "auto")
+        for step in ("read", "script"):
+            pipe = store._pipe
+            pipe.conn._writer.transport.abort()  # as after an idle timeout
+            if step == "read":
+                assert await store.held_many(["async-redis-drop-none"]) == [False]
+            else:
+                assert (await limiter.aadmit()).admitted
+                assert not (await limiter.aadmit()).admitted  # the count kept
+            assert store._pipe is not pipe and pipe.broken
+        semaphore = Semaphore("async-redis-drop-slots", limit=2)
+        assert await semaphore.aacquire() and await semaphore.arelease()
+
+    run(scenario)

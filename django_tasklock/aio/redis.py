@@ -1,9 +1,9 @@
 """Locks on Redis from an event loop, through ``redis.asyncio``: the sync
 backend's scripts (taken by SHA, sent whole when the server lacks them), on
-the primary the sync backend talks to, over connections of the loop's own
-built with the same address and options: takes and releases pipelined on one
-(``aio.resp``), the rest (rate limits' scripts, semaphores' reads) over a
-pool."""
+the primary the sync backend talks to, over a connection of the loop's own
+built with the same address and options, every command of the loop's
+pipelined on it (``aio.resp``): takes and releases, rate limits' scripts and
+semaphores' reads."""
 
 from __future__ import annotations
 
@@ -23,10 +23,7 @@ if TYPE_CHECKING:
     from ..backends import Hold
     from ..backends.redis import RedisBackend
 
-__all__ = ["POOL_SIZE", "AsyncRedis", "async_pool_options"]
-
-#: The most connections one loop keeps open to the primary.
-POOL_SIZE = 32
+__all__ = ["AsyncRedis", "async_pool_options"]
 
 #: The connection options an asyncio connection takes as the sync one does.
 _PASSED = (
@@ -83,23 +80,8 @@ class AsyncRedis(PipelinedBackend):
 
     def __init__(self, sync: RedisBackend, options: dict[str, Any]) -> None:
         super().__init__(sync)
-        import redis.asyncio
         import redis.exceptions
 
-        # Its own pool, closed with it (aclose): at most POOL_SIZE
-        # connections, a command waiting for one when all are busy (a loop of
-        # a thousand coroutines must not open a thousand sockets). The wait is
-        # this backend's (``_slots``): redis-py's BlockingConnectionPool waits
-        # on a condition under a timeout for every command, which cost more
-        # than the rest of a lock's Python.
-        pool = redis.asyncio.ConnectionPool(max_connections=POOL_SIZE, **options)
-        self._slots = asyncio.Semaphore(POOL_SIZE)
-        if hasattr(redis.asyncio.Redis, "from_pool"):  # redis-py 5.0.1+
-            self._client = redis.asyncio.Redis.from_pool(pool)
-        else:
-            self._client = redis.asyncio.Redis(
-                connection_pool=pool, auto_close_connection_pool=True
-            )
         self._no_script = redis.exceptions.NoScriptError
         self._lost = redis.exceptions.ConnectionError
         self._dropped = (
@@ -107,7 +89,6 @@ class AsyncRedis(PipelinedBackend):
             redis.exceptions.TimeoutError,
         )
         self._encode = sync._encode
-        # Takes and releases: on one pipelined connection (``aio.resp``).
         self._connect_options = dict(options)
         self._connection_class = self._connect_options.pop("connection_class")
         self._pipe: Pipe | None = None
@@ -152,20 +133,15 @@ class AsyncRedis(PipelinedBackend):
             return await pipe.send(pack(b"EVAL", script, *args), None, late)
 
     async def script(self, text: str, keys: tuple[str, ...], *args: Any) -> Any:
-        # In a task of its own, as every command awaited in the caller's own
-        # task here: redis-py's pool can lose a cancel that comes as it hands
-        # the command a connection (the caller then runs on, cancelled in
-        # name only, and an ``asyncio.timeout`` around it is not honoured).
-        return await carried_through(self._script_anywhere(text, keys, *args))
-
-    async def _script_anywhere(
-        self, text: str, keys: tuple[str, ...], *args: Any
-    ) -> Any:
-        async with self._slots:
-            try:
-                return await self._client.evalsha(known(text), len(keys), *keys, *args)
-            except self._no_script:
-                return await self._client.eval(text, len(keys), *keys, *args)
+        # A caller cancelled once it was sent leaves the reply to the
+        # connection's reader: the script runs, its answer unread, as a sync
+        # caller's whose reply timed out.
+        known(text)
+        args = (len(keys), *keys, *args)
+        try:
+            return await self._run(text, args)
+        except self._dropped:  # (as redis-py's own client retries)
+            return await self._run(text, args)
 
     async def take(
         self,
@@ -205,19 +181,23 @@ class AsyncRedis(PipelinedBackend):
             finish_later(self._run(_RELEASE, (1, key, hold)))
 
     async def held_many(self, keys: list[str]) -> list[bool]:
-        values = await carried_through(self._mget(keys))  # see script()
+        command = pack(b"MGET", *keys)
+        try:
+            values = await self._sent(command)
+        except self._dropped:  # a connection closed while idle: once more
+            values = await self._sent(command)
         return [value is not None for value in values]
 
-    async def _mget(self, keys: list[str]) -> list[Any]:
-        async with self._slots:
-            return await self._client.mget(keys)
+    async def _sent(self, command: bytes) -> Any:
+        pipe = self._pipe
+        if pipe is None or pipe.broken:
+            pipe = await self._connected()
+        return await pipe.send(command)
 
     async def aclose(self) -> None:
         pipe, self._pipe = self._pipe, None
         if pipe is not None:
             await pipe.close()
-        closing = getattr(self._client, "aclose", None) or self._client.close
-        await closing()
 
 
 class _Taken:

@@ -45,6 +45,8 @@ class Pipe(Pipeline):
     """A connected ``redis.asyncio`` connection, its commands pipelined
     (``Pipeline``) and their replies read by a task of its own."""
 
+    store = "Redis"
+
     def __init__(self, conn: Any) -> None:
         import redis.exceptions
 
