@@ -202,6 +202,7 @@ def measure_storm(
         "per_second": len(holds) / span if span > 0 else 0.0,
         "lags": [result["lag"] for result in results],
         "steps": [result["step"] for result in results],
+        "what": max(results, key=lambda result: result["step"])["what"],
         "gcs": [result["gc"] for result in results],
         "waited": sum(result["waited"] for result in results),
     }
@@ -245,7 +246,7 @@ def render(
             f"  {alias:<10} {storm['holds']:6d} holds ({storm['per_second']:.0f}/s), "
             f"{storm['waited']} after waiting, overlaps {storm['overlaps']};\n"
             f"  {'':<10} longest callback per process, CPU ms (the loop blocked, "
-            f"less GC): {steps};\n"
+            f"less GC): {steps} (the longest: {storm['what']});\n"
             f"  {'':<10} longest garbage collection per process, CPU ms: {gcs};\n"
             f"  {'':<10} largest probe lag per process, ms (1,000 ready coroutines "
             f"ahead of it): {lags}"

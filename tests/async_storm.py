@@ -32,18 +32,19 @@ class Ticks:
 
 
 @contextlib.contextmanager
-def longest_step() -> Iterator[dict[str, float]]:
+def longest_step() -> Iterator[dict[str, Any]]:
     """While inside: how long the event loop was blocked at most, by this
     thread's CPU clock (not stretched by other processes): ``step``, the
     longest one callback of the loop took (a coroutine's step, a timer's),
-    less the garbage collector's pauses inside it; ``gc``, the longest such
+    less the garbage collector's pauses inside it, and ``what`` that callback
+    was (a task's step by its coroutine's name); ``gc``, the longest such
     pause (the interpreter's, whatever runs). Times ``asyncio.Handle._run``,
     which asyncio's own loop calls for every callback (uvloop does not)."""
     import gc
     from asyncio import events
 
     original = events.Handle._run
-    longest = {"step": 0.0, "gc": 0.0}
+    longest: dict[str, Any] = {"step": 0.0, "gc": 0.0, "what": ""}
     clock = time.thread_time
     collecting = [0.0, 0.0]  # the pause under way's start; all pauses so far
 
@@ -54,7 +55,7 @@ def longest_step() -> Iterator[dict[str, float]]:
         finally:
             spent = clock() - started - (collecting[1] - paused)
             if spent > longest["step"]:
-                longest["step"] = spent
+                longest["step"], longest["what"] = spent, _named(handle)
 
     def pauses(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -71,6 +72,15 @@ def longest_step() -> Iterator[dict[str, float]]:
     finally:
         gc.callbacks.remove(pauses)
         events.Handle._run = original  # type: ignore[method-assign]
+
+
+def _named(handle: Any) -> str:
+    """What an event loop's callback runs: a task's step by its coroutine."""
+    callback = getattr(handle, "_callback", None)
+    task = getattr(callback, "__self__", None)
+    if isinstance(task, asyncio.Task):
+        return f"a step of {task.get_coro().__qualname__}"  # type: ignore[union-attr]
+    return getattr(callback, "__qualname__", repr(callback))
 
 
 async def contend(
@@ -128,6 +138,7 @@ async def contend(
         "waited": waited,
         "lag": max(lags, default=0.0),
         "step": step["step"],
+        "what": step["what"],
         "gc": step["gc"],
     }
 
