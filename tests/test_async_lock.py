@@ -518,3 +518,18 @@ def test_a_redis_connection_dropped_while_idle_serves_reads_and_scripts_again(
         assert await semaphore.aacquire() and await semaphore.arelease()
 
     run(scenario)
+
+
+def test_a_lock_taken_in_one_loop_is_released_from_another(store):
+    """The release reuses the backend that took the lock only from that
+    loop: from another (the first still open, its connection too) it goes
+    through the running loop's own, by the lock's value."""
+    first = asyncio.new_event_loop()
+    lock = Lock("async-two-loops")
+    try:
+        assert first.run_until_complete(lock.aacquire())
+        assert run(lock.arelease)
+        assert not Lock("async-two-loops").locked()
+    finally:
+        first.run_until_complete(close_loop_connections())
+        first.close()

@@ -82,12 +82,10 @@ async def loop_backend(alias: str, protocol: str) -> AsyncBackend:
     return async_backend_for(alias, protocol)
 
 
-#: The backend ``warm_backend`` gave last: (alias, protocol, a weak reference
-#: to its loop, the generation of CACHES, the backend). One tuple, read and
-#: replaced whole, as ``_last``.
-_last_warm: (
-    tuple[str, str, weakref.ref[asyncio.AbstractEventLoop], int, AsyncBackend] | None
-) = None
+#: The backend ``warm_backend`` gave last, with its alias and protocol (its
+#: loop and generation of CACHES are its own). One tuple, read and replaced
+#: whole, as ``_last``.
+_last_warm: tuple[str, str, AsyncBackend] | None = None
 
 
 def warm_backend(alias: str, protocol: str) -> AsyncBackend | None:
@@ -95,19 +93,17 @@ def warm_backend(alias: str, protocol: str) -> AsyncBackend | None:
     are imported (the hot path of every take and release); None before."""
     global _last_warm
     last = _last_warm
-    if (
-        last is not None
-        and last[0] == alias
-        and last[1] == protocol
-        and last[2]() is asyncio.get_running_loop()
-        and last[3] == _generation[0]
-    ):
-        return last[4]
+    if last is not None and last[0] == alias and last[1] == protocol:
+        backend = last[2]
+        if (
+            backend.loop() is asyncio.get_running_loop()
+            and backend.generation == _generation[0]
+        ):
+            return backend
     if (alias, protocol) not in _warmed:
         return None
     backend = async_backend_for(alias, protocol)
-    loop = weakref.ref(asyncio.get_running_loop())
-    _last_warm = (alias, protocol, loop, _generation[0], backend)
+    _last_warm = (alias, protocol, backend)
     return backend
 
 
@@ -161,7 +157,7 @@ async def close_loop_connections() -> None:
     if last is not None and last[0]() is loop:
         _last = None
     warm = _last_warm
-    if warm is not None and warm[2]() is loop:
+    if warm is not None and warm[2].loop() is loop:
         _last_warm = None
     for backend in (memo or {}).values():
         await backend.aclose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..backends import _generation, backend_for
@@ -41,9 +42,11 @@ class AsyncBackend(abc.ABC):
     def __init__(self, sync: LockBackend) -> None:
         self.sync = sync
         self.alias = sync.alias
-        #: The loop it serves and the generation of CACHES it was built in: a
-        #: holder's release reuses it while both still hold.
-        self.loop = asyncio.get_running_loop()
+        #: The loop it serves (a weak reference: a loop whose connections were
+        #: never closed is not kept alive by its backends) and the generation
+        #: of CACHES it was built in: a holder's release reuses it while both
+        #: still hold.
+        self.loop = weakref.ref(asyncio.get_running_loop())
         self.generation = _generation[0]
         self.errors: tuple[type[BaseException], ...] = sync.errors
         #: key -> when this loop may next look at who holds that lock

@@ -506,11 +506,8 @@ class AsyncMemcached(_Servers):
     def _take_command(wire: bytes, token: str, expire: float) -> bytes:
         """``ms`` in add mode: stored only if absent, its CAS id returned."""
         data = token.encode()
-        ttl = math.ceil(expire)  # (``_ttl``, inlined)
-        if ttl > _RELATIVE_MOST:
-            ttl = exptime(expire)
         return b"ms %s %d T%d F%d ME c\r\n%s\r\n" % (
-            wire, len(data), ttl, _TEXT_FLAG, data
+            wire, len(data), _ttl(expire), _TEXT_FLAG, data
         )  # fmt: skip
 
     async def _acquire(

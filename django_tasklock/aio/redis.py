@@ -124,13 +124,10 @@ class AsyncRedis(PipelinedBackend):
     ) -> Any:
         """``script``'s reply on the loop's pipelined connection: by its SHA,
         sent whole if the server lacks it."""
-        pipe = self._pipe
-        if pipe is None or pipe.broken:
-            pipe = await self._connected()
         try:
-            return await pipe.send(pack(b"EVALSHA", _SHA[script], *args), None, late)
+            return await self._sent(pack(b"EVALSHA", _SHA[script], *args), late)
         except self._no_script:
-            return await pipe.send(pack(b"EVAL", script, *args), None, late)
+            return await self._sent(pack(b"EVAL", script, *args), late)
 
     async def script(self, text: str, keys: tuple[str, ...], *args: Any) -> Any:
         # A caller cancelled once it was sent leaves the reply to the
@@ -188,11 +185,15 @@ class AsyncRedis(PipelinedBackend):
             values = await self._sent(command)
         return [value is not None for value in values]
 
-    async def _sent(self, command: bytes) -> Any:
+    async def _sent(
+        self, command: bytes, late: Callable[[Any], object] | None = None
+    ) -> Any:
+        """``command``'s reply on the loop's pipelined connection, made first
+        if there is none (``late``: as ``Pipe.send``'s)."""
         pipe = self._pipe
         if pipe is None or pipe.broken:
             pipe = await self._connected()
-        return await pipe.send(command)
+        return await pipe.send(command, None, late)
 
     async def aclose(self) -> None:
         pipe, self._pipe = self._pipe, None

@@ -147,19 +147,6 @@ class AsyncLocking:
             await asyncio.sleep(wait[0])
             pause, tried_at = wait[1], time.monotonic()
 
-    def _failed(
-        self,
-        store: AsyncBackend,
-        backend: LockBackend,
-        key: str,
-        token: str,
-        exc: BaseException,
-    ) -> None:
-        """A take whose caller was cancelled failed: its token, perhaps stored,
-        is removed once the store answers (``orphans``)."""
-        if isinstance(exc, store.errors):
-            take_failed(self, store.alias, backend, key, token, exc)  # type: ignore[arg-type]
-
     def _start_holding(
         self,
         acq: Acquisition,
@@ -240,7 +227,7 @@ class AsyncLocking:
             store, self._store = self._store, None
             if (
                 store is None
-                or store.loop is not asyncio.get_running_loop()
+                or store.loop() is not asyncio.get_running_loop()
                 or store.generation != _generation[0]
             ):  # (released from another loop, or CACHES changed since)
                 alias, protocol = acq.alias, acq.backend.protocol
@@ -342,22 +329,24 @@ class _LetGo:
         self.lock, self.store, self.backend = lock, store, backend
         self.key, self.token = key, token
 
-    def taken(self, hold: Hold | None) -> Awaitable[object]:
-        return _let_go(self.store, self.key, self.token, hold)
+    async def taken(self, hold: Hold | None) -> None:
+        """Release what the take got."""
+        if hold is None:
+            return
+        store = self.store
+        try:
+            await store.release(self.key, hold, self.token)
+        except store.errors:
+            logger.warning(
+                "A lock taken for a cancelled acquire could not be released; it "
+                "expires by itself",
+                exc_info=True,
+            )
 
     def failed(self, exc: BaseException) -> None:
-        self.lock._failed(self.store, self.backend, self.key, self.token, exc)
-
-
-async def _let_go(store: AsyncBackend, key: str, token: str, hold: Hold | None) -> None:
-    """Release what a take got after its caller was cancelled."""
-    if hold is None:
-        return
-    try:
-        await store.release(key, hold, token)
-    except store.errors:
-        logger.warning(
-            "A lock taken for a cancelled acquire could not be released; it "
-            "expires by itself",
-            exc_info=True,
-        )
+        """The take failed: its token, perhaps stored, is removed once the
+        store answers (``orphans``)."""
+        store = self.store
+        if isinstance(exc, store.errors):
+            lock: Any = self.lock
+            take_failed(lock, store.alias, self.backend, self.key, self.token, exc)
