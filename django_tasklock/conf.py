@@ -55,6 +55,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "RESTART_GRACE": None,
     "QUEUE_EXPIRE": 3600,
     "LIVENESS": 10,
+    "SOCKET_TIMEOUT": 2,
     "RATE_LIMITS": {},
     "RATE_KIND": "window",
     "ON_LIMIT": "retry",
@@ -143,6 +144,7 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
     ),
     "QUEUE_EXPIRE": lambda v: validate_expire(v, name="TASKLOCK['QUEUE_EXPIRE']"),
     "LIVENESS": lambda v: v if v is None else validate_liveness(v),
+    "SOCKET_TIMEOUT": lambda v: validate_seconds(v, name="TASKLOCK['SOCKET_TIMEOUT']"),
     "RATE_LIMITS": lambda v: validate_rate_limits(v),
     "RATE_KIND": lambda v: validate_choice(
         v, name="TASKLOCK['RATE_KIND']", choices=RATE_KINDS
@@ -444,6 +446,16 @@ class Settings:
         if value is not None:
             return value
         return self.LOCK_EXPIRE if self.LIVENESS is None else self.LIVENESS
+
+    @property
+    def SOCKET_TIMEOUT(self) -> float:
+        """Seconds any socket of this package's own may wait on a memcached
+        server (to connect, or for a reply), whatever the alias's OPTIONS
+        say (a shorter ``timeout`` there is kept): a stalled server then
+        delays only what it holds, and a read of it that times out tells
+        nothing, so new locks there are refused."""
+        value: float = self._get("SOCKET_TIMEOUT")
+        return value
 
     @property
     def FAILOVER_GRACE(self) -> float:

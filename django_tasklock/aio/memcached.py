@@ -234,10 +234,6 @@ def _learn(alias: str, protocol: str, server: Any) -> bool:
     never lets a lock through."""
     backend: MemcachedBackend = backend_for(alias, protocol=protocol)  # type: ignore[assignment]
     client = _client_at(backend, server)
-    if getattr(client, "sock", False) is False:
-        # A pooled client hides its connections: the sync backend cannot tell
-        # them apart either, nor learn a run per connection.
-        return backend.wire.meta(client)
     client.close()
     backend.restarts.known(client)
     if client.sock is None or backend.restarts.learnt.get(client) is not client.sock:

@@ -78,6 +78,8 @@ class Records:
         self.roster = Roster(self.id, alias)
         self._guard = threading.Lock()
         self._stop = threading.Event()
+        self._lister: threading.Thread | None = None
+        self._trouble = False
         self.at: dict[object, Record] = {}
         #: The record of a store whose locks are all on one server (or one
         #: primary), found without asking the lock's key where it goes.
@@ -108,9 +110,49 @@ class Records:
         return merged
 
     def start(self) -> None:
-        """Start the roster's thread (its keeper's), unless it runs."""
+        """Start the keeper's thread (which keeps the roster's running) and
+        the roster's, unless they run."""
         if self.keeper is not None:
             self.keeper.start()
+            self.start_roster()
+
+    def start_roster(self) -> None:
+        """Start the thread that keeps the roster, unless it runs. It is a
+        thread of its own: the roster's slot may be on any server of the store,
+        and a server that stalls must never hold up a record's renewal on
+        another one."""
+        with self._guard:
+            thread = self._lister
+            if (thread is None or not thread.is_alive()) and not self._stop.is_set():
+                self._lister = threading.Thread(
+                    target=self._list,
+                    name=f"tasklock-roster-{self.alias}",
+                    daemon=True,
+                )
+                self._lister.start()
+
+    def _list(self) -> None:
+        every = min(1.0, self.bound / 10)
+        try:
+            while not self._stop.wait(every):
+                try:
+                    backend = backend_for(self.alias)
+                except Exception:  # the alias is gone: the keeper starts us again
+                    return
+                # Listing is no safety matter: nothing it does stops the beat.
+                try:
+                    self.roster.beat(self, backend)
+                except backend.errors:
+                    pass  # the store's trouble: the records' writes tell of it
+                except Exception:
+                    if not self._trouble:
+                        self._trouble = True
+                        logger.exception(
+                            "Failed listing the locks of %r (logged once)", self.id
+                        )
+        finally:
+            close_thread_connections()
+            close_caches()
 
     def stop(self, *, delete: bool) -> None:
         """Stop renewing; with ``delete``, remove the records and the roster
@@ -120,6 +162,10 @@ class Records:
         records = list(self.at.values())
         for record in records:
             record.stop()
+        with self._guard:
+            lister = self._lister
+        if lister is not None and lister is not threading.current_thread():
+            lister.join(timeout=5)
         if not delete:
             return
         backend = backend_for(self.alias, protocol=settings.MEMCACHED_PROTOCOL)
@@ -271,13 +317,7 @@ class Record:
         else:
             self._failing = False
         if self is self.records.keeper:
-            # Listing is no safety matter: nothing it does stops the beat.
-            try:
-                self.roster.beat(self.records, backend)
-            except backend.errors:
-                pass  # the store's trouble: the record's write tells of it
-            except Exception:
-                self._once("roster", f"listing the locks of {self.id!r}")
+            self.records.start_roster()  # (again, if it stopped)
 
     def _once(self, kind: str, doing: str) -> None:
         if kind not in self._trouble:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pymemcache.exceptions import MemcacheError
 
+from ...conf import settings as tasklock_settings
 from ...keys import memcached_key
 from ...values import unique_value
 from .fencing import draw
@@ -71,6 +72,19 @@ __all__ = ["MemcachedBackend"]
 _UNLEARNT: Any = object()
 
 
+def own_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The alias's client OPTIONS for this package's own client: unpooled
+    (it is one thread's, and the run of a server is learnt per connection,
+    which a pool hides), and never waiting longer than SOCKET_TIMEOUT to
+    connect or for a reply, so a stalled server holds up only what is on it."""
+    ours = tasklock_settings.SOCKET_TIMEOUT
+    made = {**options, "use_pooling": False}
+    for name in ("timeout", "connect_timeout"):
+        theirs = options.get(name)
+        made[name] = min(theirs, ours) if theirs else ours
+    return made
+
+
 class MemcachedBackend(MemcachedReads):
     """Locks on the memcached servers of a PyMemcacheCache alias."""
 
@@ -90,7 +104,7 @@ class MemcachedBackend(MemcachedReads):
         # task more than the lock.
         django_cache = cast(Any, cache)
         self._hash_client: Any = django_cache._class(
-            django_cache.client_servers, **django_cache._options
+            django_cache.client_servers, **own_options(django_cache._options)
         )
         hash_client = self._hash_client
         self._only_client: Any = only_client(hash_client)

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING, Any
 from pymemcache.exceptions import MemcacheError, MemcacheUnknownCommandError
 
 from ..base import Hold, LockBackend, Peek
-from .wire import MemcachedHold, Wire, _read_stats, _server_name, _ttl_of, _wire_key
+from .wire import (
+    MemcachedHold,
+    Wire,
+    _read_stats,
+    _server_name,
+    _ttl_of,
+    _wire_key,
+    exptime,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -66,6 +74,47 @@ class MemcachedReads(LockBackend):
     def read_many(self, keys: list[str]) -> dict[str, Any]:
         made = {self.cache.make_and_validate_key(key): key for key in keys}
         return {made[key]: value for key, value in self._get_many(made).items()}
+
+    # Plain items (the roster) go through this package's own clients too, so
+    # that no write of ours waits on a server longer than SOCKET_TIMEOUT.
+
+    def _by_client(self, keys: Iterable[str]) -> dict[Any, list[str]]:
+        by_client: dict[Any, list[str]] = {}
+        for key in keys:
+            made = self.cache.make_and_validate_key(key)
+            by_client.setdefault(self._client(made), []).append(made)
+        return by_client
+
+    def add(self, key: str, value: str, timeout: int) -> bool:
+        made = self.cache.make_and_validate_key(key)
+        client = self._client(made)
+        ttl = exptime(timeout)
+        return bool(
+            self.wire.once_more(
+                client, lambda: client.add(made, value, expire=ttl, noreply=False)
+            )
+        )
+
+    def write_many(self, items: dict[str, str], timeout: int) -> None:
+        values = {self.cache.make_and_validate_key(k): v for k, v in items.items()}
+        ttl = exptime(timeout)
+        for client, keys in self._by_client(items).items():
+            mine = {key: values[key] for key in keys}
+            failed = self.wire.once_more(
+                client,
+                partial(client.set_many, mine, expire=ttl, noreply=False),
+            )
+            if failed:
+                raise MemcacheError(
+                    f"memcached at {_server_name(client.server)} did not store "
+                    f"{', '.join(map(str, failed))}"
+                )
+
+    def delete_many(self, keys: list[str]) -> None:
+        for client, its_keys in self._by_client(keys).items():
+            self.wire.once_more(
+                client, partial(client.delete_many, its_keys, noreply=False)
+            )
 
     # -- liveness records: on each server, straight to it --------------------------
 

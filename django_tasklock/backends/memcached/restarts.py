@@ -29,22 +29,41 @@ from typing import Any
 
 from pymemcache.client.hash import HashClient
 from pymemcache.exceptions import (
-    MemcacheClientError,
     MemcacheError,
     MemcacheUnexpectedCloseError,
+    MemcacheUnknownCommandError,
 )
 
 from ...conf import MAX_EXPIRE
 from ...conf import settings as tasklock_settings
-from .wire import ServerRefused, _read_stats, _server_name
+from .wire import _read_stats, _server_name, closes_on_stats
 
-__all__ = ["NodeRestarted", "Restarts"]
+__all__ = ["NodeRestarted", "Restarts", "RunUnknown"]
 
 logger = logging.getLogger(__name__)
 
 
 class NodeRestarted(MemcacheError):  # type: ignore[misc]
     """New locks refused on a memcached server that restarted recently."""
+
+
+class RunUnknown(MemcacheError):  # type: ignore[misc]
+    """New locks refused on a memcached server whose run could not be told."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(
+            f"{why}: which run of the server answers is unknown, so new locks on "
+            "it are refused (a restarted server hands out ids live holders still "
+            "have). Locks held there are kept; try again once it answers"
+        )
+
+
+def _probe_timeout(client: Any) -> float:
+    """Seconds a probe of ``client``'s server may wait: its own timeout, and
+    never longer than ``TASKLOCK['SOCKET_TIMEOUT']``."""
+    ours = tasklock_settings.SOCKET_TIMEOUT
+    theirs = getattr(client, "timeout", None)
+    return min(ours, theirs) if theirs else ours
 
 
 # Restart detection (see Restarts.learn). Per server: the run of it last
@@ -112,16 +131,21 @@ class Restarts:
 
     def known(self, client: Any) -> None:
         """Learn the run of the server ``client`` reaches, unless its
-        connection's was learnt already (``learn``)."""
+        connection's was learnt already (``learn``); raises when it cannot be
+        told, so that no lock is taken on a server whose run is unknown."""
         sock = getattr(client, "sock", False)
-        if (
-            sock is not False
-            and (sock is None or self.learnt.get(client) is not sock)
-            and self.learn(client)
-        ):
+        if sock is False:
+            # A client that hides its connections (pymemcache's PooledClient)
+            # cannot be learnt per connection: refused, never passed.
+            raise RunUnknown(
+                f"the client of memcached at {_server_name(client.server)} keeps "
+                "no connection of its own to learn the server's run on"
+            )
+        if sock is None or self.learnt.get(client) is not sock:
+            self.learn(client)
             self.learnt[client] = client.sock
 
-    def learn(self, client: Any) -> bool:
+    def learn(self, client: Any) -> None:
         """Read which run of the server this new connection reaches, and refuse
         new locks on it for RESTART_GRACE seconds if it restarted.
 
@@ -131,34 +155,48 @@ class Restarts:
         run of the server before, or when another server of the pool keeps a
         record of another run (each process that learns a server's run records
         it on the pool's other servers). A server first seen with no record is a
-        new deployment, not a restart. Proxies do not pass ``stats`` on; servers
-        behind them are not checked. A server whose record could not be read
+        new deployment, not a restart. A proxy, known by its answers (it answers
+        ``version`` and not ``stats``), does not pass ``stats`` on; servers
+        behind it are not checked. A server whose record could not be read
         (another server of the pool did not answer) is taken for restarted:
         "could not tell" is never "fine", and the grace runs from the server's
         start, so it costs nothing once the server has run that long.
 
-        False if the server did not answer: its next command asks again.
+        Raises when the run could not be told (``RunUnknown``, or the
+        connection's error): the lock is refused, and the next one asks again.
         """
         server = client.server
         if server in _unlearnable:
-            return True
+            return
         try:
             stats = _read_stats(client)
-            pid, server_now = int(stats[b"pid"]), int(stats[b"time"])
-            mark, marked_restart = self._mark(client)
-            run = (pid, server_now - int(stats[b"uptime"]), mark)
-        except MemcacheUnexpectedCloseError:
+        except MemcacheUnexpectedCloseError as exc:
+            # Closed before answering: twemproxy does that to ``stats``, and so
+            # does a server on its way down, a container's port proxy while it
+            # restarts, or a load balancer with no backend. Only the first is
+            # let through, and only when it proves itself one.
             client.close()
-            _unlearnable.add(server)  # twemproxy closes the connection on stats
-            return True
-        except (KeyError, ValueError, MemcacheClientError):
-            # No stats here, for good (MemcacheUnknownCommandError is one).
+            if not closes_on_stats(server, _probe_timeout(client)):
+                raise RunUnknown(
+                    f"memcached at {_server_name(server)} closed the connection "
+                    "instead of answering stats, and does not answer as a proxy "
+                    "does (version answered, stats refused)"
+                ) from exc
             _unlearnable.add(server)
-            return True
-        except ServerRefused:
-            raise  # over its connection limit: this lock fails, nothing else
-        except self.errors:
-            return False  # down: the lock's own command reports it
+            return
+        except MemcacheUnknownCommandError:
+            _unlearnable.add(server)  # answers, with no stats: a proxy
+            return
+        try:
+            pid, server_now = int(stats[b"pid"]), int(stats[b"time"])
+            uptime = int(stats[b"uptime"])
+        except (KeyError, ValueError) as exc:
+            raise RunUnknown(
+                f"memcached at {_server_name(server)} answered stats without "
+                "a readable pid, time and uptime"
+            ) from exc
+        mark, marked_restart = self._mark(client)
+        run = (pid, server_now - uptime, mark)
         with _runs_mutex:
             seen = _runs.get(server)
             _runs[server] = run
@@ -171,7 +209,6 @@ class Restarts:
             # Said in the mark too, for processes that never saw the old run.
             with contextlib.suppress(*self.errors):
                 client.set(MARK_KEY, f"{mark}:r", 0, noreply=False)
-        return True
 
     def _restart(
         self,
@@ -218,7 +255,10 @@ class Restarts:
             if value is not None:
                 mark, _, flag = str(value).partition(":")
                 return mark, flag == "r"
-        raise MemcacheClientError("memcached keeps no run mark")
+        raise RunUnknown(
+            f"memcached at {_server_name(client.server)} keeps no run mark "
+            f"({MARK_KEY!r} is gone each time it is added: evicted at once?)"
+        )
 
     def _others(self, server: Any) -> list[Any]:
         hash_client = self.hash_client

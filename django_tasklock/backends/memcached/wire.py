@@ -34,6 +34,7 @@ __all__ = [
     "MemcachedHold",
     "ServerRefused",
     "Wire",
+    "closes_on_stats",
     "exptime",
     "kept_moving",
     "meta_support",
@@ -141,6 +142,17 @@ def meta_support(server: Any, timeout: float = 2.0) -> str:
     if reply == b"" and _talk(server, b"version", timeout).startswith(b"VERSION"):
         return "closed"
     raise ConnectionError(f"memcached at {server} answered {reply!r} to mn")
+
+
+def closes_on_stats(server: Any, timeout: float) -> bool:
+    """Whether ``server`` proves itself a proxy without ``stats`` (twemproxy):
+    on connections of their own, it answers ``version`` and closes the
+    connection on ``stats``. A server that closes every connection (stopping,
+    or a port forwarder with nothing behind it) is not one; raises OSError
+    when it does not answer in ``timeout`` seconds."""
+    if not _talk(server, b"version", timeout).startswith(b"VERSION"):
+        return False
+    return _talk(server, b"stats", timeout) == b""
 
 
 def _server_name(server: Any) -> str:
