@@ -13,17 +13,23 @@ itself (never a replica, and "could not tell" refuses rather than grants):
 - ``INFO``: its replication id (new with every promotion and every restart),
   whether it was promoted (``second_repl_offset`` is set: it continues an old
   primary's history) and how long it has run;
-- a mark of ours on it (``tasklock-primary-mark:{tag}``, a tag in one of its
-  slots): the replication id the first process to learn this primary's run
-  saw, and since when it runs as primary. A process that comes later finds the
-  mark and counts the grace from it, not from its own first sight.
+- a mark of ours on it for that run (``tasklock-primary-mark:{tag}:<replid>``,
+  the tag in the lowest slot the primary serves by its own ``CLUSTER NODES``):
+  since when that run refuses new locks, written by the first process to learn
+  the run. A process that comes later counts the grace from it, not from its
+  own first sight; a promoted replica inherits marks of the old run, which name
+  another replication id and are never read;
+- a record of each primary's run on every other primary
+  (``tasklock-primary-run:``), which tells a restart in place from a new
+  deployment for a process that never saw the primary before.
 
-A primary that runs with the mark's replication id is known. One promoted that
-the mark does not name took over now (late rather than early: the grace counts
-from this sight). One never promoted that restarted (this process knew another
-replication id under its address) came back empty: its run started
-``uptime`` seconds ago. A primary neither promoted nor seen before is a fresh
-node, nothing to refuse.
+A primary that runs with a marked replication id is known. One promoted that
+no mark names took over now (late rather than early: the grace counts from
+this sight). One never promoted that restarted (this process knew another run
+under its address, another primary records another run, or one of them did
+not answer) came back empty: its run started ``uptime`` seconds ago. A primary
+neither promoted nor restarted by any record is a new deployment, nothing to
+refuse.
 """
 
 from __future__ import annotations
@@ -36,11 +42,14 @@ from typing import Any
 
 from ..conf import settings
 
-__all__ = ["LEARNT", "MARK_PREFIX", "Promotions"]
+__all__ = ["LEARNT", "MARK_PREFIX", "RUN_PREFIX", "Promotions"]
 
 logger = logging.getLogger(__name__)
 
 MARK_PREFIX = "tasklock-primary-mark:"
+#: Per primary address, on every other primary: the replication id of the
+#: run last seen there (how a restart in place is told by a new process).
+RUN_PREFIX = "tasklock-primary-run:"
 #: How often a process asks a primary it knows again (a restart in place keeps
 #: its address; a promotion moves the slot to another address at once).
 LEARN_EVERY = 2.0
@@ -52,7 +61,33 @@ _learnt: dict[str, tuple[str, float | None, float]] = {}
 #: refusing nothing, and not due to be asked again).
 LEARNT = _learnt
 _tags: dict[str, str] = {}
+#: Per hash slot, a hash tag in it (found once: the CRC is computed in Python).
+_slot_tags: dict[int, str] = {}
 _mutex = threading.Lock()
+
+
+def _lowest_slot(nodes: object) -> int:
+    """The lowest hash slot the node that answered ``CLUSTER NODES`` serves
+    (its ``myself`` entry, as valkey-py parses the reply, or the raw text);
+    raises ValueError if it serves none."""
+    if isinstance(nodes, dict):
+        entries = [
+            (str(entry.get("flags", "")), [str(r[0]) for r in entry.get("slots", [])])
+            for entry in nodes.values()
+        ]
+    else:
+        text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+        entries = [
+            (fields[2], [part.split("-")[0] for part in fields[8:]])
+            for fields in (line.split() for line in text.splitlines())
+            if len(fields) > 2
+        ]
+    for flags, starts in entries:
+        if "myself" in flags.split(","):
+            numbers = [int(start) for start in starts if start.isdigit()]
+            if numbers:
+                return min(numbers)
+    raise ValueError("the node serves no hash slot (not a primary now)")
 
 
 class Promotions:
@@ -117,51 +152,114 @@ class Promotions:
         now: float,
     ) -> float | None:
         """When the run of ``node`` this process sees for the first time started
-        refusing new locks (None: it refuses none), from our mark on it or, for
-        the first process to see it, from its INFO; that process writes the
-        mark."""
+        refusing new locks (None: it refuses none), from our mark of that run
+        on it or, for the first process to see the run, from its INFO and the
+        records of its runs on the other primaries; that process writes the
+        mark, so every process counts the same grace."""
         connection = node.valkey_connection
         replid = str(info["master_replid"])
         started: float | None
         promoted = int(info.get("second_repl_offset", -1)) != -1
         uptime = float(connection.info("server")["uptime_in_seconds"])
-        mark_key = MARK_PREFIX + "{" + self._tag(client, node) + "}"
+        # A mark per run: a promoted replica inherits its old primary's keys,
+        # marks included, which name the old run and are never read again.
+        mark_key = f"{MARK_PREFIX}{{{self._tag(client, node)}}}:{replid}"
         raw = connection.get(mark_key)
         mark = raw.decode() if isinstance(raw, bytes) else raw
         wall = time.time()
-        marked_replid, _, marked_since = (mark or "").partition(" ")
-        if mark and marked_replid == replid:
-            started = now - max(wall - float(marked_since), 0.0)
+        if mark is not None:
+            started = now - max(wall - float(mark), 0.0)
         elif promoted:
-            started = now
+            started = now  # late rather than early: from this first sight
             self._announce(node, "was promoted from a replica", "")
-        elif before is not None:  # another run than the one it knew
-            started = now - uptime
-            self._announce(node, "restarted", f" {uptime:.0f}s ago")
         else:
-            started = None  # a fresh primary: nothing it held can be missing
-        # Since when the run refuses new locks; 0 (long ago) for none.
-        since = 0.0 if started is None else wall - (now - started)
-        if not (mark and marked_replid == replid):
-            # The first to learn this run says since when it runs, for those
-            # that come later (nx: two first sights keep the earlier word).
-            connection.set(mark_key, f"{replid} {since:.3f}", nx=True)
+            why = self._restarted(client, node, replid, before)
+            if why:
+                started = now - uptime
+                self._announce(node, why, f" {uptime:.0f}s ago")
+            else:
+                started = None  # a new deployment: nothing it held is missing
+        if mark is None:
+            # Since when the run refuses new locks (0: long ago, for none), for
+            # those that come later (nx: two first sights keep the earlier).
+            since = 0.0 if started is None else wall - (now - started)
+            connection.set(mark_key, f"{since:.3f}", nx=True)
+            self._record_run(client, node, replid)
         return started
 
-    @staticmethod
-    def _tag(client: Any, node: Any) -> str:
-        """A hash tag in one of ``node``'s slots (found once per node)."""
+    def _restarted(
+        self,
+        client: Any,
+        node: Any,
+        replid: str,
+        before: tuple[str, float | None, float] | None,
+    ) -> str:
+        """Why a primary never promoted, whose run no process marked, follows
+        a restart ("" for a new deployment): this process knew another run
+        under its address, or another primary keeps a record of another run,
+        or one of them did not answer ("could not tell" is never "fine")."""
+        if before is not None:
+            return "restarted"
+        key = RUN_PREFIX + node.name
+        unanswered = []
+        for other in client.get_primaries():
+            if other.name == node.name:
+                continue
+            try:
+                raw = other.valkey_connection.get(self._on(client, other, key))
+            except self.errors:
+                unanswered.append(other.name)
+                continue
+            if raw is not None:
+                recorded = raw.decode() if isinstance(raw, bytes) else str(raw)
+                return "" if recorded == replid else "restarted empty"
+        if unanswered:
+            return (
+                f"may have restarted (no answer from {', '.join(unanswered)} for "
+                "the record of its run); it started"
+            )
+        return ""
+
+    def _record_run(self, client: Any, node: Any, replid: str) -> None:
+        """Record ``node``'s run on every other primary, so that a process
+        that never saw it knows a restart in place for one."""
+        key = RUN_PREFIX + node.name
+        for other in client.get_primaries():
+            if other.name == node.name:
+                continue
+            try:
+                other.valkey_connection.set(self._on(client, other, key), replid)
+            except self.errors:
+                continue
+
+    def _on(self, client: Any, node: Any, key: str) -> str:
+        """``key`` behind a hash tag of one of ``node``'s slots."""
+        return "{" + self._tag(client, node) + "}" + key
+
+    def _tag(self, client: Any, node: Any) -> str:
+        """A hash tag in the lowest slot ``node`` serves by its own word
+        (``CLUSTER NODES``), so every process names the same keys on it
+        whatever its map of the slots says (a map is updated a slot at a time
+        after a failover, as ``MOVED`` replies come)."""
         tag = _tags.get(node.name)
-        if tag is not None and client.get_node_from_key("{" + tag + "}") is node:
+        if tag is not None:
             return tag
-        slots = client.nodes_manager.slots_cache
-        for number in range(100_000):
-            tag = f"tasklock-{number}"
-            owners = slots.get(client.keyslot("{" + tag + "}"))
-            if owners and owners[0].name == node.name:
-                _tags[node.name] = tag
-                return tag
-        raise RuntimeError(f"no hash tag found in a slot of {node.name}")
+        try:
+            slot = _lowest_slot(node.valkey_connection.execute_command("CLUSTER NODES"))
+        except ValueError as exc:  # a primary demoted meanwhile: ask again
+            raise self.errors[0](f"{node.name}: {exc}") from exc
+        tag = _slot_tags.get(slot)
+        if tag is None:
+            for number in range(1_000_000):
+                candidate = f"tasklock-{number}"
+                if client.keyslot("{" + candidate + "}") == slot:
+                    tag = _slot_tags[slot] = candidate
+                    break
+            else:  # pragma: no cover (every slot has a tag below 100,000)
+                raise RuntimeError(f"no hash tag found in slot {slot}")
+        with _mutex:
+            _tags[node.name] = tag
+        return tag
 
     @staticmethod
     def _announce(node: Any, what: str, when: str) -> None:
