@@ -9,6 +9,12 @@ from dataclasses import dataclass
 
 from django.core.cache import caches, close_caches
 
+#: Seconds past its expiry a memcached item may still be read: its end is a
+#: time on the server's clock, read in whole seconds (see
+#: ``django_tasklock.backends.memcached.wire.observe_clock``), later rather
+#: than sooner.
+LONGER = 3
+
 __all__ = [
     "SHARED_STORES",
     "Store",

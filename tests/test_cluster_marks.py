@@ -25,6 +25,8 @@ from reliability.cluster import on_cluster
 from tests.helpers import wait_until
 from tests.services import RedisCluster
 
+pytestmark = pytest.mark.slow
+
 GRACE = 30
 
 

@@ -24,6 +24,8 @@ from django_tasklock.locks import liveness
 from tests.helpers import close_connections, wait_until
 from tests.services import Memcached, wait_for_closed
 
+pytestmark = pytest.mark.slow
+
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
 IDS = [f"robbed-{n}" for n in range(60)]
 

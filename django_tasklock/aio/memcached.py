@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, cast
 
 from pymemcache.client.hash import HashClient
@@ -32,10 +33,10 @@ from pymemcache.exceptions import MemcacheError
 from ..backends import Peek, backend_for
 from ..backends.memcached.restarts import _refused
 from ..backends.memcached.wire import (
-    _RELATIVE_MOST,
     _TEXT_FLAG,
     MOVES_IN_A_ROW,
     MemcachedHold,
+    _clocks,
     _server_name,
     exptime,
     kept_moving,
@@ -374,7 +375,7 @@ class AsyncMemcached(_Servers):
             # The hot path, in one coroutine: the server's connection is open
             # and speaks meta commands, and no server is in its restart grace.
             wire = self._prefix + key.encode()
-            command = self._take_command(wire, token, expire)
+            command = self._take_command(server.server, wire, token, expire)
             landed = _Landed(conn, cancel)
             try:
                 reply = await conn.send(command, server.timeout, landed)
@@ -477,7 +478,7 @@ class AsyncMemcached(_Servers):
                     if cas is None or (cas != hold.cas and not unique_value(old)):
                         return None
                 command = b"ms %s %d C%d T%d F%d c\r\n%s\r\n" % (
-                    wire, len(data), cas, _ttl(expire), _TEXT_FLAG, data
+                    wire, len(data), cas, _ttl(server.server, expire), _TEXT_FLAG, data
                 )  # fmt: skip
                 reply, conn, _ = await self._command(server, command)
                 if reply.startswith(b"HD"):
@@ -499,11 +500,11 @@ class AsyncMemcached(_Servers):
         raise MemcacheError(f"unexpected reply to ms: {reply!r}")
 
     @staticmethod
-    def _take_command(wire: bytes, token: str, expire: float) -> bytes:
+    def _take_command(server: Any, wire: bytes, token: str, expire: float) -> bytes:
         """``ms`` in add mode: stored only if absent, its CAS id returned."""
         data = token.encode()
         return b"ms %s %d T%d F%d ME c\r\n%s\r\n" % (
-            wire, len(data), _ttl(expire), _TEXT_FLAG, data
+            wire, len(data), _ttl(server, expire), _TEXT_FLAG, data
         )  # fmt: skip
 
     async def _acquire(
@@ -516,7 +517,7 @@ class AsyncMemcached(_Servers):
     ) -> Hold | None:
         server = self._server(key)
         wire = self._prefix + key.encode()
-        command = self._take_command(wire, token, expire)
+        command = self._take_command(server.server, wire, token, expire)
 
         def landed(conn: _Connection, line: bytes | None) -> None:
             _Landed(conn, cancel)(line)
@@ -614,10 +615,13 @@ class _Landed:
             finish_later(cancel.taken(MemcachedHold(cas, self.conn)))
 
 
-def _ttl(expire: float) -> int:
-    """The ``T`` flag for an item that lasts ``expire`` seconds."""
-    ttl = math.ceil(expire)
-    return ttl if ttl <= _RELATIVE_MOST else exptime(expire)
+def _ttl(server: Any, expire: float) -> int:
+    """The ``T`` flag for an item on ``server`` that lasts ``expire`` seconds
+    (``expiry_on``, inlined: the hot path)."""
+    clock = _clocks.get(server)
+    if clock is None:
+        return exptime(expire)
+    return math.ceil(_monotonic() + clock[0]) + math.ceil(expire)
 
 
 def _cas_of(reply: bytes, head: bytes) -> int | None:

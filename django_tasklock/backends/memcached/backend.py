@@ -37,6 +37,7 @@ read the token back.
 from __future__ import annotations
 
 import math
+from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, cast
 
 from pymemcache.exceptions import MemcacheError
@@ -49,13 +50,14 @@ from .reads import MemcachedReads
 from .restarts import NodeRestarted, Restarts, _refused
 from .rewrite import delete_if, rewrite
 from .wire import (
-    _RELATIVE_MOST,
     _TEXT_FLAG,
     MemcachedHold,
     ServerRefused,
     Wire,
+    _clocks,
     _server_name,
     _wire_key,
+    expiry_on,
     exptime,
     only_client,
     sure_life,
@@ -133,9 +135,6 @@ class MemcachedBackend(MemcachedReads):
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         client = self._client(key)
-        ttl = math.ceil(expire)  # exptime(expire), up to 30 days
-        if ttl > _RELATIVE_MOST:
-            ttl = exptime(expire)
         sock: Any = getattr(client, "sock", None)
         wire = self.wire
         if (
@@ -146,6 +145,11 @@ class MemcachedBackend(MemcachedReads):
         ):
             # The common case: a connection whose server run is known, in one
             # send and one read. Anything unusual goes the long way below.
+            clock = _clocks.get(client.server)
+            if clock is not None:  # expiry_on(client.server, expire), inlined
+                ttl = math.ceil(_monotonic() + clock[0]) + math.ceil(expire)
+            else:
+                ttl = exptime(expire)
             data = token.encode()
             wire_key = client.key_prefix + key.encode()
             command = b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (
@@ -168,22 +172,29 @@ class MemcachedBackend(MemcachedReads):
             line = wire.one_reply(client, sock, reply)
             if line is not None:
                 return self.wire.added(client, wire_key, line)
-        return self._acquire_tries(client, key, token, ttl, 0)
+        return self._acquire_tries(client, key, token, expire, 0)
 
     def _acquire_tries(
-        self, client: Any, key: str, token: str, ttl: int, tries: int
+        self, client: Any, key: str, token: str, expire: float | int, tries: int
     ) -> MemcachedHold | None:
         """The acquire, learning the server's run on a new connection, and tried
         once more if a connection from before had dropped; ``tries``: how many
-        were already sent."""
+        were already sent (then ``expire`` is the expiry they sent, an int, and
+        the next try sends it again; else seconds, resolved once the server's
+        clock is read)."""
+        ttl: int | None = math.ceil(expire) if tries else None
 
         def attempt() -> MemcachedHold | None:
             nonlocal tries
             tries += 1
-            # A new connection: learn which run of the server answers it.
+            # A new connection: learn which run of the server answers it
+            # (and its clock, for the first send's expiry).
             self.restarts.known(client)
             if _refused:
                 self.restarts.refuse_if_restarted(client)
+            nonlocal ttl
+            if ttl is None:
+                ttl = expiry_on(client.server, expire)
             hold = self._acquire(client, key, token, ttl)
             if hold is None and tries > 1 and unique_value(token):
                 # The dropped first try may have stored our token before the
@@ -232,7 +243,8 @@ class MemcachedBackend(MemcachedReads):
     def reassert(self, key: str, token: str, expire: float) -> Hold | None:
         client = self._client(key)
         return self.wire.once_more(
-            client, lambda: self._acquire(client, key, token, exptime(expire))
+            client,
+            lambda: self._acquire(client, key, token, expiry_on(client.server, expire)),
         )
 
     # -- fencing tokens ------------------------------------------------------------
@@ -319,7 +331,7 @@ class MemcachedBackend(MemcachedReads):
     ) -> Hold | None:
         assert isinstance(hold, MemcachedHold)
         client = self._client(key)
-        ttl = exptime(expire)
+        ttl = expiry_on(client.server, expire)
         tries = 0
 
         def attempt() -> MemcachedHold | None:

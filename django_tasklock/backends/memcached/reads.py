@@ -16,6 +16,7 @@ from .wire import (
     _server_name,
     _ttl_of,
     _wire_key,
+    expiry_on,
     exptime,
 )
 
@@ -138,7 +139,10 @@ class MemcachedReads(LockBackend):
     def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
         client, key = self._at(place), self.key_for(record_id)
         stored = self.wire.once_more(
-            client, lambda: client.set(key, value, expire=ttl, noreply=False)
+            client,
+            lambda: client.set(
+                key, value, expire=expiry_on(client.server, ttl), noreply=False
+            ),
         )
         if not stored:
             raise MemcacheError(f"memcached at {place!r} did not store {key!r}")

@@ -36,7 +36,7 @@ from pymemcache.exceptions import (
 
 from ...conf import MAX_EXPIRE
 from ...conf import settings as tasklock_settings
-from .wire import _read_stats, _server_name, closes_on_stats
+from .wire import _read_stats, _server_name, closes_on_stats, observe_clock
 
 __all__ = ["NodeRestarted", "Restarts", "RunUnknown"]
 
@@ -169,7 +169,9 @@ class Restarts:
         if server in _unlearnable:
             return
         try:
+            sent = time.monotonic()
             stats = _read_stats(client)
+            received = time.monotonic()
         except MemcacheUnexpectedCloseError as exc:
             # Closed before answering: twemproxy does that to ``stats``, and so
             # does a server on its way down, a container's port proxy while it
@@ -201,6 +203,8 @@ class Restarts:
             seen = _runs.get(server)
             _runs[server] = run
         was, seen = self._restart(server, run, seen, marked_restart)
+        same = seen is not None and _same_run(seen, run)
+        observe_clock(server, server_now, sent, received, same)
         if was:
             _refuse(server, run, server_now - run[1], was)
         if seen is None or not _same_run(seen, run):

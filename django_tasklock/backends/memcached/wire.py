@@ -35,9 +35,11 @@ __all__ = [
     "ServerRefused",
     "Wire",
     "closes_on_stats",
+    "expiry_on",
     "exptime",
     "kept_moving",
     "meta_support",
+    "observe_clock",
 ]
 
 # pymemcache's serde marks str values with flag 16 (FLAG_TEXT): storing the token
@@ -90,6 +92,66 @@ def exptime(expire: float) -> int:
     return seconds
 
 
+#: Per server address: (how far its clock, memcached's ``time``, is ahead of
+#: this process's ``time.monotonic()``, at least; when that was read). Learnt
+#: from ``stats`` on every new connection (``observe_clock``).
+_clocks: dict[Any, tuple[float, float]] = {}
+#: A read of the server's clock is used only when its round trip was this
+#: short: the server read its clock somewhere within it, and every expiry
+#: sent on it is this much later, so that the round trip never shortens one.
+CLOCK_READ_MOST = 0.25
+#: How long the best read of a server's clock stands before a newer one
+#: replaces it even if lower (the two clocks' rates drift apart, slowly).
+CLOCK_READ_STANDS = 600.0
+
+
+def observe_clock(
+    server: Any, server_time: int, sent: float, received: float, same_run: bool
+) -> None:
+    """Learn the clock of ``server`` from its ``stats`` ``time``, read by a
+    command sent at ``sent`` and answered at ``received`` (monotonic).
+
+    memcached's ``time`` is whole seconds, set by a timer once a second, and
+    never ahead of the server's own clock: ``server_time - received`` is a
+    lower bound of the offset between the two clocks, give or take the round
+    trip, and the highest such bound read lately (within this run of the
+    server) the best one.
+
+    An item sent to end at ``now + offset + n`` on that clock (``expiry_on``)
+    then lives at least ``n - 2`` seconds from the send, as a relative expiry
+    does on a server whose clock runs (the read lags the server's clock by up
+    to two seconds, its whole seconds and its once-a-second timer; the
+    round trip is made up by ``CLOCK_READ_MOST``), and at most about three
+    seconds more than ``n``: longer, never shorter, whatever the server's
+    clock was doing when it stored the item."""
+    if received - sent > CLOCK_READ_MOST:
+        return
+    # (The round trip's slack folded in once, here, not on every send.)
+    offset = server_time - received + CLOCK_READ_MOST
+    seen = _clocks.get(server)
+    if (
+        seen is not None
+        and same_run
+        and seen[0] >= offset
+        and received - seen[1] < CLOCK_READ_STANDS
+    ):
+        return
+    _clocks[server] = (offset, received)
+
+
+def expiry_on(server: Any, expire: float) -> int:
+    """What to send ``server`` for an item to live ``expire`` seconds from
+    now: a Unix time on the server's own clock where that clock was read
+    (``observe_clock``), so that an item stored by a server whose clock stood
+    still (a stalled process, a frozen VM: commands it had queued are carried
+    out before its clock catches up) lives longer, never shorter; else
+    ``exptime``."""
+    seen = _clocks.get(server)
+    if seen is None:
+        return exptime(expire)
+    return math.ceil(time.monotonic() + seen[0]) + math.ceil(expire)
+
+
 def sure_life(expire: float) -> float:
     """The shortest time memcached is sure to keep an item stored for
     ``expire`` seconds (``exptime``), counted from before the command was sent.
@@ -100,7 +162,9 @@ def sure_life(expire: float) -> float:
     phase that wraps past a second makes an item stored just before it go
     almost a second sooner: ``n - 2`` seconds for ``n``, not ``n - 1``
     (``tests/test_memcached_clock.py`` measures it with the server paused at
-    random).
+    random). Where the server's clock was read (``expiry_on``), the item's
+    end is a time on that clock, which a pause can only make later, and the
+    read's own error stays within the same two seconds (``observe_clock``).
     """
     return float(max(math.ceil(expire) - 2, 0))
 
