@@ -37,7 +37,6 @@ read the token back.
 from __future__ import annotations
 
 import math
-from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, cast
 
 from pymemcache.exceptions import MemcacheError
@@ -54,11 +53,9 @@ from .wire import (
     MemcachedHold,
     ServerRefused,
     Wire,
-    _clocks,
     _server_name,
     _wire_key,
     expiry_on,
-    exptime,
     only_client,
     sure_life,
 )
@@ -99,11 +96,10 @@ class MemcachedBackend(MemcachedReads):
     ) -> None:
         super().__init__(cache, alias, protocol)
         self.wire = Wire(protocol)
-        # A client of our own, built exactly as Django builds its one (same
-        # servers, options and hashing, so the same server for a key), which
+        # A client of our own, built as Django builds its one (same servers
+        # and hashing: the same server for a key; own_options), which
         # close_caches() leaves alone: Celery's Django fixup closes every cache
-        # connection after every task, and reconnecting would cost each locked
-        # task more than the lock.
+        # connection after every task, too costly to reconnect for each lock.
         django_cache = cast(Any, cache)
         self._hash_client: Any = django_cache._class(
             django_cache.client_servers, **own_options(django_cache._options)
@@ -145,11 +141,7 @@ class MemcachedBackend(MemcachedReads):
         ):
             # The common case: a connection whose server run is known, in one
             # send and one read. Anything unusual goes the long way below.
-            clock = _clocks.get(client.server)
-            if clock is not None:  # expiry_on(client.server, expire), inlined
-                ttl = math.ceil(_monotonic() + clock[0]) + math.ceil(expire)
-            else:
-                ttl = exptime(expire)
+            ttl = expiry_on(client.server, expire)
             data = token.encode()
             wire_key = client.key_prefix + key.encode()
             command = b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (
@@ -179,9 +171,7 @@ class MemcachedBackend(MemcachedReads):
     ) -> MemcachedHold | None:
         """The acquire, learning the server's run on a new connection, and tried
         once more if a connection from before had dropped; ``tries``: how many
-        were already sent (then ``expire`` is the expiry they sent, an int, and
-        the next try sends it again; else seconds, resolved once the server's
-        clock is read)."""
+        were already sent (with ``expire``, then what they sent)."""
         ttl: int | None = math.ceil(expire) if tries else None
 
         def attempt() -> MemcachedHold | None:
