@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-django6 lock-demo bench bench-cpu bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix matrix-envs pytest pytest-run coverage package services venv clean
+.PHONY: soak demo demo-django6 lock-demo bench bench-cpu bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix matrix-envs pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -126,6 +126,12 @@ bench-beat-peers: services $(STAMP)
 # The fault suite at full size (see README.rst, Reliability).
 faults: services $(STAMP)
 	$(BIN)/python -m reliability.faults $(FAULTS_ARGS)
+
+# The randomized fault checker (reliability/checker.py) on every flavour, for
+# SOAK_SECONDS each (15 minutes by default); SOAK_ARGS adds --seed, --clients...
+SOAK_SECONDS ?= 900
+soak: services $(STAMP)
+	$(BIN)/python -m reliability.checker --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 # The other supported Python/Django pairs (the main run is python3 with Django
 # 5.2), each in an environment of nox's (uv-made), side by side; see noxfile.py.

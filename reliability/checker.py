@@ -1,0 +1,546 @@
+"""A seeded, randomized fault checker: many clients on hosts of their own take,
+hold, check and release locks on a few ids while a nemesis kills, pauses,
+restarts, flushes and cuts the servers, the clients and the network between
+them; a witness outside the store records every hold, and the verdict names
+every pair of holds of one id that overlapped while both holders believed.
+
+    python -m reliability.checker [--flavour NAME|all] [--seconds N]
+                                  [--clients N] [--seed N]
+
+Flavours: ``memcached`` (one server), ``pool`` (three), ``twemproxy``
+(nutcracker over two) and ``redis`` (a primary with a replica). Every server
+sits behind a ``nemesis.Proxy``. A violation prints the seed and the faults
+injected around it; the same seed draws the same schedule, options and client
+choices again (the timing of the machine decides the rest).
+
+An overlap is "by design" when a fault the guarantees page names as losing
+locks came between the two holds (``flush_all`` anywhere; a server restarted
+behind twemproxy or a Redis without persistence, whose restarts cannot be
+seen); every other overlap is a violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reliability.nemesis import Proxy
+from tests.services import Memcached, Nutcracker, Redis
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+FLAVOURS = ("memcached", "pool", "twemproxy", "redis")
+ROOT = Path(__file__).resolve().parent.parent
+MEMCACHED_BACKEND = "django.core.cache.backends.memcached.PyMemcacheCache"
+#: Faults whose losses the guarantees page states, by flavour.
+BY_DESIGN = {
+    "memcached": {"flush"},
+    "pool": {"flush"},
+    "twemproxy": {"flush", "kill-server"},
+    "redis": {"flush", "kill-server"},
+}
+
+
+@dataclass
+class Fault:
+    at: float  # time.monotonic()
+    kind: str
+    target: str
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        span = f" for {self.seconds:.2f}s" if self.seconds else ""
+        return f"{self.kind} {self.target}{span}"
+
+
+@dataclass
+class Hold:
+    lock_id: str
+    client: str
+    start: float
+    last: float
+    token: str
+    fence: int | None = None
+    released: bool | None = None
+    ended: bool = False
+
+
+@dataclass
+class Result:
+    flavour: str
+    seed: int
+    #: time.monotonic() when the run began (violations say how far into it).
+    began: float = 0.0
+    client_seconds: float = 0.0
+    faults: Counter[str] = field(default_factory=Counter)
+    holds: int = 0
+    by_design: int = 0
+    violations: list[str] = field(default_factory=list)
+    fence_inversions: list[str] = field(default_factory=list)
+
+    def row(self) -> str:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items()))
+        return (
+            f"{self.flavour:<10} {self.client_seconds:>8.0f} {self.holds:>6} "
+            f"{self.by_design:>9} {len(self.violations):>10}  {kinds}"
+        )
+
+
+HEADER = (
+    f"{'flavour':<10} {'client-s':>8} {'holds':>6} {'by design':>9} "
+    f"{'violations':>10}  faults injected"
+)
+
+
+class Deployment:
+    """The servers of one flavour, each behind a proxy, and the CACHES entry
+    the clients lock through."""
+
+    def __init__(
+        self, flavour: str, chance: random.Random, pooling: bool | None = None
+    ) -> None:
+        self.flavour = flavour
+        self.servers: list[Memcached | Redis] = []
+        self.proxies: list[Proxy] = []
+        self.front: Nutcracker | None = None
+        self.stack = contextlib.ExitStack()
+        if flavour in ("memcached", "pool", "twemproxy"):
+            count = {"memcached": 1, "pool": 3, "twemproxy": 2}[flavour]
+            for _ in range(count):
+                self._serve(Memcached())
+            if flavour == "twemproxy":
+                front = Nutcracker(servers=[_at(p.port) for p in self.proxies])
+                self.front = front.start()  # type: ignore[assignment]
+                self.stack.callback(front.stop)
+                location: Any = front.address
+            else:
+                addresses = [p.address for p in self.proxies]
+                location = addresses[0] if count == 1 else addresses
+            if pooling is None:
+                pooling = chance.random() < 0.5
+            options = {"use_pooling": True} if pooling else {}
+            self.cache = {
+                "BACKEND": MEMCACHED_BACKEND,
+                "LOCATION": location,
+                "OPTIONS": options,
+            }
+        else:
+            primary = self._serve(Redis())
+            replica = Redis(args=["--replicaof", "127.0.0.1", str(primary.port)])
+            replica.start()
+            self.stack.callback(lambda: _stop(replica))
+            self.cache = {
+                "BACKEND": "django.core.cache.backends.redis.RedisCache",
+                "LOCATION": f"redis://{self.proxies[0].address}/0",
+            }
+
+    def _serve(self, server: Memcached | Redis) -> Memcached | Redis:
+        server.start()
+        self.stack.callback(lambda: _stop(server))
+        proxy = Proxy(server.port)
+        self.stack.callback(proxy.close)
+        self.servers.append(server)
+        self.proxies.append(proxy)
+        return server
+
+    def flush(self, index: int) -> None:
+        server = self.servers[index]
+        if isinstance(server, Redis):
+            import redis
+
+            with redis.Redis(port=server.port, socket_timeout=5) as client:
+                client.flushall()
+        else:
+            server.flush_all(keep_run=False)
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def _at(port: int) -> Memcached:
+    """A stand-in for twemproxy's configuration: the proxy's address."""
+    return Memcached(port=port)
+
+
+def _stop(server: Memcached | Redis) -> None:
+    if server.process is not None:
+        with contextlib.suppress(ProcessLookupError):
+            server.process.send_signal(signal.SIGCONT)
+    server.stop()
+
+
+class Clients:
+    """The client processes, each under a hostname of its own."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        seconds: float,
+        chance: random.Random,
+        tasklock: dict[str, Any] | None = None,
+    ) -> None:
+        self.config, self.seconds, self.chance = config, seconds, chance
+        self.tasklock = tasklock or {}
+        self.running: dict[str, subprocess.Popen[bytes]] = {}
+        self.started: dict[str, float] = {}
+        self.spent = 0.0
+        self.count = 0
+        self.mutex = threading.Lock()
+
+    def spawn(self, until: float) -> str:
+        with self.mutex:
+            self.count += 1
+            name = f"checker-{self.count}"
+        liveness = self.chance.choice([3, 5])
+        config = {
+            **self.config,
+            "client": name,
+            "seed": self.chance.randrange(2**32),
+            "seconds": max(until - time.monotonic(), 0.5),
+            "tasklock": {"LIVENESS": liveness, **self.tasklock},
+        }
+        rename = f'hostname {name} && exec "$@"'
+        command = ["unshare", "--uts", "sh", "-c", rename, "-"]
+        command += [sys.executable, "-m", "reliability.checker_client"]
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "TASKLOCK_CHECKER": json.dumps(config),
+                "TASKLOCK_TEST_EXTRA_CACHES": json.dumps({"checked": config["cache"]}),
+            },
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        with self.mutex:
+            self.running[name] = process
+            self.started[name] = time.monotonic()
+        return name
+
+    def pick(self) -> tuple[str, subprocess.Popen[bytes]] | None:
+        with self.mutex:
+            live = [(n, p) for n, p in self.running.items() if p.poll() is None]
+        return self.chance.choice(live) if live else None
+
+    def retire(self, name: str) -> None:
+        with self.mutex:
+            self.spent += time.monotonic() - self.started.pop(name)
+            self.running.pop(name, None)
+
+    def wait(self, limit: float) -> None:
+        deadline = time.monotonic() + limit
+        for name, process in list(self.running.items()):
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGCONT)
+            try:
+                process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            self.retire(name)
+
+
+class Nemesis:
+    """Faults at random times, in random combinations, each logged."""
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        clients: Clients,
+        chance: random.Random,
+        until: float,
+        kinds: list[str] | None = None,
+    ) -> None:
+        self.deployment, self.clients, self.chance = deployment, clients, chance
+        self.until = until
+        self.only = kinds
+        self.log: list[Fault] = []
+        self.stop = threading.Event()
+        # One process fault at a time per server: a kill and a pause of one
+        # server at once would race over its process.
+        self.busy = [threading.Lock() for _ in deployment.servers]
+        self.threads: list[threading.Thread] = []
+
+    def kinds(self) -> list[str]:
+        kinds = [
+            "kill-server", "pause-server", "flush", "pause-client", "kill-client",
+            "proxy-stall", "proxy-close", "proxy-reset", "proxy-drop", "proxy-delay",
+        ]  # fmt: skip
+        return self.only or kinds
+
+    def run(self) -> None:
+        while not self.stop.wait(self.chance.uniform(0.5, 3.0)):
+            if time.monotonic() > self.until - 2:
+                return
+            kind = self.chance.choice(self.kinds())
+            index = self.chance.randrange(len(self.deployment.servers))
+            seconds = round(self.chance.uniform(0.3, 6.0), 2)
+            thread = threading.Thread(
+                target=self._inject, args=(kind, index, seconds), daemon=True
+            )
+            thread.start()
+            self.threads.append(thread)
+
+    def _note(self, kind: str, target: str, seconds: float = 0.0) -> None:
+        self.log.append(Fault(time.monotonic(), kind, target, seconds))
+
+    def _inject(self, kind: str, index: int, seconds: float) -> None:
+        proxy = self.deployment.proxies[index]
+        name = f"server-{index}"
+        if kind in ("kill-server", "pause-server", "flush"):
+            if not self.busy[index].acquire(blocking=False):
+                return  # that server is in another fault of its process
+            try:
+                self._server_fault(kind, index, seconds)
+            finally:
+                self.busy[index].release()
+            return
+        with contextlib.suppress(Exception):
+            if kind in ("pause-client", "kill-client"):
+                picked = self.clients.pick()
+                if picked is None:
+                    return
+                client, process = picked
+                if kind == "kill-client":
+                    self._note(kind, client)
+                    process.kill()
+                    process.wait()
+                    self.clients.retire(client)
+                    self.clients.spawn(self.until)
+                else:
+                    self._note(kind, client, seconds)
+                    self._paused(process, seconds)
+            else:
+                self._proxy(kind, proxy, name, seconds)
+
+    def _server_fault(self, kind: str, index: int, seconds: float) -> None:
+        server = self.deployment.servers[index]
+        name = f"server-{index}"
+        with contextlib.suppress(Exception):
+            if kind == "kill-server":
+                self._note(kind, name)
+                server.stop(signal.SIGKILL)
+                self.stop.wait(min(seconds, 2.0))
+                server.start()
+            elif kind == "pause-server":
+                self._note(kind, name, seconds)
+                self._paused(server.process, seconds)
+            else:
+                self._note(kind, name)
+                self.deployment.flush(index)
+
+    def _proxy(self, kind: str, proxy: Proxy, name: str, seconds: float) -> None:
+        if kind == "proxy-reset":
+            self._note(kind, name)
+            proxy.reset()
+            return
+        start: dict[str, Callable[[], None]] = {
+            "proxy-stall": proxy.stall,
+            "proxy-close": proxy.close_new,
+            "proxy-drop": lambda: proxy.drop(self.chance.randint(1, 3)),
+            "proxy-delay": lambda: proxy.delay(self.chance.uniform(0.05, 0.5)),
+        }
+        self._note(kind, name, seconds)
+        start[kind]()
+        self.stop.wait(seconds)
+        proxy.heal()
+
+    def _paused(self, process: subprocess.Popen[bytes] | None, seconds: float) -> None:
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGSTOP)
+        try:
+            self.stop.wait(seconds)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGCONT)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(15)
+        for proxy in self.deployment.proxies:
+            proxy.heal()
+
+
+def holds_of(path: Path) -> list[Hold]:
+    """The holds the witness file records."""
+    holds: dict[str, Hold] = {}
+    if not path.exists():
+        return []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record["e"] == "start":
+            holds[record["tok"]] = Hold(
+                record["id"], record["c"], record["t"], record["t"], record["tok"]
+            )
+        else:
+            hold = holds.get(record["tok"])
+            if hold is not None:
+                hold.last, hold.fence = record["last"], record["f"]
+                hold.released, hold.ended = record["released"], True
+    return list(holds.values())
+
+
+def verdict(result: Result, holds: list[Hold], faults: list[Fault]) -> None:
+    """Every pair of holds of one id that both believed at once, judged."""
+    by_id: dict[str, list[Hold]] = {}
+    for hold in holds:
+        by_id.setdefault(hold.lock_id, []).append(hold)
+    design = BY_DESIGN[result.flavour]
+    for its_holds in by_id.values():
+        its_holds.sort(key=lambda hold: hold.start)
+        for i, older in enumerate(its_holds):
+            for newer in its_holds[i + 1 :]:
+                if newer.start > older.last:
+                    break  # (sorted by start: no later one overlaps either)
+                between = [f for f in faults if older.start - 2 <= f.at <= newer.start]
+                if any(f.kind in design for f in between):
+                    result.by_design += 1
+                    continue
+                result.violations.append(_explain(result, older, newer, faults))
+        _fences(result, its_holds)
+
+
+def _fences(result: Result, holds: list[Hold]) -> None:
+    """Where a newer hold began while an older one had not ended, and both drew
+    a fence, the newer one's must be larger."""
+    for i, older in enumerate(holds):
+        for newer in holds[i + 1 :]:
+            if newer.start > older.last:
+                break
+            if older.fence is None or newer.fence is None:
+                continue
+            if newer.fence <= older.fence:
+                result.fence_inversions.append(
+                    f"{older.lock_id}: {older.client} fence {older.fence}, "
+                    f"then {newer.client} fence {newer.fence}"
+                )
+
+
+def _explain(result: Result, older: Hold, newer: Hold, faults: list[Fault]) -> str:
+    nearby = [f for f in faults if older.start - 15 <= f.at <= newer.start + 1]
+    schedule = (
+        "; ".join(f"{f.at - older.start:+.2f}s {f}" for f in nearby) or "no fault"
+    )
+    return (
+        f"seed {result.seed}, {result.flavour}, {newer.start - result.began:.0f}s "
+        f"into the run: lock {older.lock_id!r} held by "
+        f"{older.client} (believed until {older.last - older.start:.2f}s) and "
+        f"taken by {newer.client} at {newer.start - older.start:.2f}s; "
+        f"faults, from the first hold's start: {schedule}"
+    )
+
+
+def check(
+    flavour: str,
+    seconds: float,
+    clients: int,
+    seed: int,
+    *,
+    quiet: bool = False,
+    tasklock: dict[str, Any] | None = None,
+    kinds: list[str] | None = None,
+    pooling: bool | None = None,
+) -> Result:
+    """One run of ``seconds`` on ``flavour``; its result, verdict included.
+    ``tasklock``: settings every client adds to its own; ``kinds``: the only
+    faults to inject (a control run, say); ``pooling``: whether memcached
+    aliases pool their connections (None: as the seed draws)."""
+    chance = random.Random(f"{seed}-{flavour}")
+    result = Result(flavour, seed)
+    deployment = Deployment(flavour, chance, pooling)
+    workdir = Path(tempfile.mkdtemp(prefix="tasklock-checker-"))
+    path = workdir / "witness.jsonl"
+    try:
+        config = {
+            "alias": "checked",
+            "cache": deployment.cache,
+            "ids": [f"checked-{n}" for n in range(3)],
+            "witness": str(path),
+        }
+        result.began = time.monotonic()
+        until = result.began + seconds
+        group = Clients(config, seconds, chance, tasklock)
+        for _ in range(clients):
+            group.spawn(until)
+        nemesis = Nemesis(deployment, group, chance, until, kinds)
+        thread = threading.Thread(target=nemesis.run, daemon=True)
+        thread.start()
+        while time.monotonic() < until:
+            time.sleep(0.2)
+        nemesis.finish()
+        thread.join(10)
+        group.wait(30)
+        result.client_seconds = group.spent
+        result.faults = Counter(f.kind for f in nemesis.log)
+        holds = holds_of(path)
+        result.holds = len(holds)
+        verdict(result, holds, nemesis.log)
+    finally:
+        deployment.close()
+        with contextlib.suppress(OSError):
+            path.unlink()
+            workdir.rmdir()
+    if not quiet:
+        print(result.row(), flush=True)
+        for line in result.violations + result.fence_inversions:
+            print("  " + line, flush=True)
+    return result
+
+
+def runs(
+    flavours: list[str], seconds: float, clients: int, seed: int, **options: Any
+) -> Iterator[Result]:
+    for flavour in flavours:
+        yield check(flavour, seconds, clients, seed, **options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavour", default="all", choices=[*FLAVOURS, "all"])
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--clients", type=int, default=5)
+    parser.add_argument(
+        "--seed", type=int, default=random.SystemRandom().randrange(2**31)
+    )
+    parser.add_argument(
+        "--kinds", help="only these faults, comma-separated (default: all)"
+    )
+    parser.add_argument(
+        "--pooling", choices=["on", "off"], help="memcached connection pooling"
+    )
+    args = parser.parse_args(argv)
+    options: dict[str, Any] = {}
+    if args.kinds:
+        options["kinds"] = args.kinds.split(",")
+    if args.pooling:
+        options["pooling"] = args.pooling == "on"
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    flavours = list(FLAVOURS) if args.flavour == "all" else [args.flavour]
+    print(f"seed {args.seed}", flush=True)
+    print(HEADER, flush=True)
+    bad = 0
+    for result in runs(flavours, args.seconds, args.clients, args.seed, **options):
+        bad += len(result.violations) + len(result.fence_inversions)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

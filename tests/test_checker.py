@@ -1,0 +1,65 @@
+"""The randomized fault checker (``reliability/checker.py``): its verdict,
+a control run it must fail, and the short run of ``make test``.
+
+The short run takes one flavour per commit (the flavours in turn as the
+commit's seed, pytest-randomly's, changes), so that every flavour runs over a
+few commits; ``make soak`` runs them all for as long as it is given.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from reliability.checker import FLAVOURS, Fault, Hold, Result, check, verdict
+
+pytestmark = [pytest.mark.slow, pytest.mark.long(seconds=80)]
+
+
+def hold(client: str, start: float, last: float) -> Hold:
+    return Hold("x", client, start, last, token=f"{client}-{start}")
+
+
+def test_the_verdict_names_holds_that_overlapped_while_both_believed():
+    result = Result("pool", seed=1)
+    holds = [hold("a", 0.0, 5.0), hold("b", 5.5, 7.0), hold("c", 6.0, 6.5)]
+    verdict(result, holds, [Fault(3.0, "pause-server", "server-0", 1.0)])
+    # a and b never overlapped; c began while b believed: one violation,
+    # printed with the seed and the fault before it.
+    assert len(result.violations) == 1, result.violations
+    assert "seed 1" in result.violations[0] and "pause-server" in result.violations[0]
+    assert "'x' held by b" in result.violations[0]
+
+
+def test_an_overlap_after_a_fault_that_loses_locks_by_design_is_counted_apart():
+    result = Result("pool", seed=1)
+    holds = [hold("a", 0.0, 5.0), hold("b", 2.0, 3.0)]
+    verdict(result, holds, [Fault(1.0, "flush", "server-0")])
+    assert result.violations == [] and result.by_design == 1
+
+
+def test_with_the_restart_grace_off_the_checker_finds_robbed_holders():
+    """The control: memcached restarted empty under live holders, with
+    RESTART_GRACE 0 and no liveness records, hands their locks out again at
+    once, and the checker must see it."""
+    result = check(
+        "memcached",
+        seconds=25,
+        clients=4,
+        seed=5,
+        quiet=True,
+        tasklock={"RESTART_GRACE": 0, "LIVENESS": None},
+        kinds=["kill-server"],
+    )
+    assert result.faults["kill-server"] >= 3, result.faults
+    assert result.violations, (result.row(), result.holds)
+
+
+def test_the_short_run_finds_no_violation(request):
+    seed = request.config.getoption("randomly_seed")
+    seed = seed if isinstance(seed, int) else 0
+    flavour = FLAVOURS[seed % len(FLAVOURS)]
+    result = check(flavour, seconds=40, clients=4, seed=seed, quiet=True)
+    print(result.row())
+    assert result.holds >= 10 and sum(result.faults.values()) >= 5, result.row()
+    assert result.violations == [], "\n".join(result.violations)
+    assert result.fence_inversions == [], "\n".join(result.fence_inversions)
