@@ -37,6 +37,7 @@ read the token back.
 from __future__ import annotations
 
 import math
+import socket
 from typing import TYPE_CHECKING, Any, cast
 
 from pymemcache.exceptions import MemcacheError
@@ -52,6 +53,7 @@ from .wire import (
     _TEXT_FLAG,
     MemcachedHold,
     ServerRefused,
+    TimedSockets,
     Wire,
     _server_name,
     _wire_key,
@@ -75,12 +77,15 @@ def own_options(options: dict[str, Any]) -> dict[str, Any]:
     """The alias's client OPTIONS for this package's own client: unpooled
     (it is one thread's, and the run of a server is learnt per connection,
     which a pool hides), and never waiting longer than SOCKET_TIMEOUT to
-    connect or for a reply, so a stalled server holds up only what is on it."""
+    connect, send or for a reply, so a stalled server holds up only what is on
+    it: the kernel's timers on each socket (``TimedSockets``), and the
+    alias's own ``timeout`` where it sets one, kept if shorter."""
     ours = tasklock_settings.SOCKET_TIMEOUT
     made = {**options, "use_pooling": False}
-    for name in ("timeout", "connect_timeout"):
-        theirs = options.get(name)
-        made[name] = min(theirs, ours) if theirs else ours
+    made["socket_module"] = TimedSockets(options.get("socket_module", socket), ours)
+    made["connect_timeout"] = min(options.get("connect_timeout") or ours, ours)
+    if options.get("timeout"):
+        made["timeout"] = min(options["timeout"], ours)
     return made
 
 

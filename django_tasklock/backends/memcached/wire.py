@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import struct
 import time
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -33,6 +34,7 @@ __all__ = [
     "MOVES_IN_A_ROW",
     "MemcachedHold",
     "ServerRefused",
+    "TimedSockets",
     "Wire",
     "closes_on_stats",
     "expiry_on",
@@ -206,6 +208,28 @@ def meta_support(server: Any, timeout: float = 2.0) -> str:
     if reply == b"" and _talk(server, b"version", timeout).startswith(b"VERSION"):
         return "closed"
     raise ConnectionError(f"memcached at {server} answered {reply!r} to mn")
+
+
+class TimedSockets:
+    """A ``socket_module`` for pymemcache whose sockets wait at most
+    ``seconds`` for each send and reply, by the kernel's own timers
+    (``SO_SNDTIMEO``, ``SO_RCVTIMEO``): the socket stays blocking, so a call
+    costs no ``poll`` as a Python-level ``settimeout`` would, and one that
+    times out raises ``BlockingIOError`` (an ``OSError``)."""
+
+    def __init__(self, module: Any, seconds: float) -> None:
+        self._module = module
+        whole = int(seconds)
+        self._interval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def socket(self, *args: Any, **kwargs: Any) -> Any:
+        sock = self._module.socket(*args, **kwargs)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._interval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._interval)
+        return sock
 
 
 def closes_on_stats(server: Any, timeout: float) -> bool:
