@@ -15,7 +15,7 @@ from django_tasklock.backends import backend_for
 from django_tasklock.console import take_inventory
 from django_tasklock.keys import fence_id, lock_group
 from reliability.cluster import FAILOVER_GRACE, cluster_storm, failover, reshard
-from tests.workers import most_at_once, overlaps
+from tests.workers import Holder, most_at_once, overlaps
 
 if TYPE_CHECKING:
     from tests.services import RedisCluster
@@ -225,6 +225,28 @@ def test_single_instance_skips_a_duplicate_and_status_reads_the_holder(on_cluste
     text = out.getvalue()
     assert "worker-1@" in text and str(fence) in text, text
     assert lock.release()
+
+
+def test_a_live_holder_on_another_host_keeps_its_lock(on_cluster, settings):
+    """A holder on another host (a hostname of its own) renews its liveness
+    record beside its lock, in the lock's hash slot. A contender here looks
+    at it (crash recovery, every half second) for longer than LIVENESS and
+    must find it alive each time: read anywhere else, the record is missing
+    and the live holder's lock is taken."""
+    settings.TASKLOCK = {"CACHE": "cluster", "LOCK_EXPIRE": 60, "LIVENESS": 3}
+    holder = Holder("cluster", "held-elsewhere", host="elsewhere-1", liveness=3)
+    try:
+        looks = 0
+        started = time.monotonic()
+        while time.monotonic() - started < 3 * 3:
+            assert Lock("held-elsewhere").acquire() is False, "a live holder robbed"
+            looks += 1
+            time.sleep(0.5)
+        assert looks >= 10
+        assert holder.ask("check").startswith("check True")
+        assert holder.ask("release") == "released True"
+    finally:
+        holder.close()
 
 
 @pytest.mark.slow
