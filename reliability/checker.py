@@ -8,8 +8,10 @@ every pair of holds of one id that overlapped while both holders believed.
                                   [--clients N] [--seed N]
 
 Flavours: ``memcached`` (one server), ``pool`` (three), ``twemproxy``
-(nutcracker over two) and ``redis`` (a primary with a replica). Every server
-sits behind a ``nemesis.Proxy``. A violation prints the seed and the faults
+(nutcracker over two), ``redis`` (a primary with a replica) and ``cluster``
+(a Redis Cluster, three primaries with a replica each). Every server but a
+cluster's (whose nodes name their own addresses in redirections) sits behind
+a ``nemesis.Proxy``. A violation prints the seed and the faults
 injected around it; the same seed draws the same schedule, options and client
 choices again (the timing of the machine decides the rest).
 
@@ -38,20 +40,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reliability.nemesis import Proxy
-from tests.services import Memcached, Nutcracker, Redis
+from tests.services import Memcached, Nutcracker, Redis, RedisCluster
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-FLAVOURS = ("memcached", "pool", "twemproxy", "redis")
+FLAVOURS = ("memcached", "pool", "twemproxy", "redis", "cluster")
 ROOT = Path(__file__).resolve().parent.parent
 MEMCACHED_BACKEND = "django.core.cache.backends.memcached.PyMemcacheCache"
+CLUSTER_CACHE = "django_valkey.cluster_cache.cache.ClusterValkeyCache"
 #: Faults whose losses the guarantees page states, by flavour.
 BY_DESIGN = {
     "memcached": {"flush"},
     "pool": {"flush"},
     "twemproxy": {"flush", "kill-server"},
     "redis": {"flush", "kill-server"},
+    "cluster": {"flush"},
 }
 
 
@@ -138,6 +142,14 @@ class Deployment:
                 "LOCATION": location,
                 "OPTIONS": options,
             }
+        elif flavour == "cluster":
+            # No proxies: a cluster's nodes name their own addresses in their
+            # redirections. Its faults are the processes'.
+            cluster = RedisCluster(node_timeout=2000).start()
+            self.stack.callback(cluster.stop)
+            self.servers.extend(cluster.nodes)
+            self.cluster = cluster
+            self.cache = {"BACKEND": CLUSTER_CACHE, "LOCATION": cluster.url}
         else:
             primary = self._serve(Redis())
             replica = Redis(args=["--replicaof", "127.0.0.1", str(primary.port)])
@@ -159,7 +171,9 @@ class Deployment:
 
     def flush(self, index: int) -> None:
         server = self.servers[index]
-        if isinstance(server, Redis):
+        if self.flavour == "cluster":
+            self.cluster.flush()
+        elif isinstance(server, Redis):
             import redis
 
             with redis.Redis(port=server.port, socket_timeout=5) as client:
@@ -282,6 +296,8 @@ class Nemesis:
             "kill-server", "pause-server", "flush", "pause-client", "kill-client",
             "proxy-stall", "proxy-close", "proxy-reset", "proxy-drop", "proxy-delay",
         ]  # fmt: skip
+        if not self.deployment.proxies:
+            kinds = [kind for kind in kinds if not kind.startswith("proxy-")]
         return self.only or kinds
 
     def run(self) -> None:
@@ -301,7 +317,6 @@ class Nemesis:
         self.log.append(Fault(time.monotonic(), kind, target, seconds))
 
     def _inject(self, kind: str, index: int, seconds: float) -> None:
-        proxy = self.deployment.proxies[index]
         name = f"server-{index}"
         if kind in ("kill-server", "pause-server", "flush"):
             if not self.busy[index].acquire(blocking=False):
@@ -327,7 +342,7 @@ class Nemesis:
                     self._note(kind, client, seconds)
                     self._paused(process, seconds)
             else:
-                self._proxy(kind, proxy, name, seconds)
+                self._proxy(kind, self.deployment.proxies[index], name, seconds)
 
     def _server_fault(self, kind: str, index: int, seconds: float) -> None:
         server = self.deployment.servers[index]

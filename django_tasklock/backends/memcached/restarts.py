@@ -36,7 +36,14 @@ from pymemcache.exceptions import (
 
 from ...conf import MAX_EXPIRE
 from ...conf import settings as tasklock_settings
-from .wire import _read_stats, _server_name, closes_on_stats, observe_clock
+from .wire import (
+    CLOCK_RECHECK,
+    _read_stats,
+    _server_name,
+    clock_suspect,
+    closes_on_stats,
+    observe_clock,
+)
 
 __all__ = ["NodeRestarted", "Restarts", "RunUnknown"]
 
@@ -116,6 +123,20 @@ def _refuse(server: Any, run: tuple[int, int, str], uptime: int, was: str) -> No
             left,
             grace,
         )
+
+
+def _clock(
+    client: Any, server_now: int, sent: float, received: float, same: bool
+) -> None:
+    """Learn the clock of ``client``'s server from a read of its ``time``
+    (``observe_clock``), read again once its timer has run when the read is
+    suspect: a stalled server answers before its clock catches up."""
+    if clock_suspect(client.server, server_now, same):
+        time.sleep(CLOCK_RECHECK)
+        sent = time.monotonic()
+        server_now = int(_read_stats(client)[b"time"])
+        received = time.monotonic()
+    observe_clock(client.server, server_now, sent, received, same)
 
 
 class Restarts:
@@ -203,8 +224,9 @@ class Restarts:
             seen = _runs.get(server)
             _runs[server] = run
         was, seen = self._restart(server, run, seen, marked_restart)
-        same = seen is not None and _same_run(seen, run)
-        observe_clock(server, server_now, sent, received, same)
+        _clock(
+            client, server_now, sent, received, _same_run(seen, run) if seen else False
+        )
         if was:
             _refuse(server, run, server_now - run[1], was)
         if seen is None or not _same_run(seen, run):

@@ -36,6 +36,7 @@ __all__ = [
     "ServerRefused",
     "TimedSockets",
     "Wire",
+    "clock_suspect",
     "closes_on_stats",
     "expiry_on",
     "exptime",
@@ -103,8 +104,31 @@ _clocks: dict[Any, tuple[float, float]] = {}
 #: sent on it is this much later, so that the round trip never shortens one.
 CLOCK_READ_MOST = 0.25
 #: How long the best read of a server's clock stands before a newer one
-#: replaces it even if lower (the two clocks' rates drift apart, slowly).
+#: replaces it even if lower (the two clocks' rates drift apart, slowly: by
+#: far less than ``CLOCK_STALE`` in that time).
 CLOCK_READ_STANDS = 600.0
+#: A read this much behind the best one (or, with none, behind this host's
+#: own clock) may come from a server that answered before its clock caught up
+#: after a stall: it never replaces a better read, and a first one is made
+#: again once the server's timer has run (``clock_suspect``).
+CLOCK_STALE = 1.0
+#: How long to wait before reading a suspect clock again: past the server's
+#: next tick.
+CLOCK_RECHECK = 1.1
+
+
+def clock_suspect(server: Any, server_time: int, same_run: bool) -> bool:
+    """Whether a read of ``server``'s clock (its ``stats`` ``time``, a Unix
+    time) may be one a stalled server gave before its clock caught up, with no
+    better read of this run to fall back on: then read it again after
+    ``CLOCK_RECHECK``. memcached's ``time`` lags by up to two seconds (whole
+    seconds, a timer once a second); a read further behind this host's clock
+    than that is suspect (hosts whose clocks disagree by more pay one more
+    read per new run)."""
+    seen = _clocks.get(server)
+    if seen is not None and same_run:
+        return False  # a stale read is held off by the standing one
+    return server_time < time.time() - 2 - CLOCK_STALE
 
 
 def observe_clock(
@@ -131,13 +155,11 @@ def observe_clock(
     # (The round trip's slack folded in once, here, not on every send.)
     offset = server_time - received + CLOCK_READ_MOST
     seen = _clocks.get(server)
-    if (
-        seen is not None
-        and same_run
-        and seen[0] >= offset
-        and received - seen[1] < CLOCK_READ_STANDS
-    ):
-        return
+    if seen is not None and same_run:
+        if offset < seen[0] - CLOCK_STALE:
+            return  # a clock that stood still: the standing read holds
+        if offset <= seen[0] and received - seen[1] < CLOCK_READ_STANDS:
+            return
     _clocks[server] = (offset, received)
 
 
