@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -210,22 +211,29 @@ def worker_killed_elsewhere(
     LIVENESS + 2 s + SLACK after the kill, or earlier than LIVENESS - 2 s
     (the dead worker's record, written at most a beat before the kill, lives
     that long on memcached's whole-second clock: sooner, it was judged dead
-    before its record lapsed). Overlaps: it started before the kill."""
+    before its record lapsed). Overlaps: it started before the kill (it is
+    sent while the first runs, two seconds before the kill)."""
     from tests import tasks
 
     attempts = overlapping = wrong = 0
     took: list[float] = []
+    waits: list[float] = []  # how long the second call waited before the kill
     for attempt in range(tries):
         key = f"far-{attempt}"
         worker = _far_worker(broker, "tasklock-far")
         try:
             tasks.wait_long_when_told.apply_async((key,), queue="far")
             wait_until(lambda key=key: len(started_runs(key)) == 1, 30)
+            # The same call sent while the first runs: it waits for the lock
+            # here, and would start at once (an overlap) if it were not held.
+            sent = time.monotonic()
+            tasks.wait_long_when_told.delay(key)
+            waited = threading.Event()
+            waited.wait(2.0)  # a start within this is an overlap
         finally:
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
         killed = time.monotonic()
-        tasks.wait_long_when_told.delay(key)
         attempts += 1
         try:
             wait_until(lambda key=key: len(started_runs(key)) == 2, LIVENESS + 30)
@@ -239,10 +247,12 @@ def worker_killed_elsewhere(
         took.append(started - killed)
         overlapping += took[-1] < 0
         wrong += took[-1] > LIVENESS + 2 + SLACK or took[-1] < LIVENESS - 2
+        waits.append(killed - sent)
     row = Row(case, attempts, overlapping, wrong)
     row.figures.append(
         f"the call ran on this host {_spread(took)}s after the kill "
-        f"(LIVENESS {LIVENESS:.0f}s, LOCK_EXPIRE 600)"
+        f"(LIVENESS {LIVENESS:.0f}s, LOCK_EXPIRE 600), sent "
+        f"{_spread(waits)}s before it"
     )
     return row
 
