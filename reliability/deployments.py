@@ -226,6 +226,8 @@ def pool_server_restarted(liveness: float = 6.0) -> Outcome:
         victim.stop(signal.SIGKILL)
         victim.start()
         contend(outcome, lock_id, liveness + 2)
+        # What ``tasklock status`` says of the live holder now: never dead.
+        outcome.verdict = verdict(lock_id, alias)
         return finish(outcome, holder)
 
 
@@ -246,6 +248,7 @@ def pool_server_stalled(stall: float = 5.0, liveness: float = 8.0) -> Outcome:
         finally:
             os.kill(victim.process.pid, signal.SIGCONT)
         contend(outcome, lock_id, liveness + 2)  # past the record's life
+        outcome.verdict = verdict(lock_id, alias)
         return finish(outcome, holder)
 
 
@@ -375,6 +378,7 @@ def pid_one_restarted() -> Outcome:
         assert server.stats()["pid"] == "1"
         # Refused for the grace, then found put back by its live holder.
         contend(outcome, "in-a-container", LIVENESS + 4)
+        outcome.verdict = verdict("in-a-container", alias)
         return finish(outcome, holder)
 
 
@@ -559,6 +563,12 @@ def _row(case: str, runs: list[Outcome], *, least_tries: int = 1) -> Row:
     row = Row(case, len(runs), sum(o.taken for o in runs), wrong)
     tries = sum(o.tries for o in runs)
     row.figures.append(f"{tries} tries, {row.overlaps} took the live holder's lock")
+    said = [o.verdict[0] for o in runs if o.verdict is not None]
+    if said:
+        row.figures.append(
+            f"status: alive {said.count(True)}, unknown {said.count(None)}, "
+            f"dead {said.count(False)}"
+        )
     return row
 
 

@@ -621,7 +621,7 @@ def _ttl(server: Any, expire: float) -> int:
     clock = _clocks.get(server)
     if clock is None:
         return exptime(expire)
-    return math.ceil(_monotonic() + clock[0]) + math.ceil(expire)
+    return math.ceil(_monotonic() + clock) + math.ceil(expire)
 
 
 def _cas_of(reply: bytes, head: bytes) -> int | None:

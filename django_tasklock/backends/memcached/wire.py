@@ -95,72 +95,56 @@ def exptime(expire: float) -> int:
     return seconds
 
 
-#: Per server address: (how far its clock, memcached's ``time``, is ahead of
-#: this process's ``time.monotonic()``, at least; when that was read). Learnt
-#: from ``stats`` on every new connection (``observe_clock``).
-_clocks: dict[Any, tuple[float, float]] = {}
+#: Per server address: how far its clock, memcached's ``time``, is ahead of
+#: this process's ``time.monotonic()``, at least (the best read of the
+#: server's current run). Learnt from ``stats`` on every new connection.
+_clocks: dict[Any, float] = {}
 #: A read of the server's clock is used only when its round trip was this
 #: short: the server read its clock somewhere within it, and every expiry
 #: sent on it is this much later, so that the round trip never shortens one.
 CLOCK_READ_MOST = 0.25
-#: How long the best read of a server's clock stands before a newer one
-#: replaces it even if lower (the two clocks' rates drift apart, slowly: by
-#: far less than ``CLOCK_STALE`` in that time).
-CLOCK_READ_STANDS = 600.0
-#: A read this much behind the best one (or, with none, behind this host's
-#: own clock) may come from a server that answered before its clock caught up
-#: after a stall: it never replaces a better read, and a first one is made
-#: again once the server's timer has run (``clock_suspect``).
-CLOCK_STALE = 1.0
-#: How long to wait before reading a suspect clock again: past the server's
-#: next tick.
+#: How long to wait before reading a suspect clock again (``clock_suspect``):
+#: past the server's next tick.
 CLOCK_RECHECK = 1.1
+#: Reads of a run's clock tried before its locks are refused for want of one.
+CLOCK_READS = 3
 
 
-def clock_suspect(server: Any, server_time: int, same_run: bool) -> bool:
-    """Whether a read of ``server``'s clock (its ``stats`` ``time``, a Unix
-    time) may be one a stalled server gave before its clock caught up, with no
-    better read of this run to fall back on: then read it again after
-    ``CLOCK_RECHECK``. memcached's ``time`` lags by up to two seconds (whole
-    seconds, a timer once a second); a read further behind this host's clock
-    than that is suspect (hosts whose clocks disagree by more pay one more
-    read per new run)."""
-    seen = _clocks.get(server)
-    if seen is not None and same_run:
-        return False  # a stale read is held off by the standing one
-    return server_time < time.time() - 2 - CLOCK_STALE
+def clock_suspect(server_time: int) -> bool:
+    """Whether the first read of a server's clock in a run (its ``stats``
+    ``time``, a Unix time) may be one a stalled server gave before its clock
+    caught up: more than two seconds behind this host's clock, which a running
+    memcached's never is (its whole seconds, its once-a-second timer) where
+    the hosts' clocks agree. Then it is read again after ``CLOCK_RECHECK``."""
+    return server_time < time.time() - 2
 
 
-def observe_clock(
-    server: Any, server_time: int, sent: float, received: float, same_run: bool
-) -> None:
+def observe_clock(server: Any, server_time: int, sent: float, received: float) -> bool:
     """Learn the clock of ``server`` from its ``stats`` ``time``, read by a
-    command sent at ``sent`` and answered at ``received`` (monotonic).
+    command sent at ``sent`` and answered at ``received`` (monotonic); False if
+    the read took too long to tell (``CLOCK_READ_MOST``).
 
     memcached's ``time`` is whole seconds, set by a timer once a second, and
     never ahead of the server's own clock: ``server_time - received`` is a
     lower bound of the offset between the two clocks, give or take the round
-    trip, and the highest such bound read lately (within this run of the
-    server) the best one.
+    trip, and the highest such bound of a run the best one (a read lower than
+    it, a stalled server's, changes nothing).
 
     An item sent to end at ``now + offset + n`` on that clock (``expiry_on``)
     then lives at least ``n - 2`` seconds from the send, as a relative expiry
     does on a server whose clock runs (the read lags the server's clock by up
     to two seconds, its whole seconds and its once-a-second timer; the
     round trip is made up by ``CLOCK_READ_MOST``), and at most about three
-    seconds more than ``n``: longer, never shorter, whatever the server's
+    seconds more than ``n`` (more as the two clocks drift apart, which the
+    next run's reads reset): longer, never shorter, whatever the server's
     clock was doing when it stored the item."""
     if received - sent > CLOCK_READ_MOST:
-        return
+        return False
     # (The round trip's slack folded in once, here, not on every send.)
     offset = server_time - received + CLOCK_READ_MOST
-    seen = _clocks.get(server)
-    if seen is not None and same_run:
-        if offset < seen[0] - CLOCK_STALE:
-            return  # a clock that stood still: the standing read holds
-        if offset <= seen[0] and received - seen[1] < CLOCK_READ_STANDS:
-            return
-    _clocks[server] = (offset, received)
+    if offset > _clocks.get(server, -math.inf):
+        _clocks[server] = offset
+    return True
 
 
 def expiry_on(server: Any, expire: float) -> int:
@@ -170,10 +154,10 @@ def expiry_on(server: Any, expire: float) -> int:
     still (a stalled process, a frozen VM: commands it had queued are carried
     out before its clock catches up) lives longer, never shorter; else
     ``exptime``."""
-    seen = _clocks.get(server)
-    if seen is None:
+    offset = _clocks.get(server)
+    if offset is None:
         return exptime(expire)
-    return math.ceil(time.monotonic() + seen[0]) + math.ceil(expire)
+    return math.ceil(time.monotonic() + offset) + math.ceil(expire)
 
 
 def sure_life(expire: float) -> float:
