@@ -181,7 +181,10 @@ def _deployments(out: str, rows: dict[str, Table]) -> None:
             )
     assert "holder told 1/1" in rows["36."][5]
     beats = re.search(r"beats while it held: (\d+) in", rows["43."][5])
-    assert beats and int(beats.group(1)) >= 10
+    # Over ten periods' span: at least half of them (a beat stopped by the
+    # listing makes none), and the run's lock released after it.
+    assert beats and int(beats.group(1)) >= 5
+    assert "released 1/1" in rows["43."][5]
 
 
 def _cluster(out: str, rows: dict[str, Table]) -> None:
