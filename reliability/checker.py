@@ -8,17 +8,20 @@ every pair of holds of one id that overlapped while both holders believed.
                                   [--clients N] [--seed N]
 
 Flavours: ``memcached`` (one server), ``pool`` (three), ``twemproxy``
-(nutcracker over two), ``redis`` (a primary with a replica) and ``cluster``
-(a Redis Cluster, three primaries with a replica each). Every server but a
-cluster's (whose nodes name their own addresses in redirections) sits behind
-a ``nemesis.Proxy``. A violation prints the seed and the faults
-injected around it; the same seed draws the same schedule, options and client
-choices again (the timing of the machine decides the rest).
+(nutcracker over two), ``redis`` (a primary with a replica), ``sentinel``
+(a primary and a replica that a Sentinel fails over, through django-redis's
+SentinelClient) and ``cluster`` (a Redis Cluster, three primaries with a
+replica each). Every server sits behind a ``nemesis.Proxy`` but a cluster's
+and Sentinel's (whose nodes and Sentinel name the servers' own addresses). A
+violation prints the seed and the faults injected around it; the same seed
+draws the same schedule, options and client choices again (the timing of the
+machine decides the rest).
 
 An overlap is "by design" when a fault the guarantees page names as losing
 locks came between the two holds (``flush_all`` anywhere; a server restarted
 behind twemproxy or a Redis without persistence, whose restarts cannot be
-seen); every other overlap is a violation.
+seen; a Sentinel failover, whose replication is asynchronous); every other
+overlap is a violation.
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reliability.nemesis import Proxy
-from tests.services import Memcached, Nutcracker, Redis, RedisCluster
+from tests.services import Memcached, Nutcracker, Redis, RedisCluster, Sentinel
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-FLAVOURS = ("memcached", "pool", "twemproxy", "redis", "cluster")
+FLAVOURS = ("memcached", "pool", "twemproxy", "redis", "sentinel", "cluster")
 ROOT = Path(__file__).resolve().parent.parent
 MEMCACHED_BACKEND = "django.core.cache.backends.memcached.PyMemcacheCache"
 CLUSTER_CACHE = "django_valkey.cluster_cache.cache.ClusterValkeyCache"
@@ -55,6 +58,7 @@ BY_DESIGN = {
     "pool": {"flush"},
     "twemproxy": {"flush", "kill-server"},
     "redis": {"flush", "kill-server"},
+    "sentinel": {"flush", "kill-server", "failover"},
     "cluster": {"flush"},
 }
 
@@ -150,6 +154,8 @@ class Deployment:
             self.servers.extend(cluster.nodes)
             self.cluster = cluster
             self.cache = {"BACKEND": CLUSTER_CACHE, "LOCATION": cluster.url}
+        elif flavour == "sentinel":
+            self._sentinel()
         else:
             primary = self._serve(Redis())
             replica = Redis(args=["--replicaof", "127.0.0.1", str(primary.port)])
@@ -159,6 +165,54 @@ class Deployment:
                 "BACKEND": "django.core.cache.backends.redis.RedisCache",
                 "LOCATION": f"redis://{self.proxies[0].address}/0",
             }
+
+    def _sentinel(self) -> None:
+        """A primary, its replica and a Sentinel, no proxies (Sentinel hands
+        clients the servers' own addresses). Slow to judge the primary down
+        (10 s, past the nemesis's longest pause), so failovers are the
+        nemesis's own ``failover`` faults."""
+        primary = Redis()
+        primary.start()
+        replica = Redis(args=["--replicaof", "127.0.0.1", str(primary.port)])
+        replica.start()
+        # Restarted, either comes back a primary of its own that nobody is
+        # sent to; Sentinel makes it a replica of whichever leads by then.
+        replica.args = []
+        for server in (primary, replica):
+            self.stack.callback(_stop, server)
+            self.servers.append(server)
+        watcher = Sentinel(primary=primary, down_after=10000)
+        watcher.start()
+        self.stack.callback(watcher.stop)
+        self.sentinel = watcher
+        self.cache = {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://mymaster/0",
+            "OPTIONS": {
+                "CLIENT_CLASS": "django_redis.client.SentinelClient",
+                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+                "SENTINELS": [("127.0.0.1", watcher.port)],
+                "SOCKET_TIMEOUT": 2,
+            },
+        }
+
+    def failover(self, stop: threading.Event) -> None:
+        """Sentinel promotes the replica (refused, raising, while the replica is
+        down or not yet known); returns once the old primary has been made a
+        replica, when the locks it took meanwhile are dropped (or after 15 s,
+        or once ``stop`` is set)."""
+        import redis
+
+        before = self.sentinel.primary_port()
+        self.sentinel.ask("SENTINEL", "failover", "mymaster")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not stop.wait(0.1):
+            with contextlib.suppress(redis.RedisError):
+                if self.sentinel.primary_port() == before:
+                    continue
+                with redis.Redis(port=before, socket_timeout=1) as old:
+                    if old.info("replication")["role"] == "slave":
+                        return
 
     def _serve(self, server: Memcached | Redis) -> Memcached | Redis:
         server.start()
@@ -290,6 +344,7 @@ class Nemesis:
         # server at once would race over its process.
         self.busy = [threading.Lock() for _ in deployment.servers]
         self.threads: list[threading.Thread] = []
+        self.next_failover = 0.0
 
     def kinds(self) -> list[str]:
         kinds = [
@@ -298,6 +353,8 @@ class Nemesis:
         ]  # fmt: skip
         if not self.deployment.proxies:
             kinds = [kind for kind in kinds if not kind.startswith("proxy-")]
+        if self.deployment.flavour == "sentinel":
+            kinds.append("failover")
         return self.only or kinds
 
     def run(self) -> None:
@@ -305,6 +362,12 @@ class Nemesis:
             if time.monotonic() > self.until - 2:
                 return
             kind = self.chance.choice(self.kinds())
+            if kind == "failover" and time.monotonic() < self.next_failover:
+                # A failover's loss lasts until Sentinel has made the old primary
+                # a replica (about 11 s): one in 30 s leaves time to judge.
+                kind = self.chance.choice([k for k in self.kinds() if k != kind])
+            if kind == "failover":
+                self.next_failover = time.monotonic() + 30
             index = self.chance.randrange(len(self.deployment.servers))
             seconds = round(self.chance.uniform(0.3, 6.0), 2)
             thread = threading.Thread(
@@ -318,6 +381,14 @@ class Nemesis:
 
     def _inject(self, kind: str, index: int, seconds: float) -> None:
         name = f"server-{index}"
+        if kind == "failover":
+            # Its span: from the request until the old primary is a replica.
+            began = time.monotonic()
+            with contextlib.suppress(Exception):
+                self.deployment.failover(self.stop)
+                span = time.monotonic() - began
+                self.log.append(Fault(began, kind, "sentinel", round(span, 2)))
+            return
         if kind in ("kill-server", "pause-server", "flush"):
             if not self.busy[index].acquire(blocking=False):
                 return  # that server is in another fault of its process
@@ -425,7 +496,11 @@ def verdict(result: Result, holds: list[Hold], faults: list[Fault]) -> None:
             for newer in its_holds[i + 1 :]:
                 if newer.start > older.last:
                     break  # (sorted by start: no later one overlaps either)
-                between = [f for f in faults if older.start - 2 <= f.at <= newer.start]
+                between = [
+                    f
+                    for f in faults
+                    if older.start - 2 <= f.at + f.seconds and f.at <= newer.start
+                ]
                 if any(f.kind in design for f in between):
                     result.by_design += 1
                     continue

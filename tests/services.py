@@ -239,6 +239,8 @@ class Sentinel(Server):
     binary: str = "redis-server"
     args: list[str] = field(default_factory=list)
     primary: Redis | None = None
+    #: How long the primary may not answer before a failover (ms).
+    down_after: int = 1000
 
     def command(self) -> list[str]:
         import tempfile
@@ -248,7 +250,7 @@ class Sentinel(Server):
         config.write_text(
             f"port {self.port}\nbind 127.0.0.1\n"
             f"sentinel monitor mymaster 127.0.0.1 {self.primary.port} 1\n"
-            "sentinel down-after-milliseconds mymaster 1000\n"
+            f"sentinel down-after-milliseconds mymaster {self.down_after}\n"
             "sentinel failover-timeout mymaster 5000\n"
         )
         return [str(config), "--sentinel", *self.args]

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import time
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import pytest
 from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, LockLost
 from django_tasklock.keys import fence_id
+from django_tasklock.locks import fencing
+from django_tasklock.tokens import fence_counter
 from tests.helpers import LONGER, drop, in_thread, store_item, stored
 from tests.services import Memcached
 from tests.test_store_failures import use_memcached
 from tests.workers import fenced_holds, storm
+
+if TYPE_CHECKING:
+    from django_tasklock.values import FenceCounter
 
 
 def take(lock_id: str = "fenced") -> int:
@@ -115,6 +121,25 @@ def test_fences_increase_across_redis_flush(settings, redis_server):
     settings.TASKLOCK = {"CACHE": "redis"}
     before = take()
     caches["redis"]._cache.get_client(write=True).flushdb()
+    assert take() > before
+
+
+def test_a_stale_clock_reading_cannot_restart_a_redis_counter_lower(
+    settings, redis_server, monkeypatch
+):
+    """A holder paused between reading its clock for the counter's floor and
+    sending the draw: the counter was lost meanwhile, and a fence drawn from a
+    later reading came first. The server's own clock bounds the floor (the
+    checker's find: seed 8, sentinel, two holds across a flush and a kill)."""
+    settings.TASKLOCK = {"CACHE": "redis"}
+    before = take()
+    caches["redis"]._cache.get_client(write=True).flushdb()
+
+    def read_ten_seconds_ago(key: str, expire: float) -> FenceCounter:
+        counter = fence_counter(key, expire)
+        return counter._replace(floor=counter.floor - 10_000_000)
+
+    monkeypatch.setattr(fencing, "fence_counter", read_ten_seconds_ago)
     assert take() > before
 
 

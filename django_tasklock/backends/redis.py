@@ -38,7 +38,10 @@ redis.call("set", KEYS[1], ARGV[1], "PX", ARGV[2])
 return 1
 """
 # Draw a fencing token, only while the lock still holds this token; a missing
-# counter starts again from the floor (ARGV[2], the clock in microseconds).
+# counter starts again from the floor: the later of the client's clock when it
+# sent the call (ARGV[2], in microseconds) and the server's now, so a client
+# paused between reading its clock and sending cannot restart the counter
+# below a fence drawn meanwhile.
 _FENCE = """
 if redis.call("get", KEYS[1]) ~= ARGV[1] then
     return false
@@ -53,8 +56,9 @@ local fence
 if last then
     fence = redis.call("incr", KEYS[2])
 else
-    redis.call("set", KEYS[2], ARGV[2])
-    fence = tonumber(ARGV[2])
+    local clock = redis.call("time")
+    fence = math.max(tonumber(ARGV[2]), clock[1] * 1000000 + clock[2])
+    redis.call("set", KEYS[2], string.format("%d", fence))
 end
 redis.call("expire", KEYS[2], ARGV[3])
 return fence
