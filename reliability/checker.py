@@ -185,16 +185,7 @@ class Deployment:
         watcher.start()
         self.stack.callback(watcher.stop)
         self.sentinel = watcher
-        self.cache = {
-            "BACKEND": "django_redis.cache.RedisCache",
-            "LOCATION": "redis://mymaster/0",
-            "OPTIONS": {
-                "CLIENT_CLASS": "django_redis.client.SentinelClient",
-                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
-                "SENTINELS": [("127.0.0.1", watcher.port)],
-                "SOCKET_TIMEOUT": 2,
-            },
-        }
+        self.cache = watcher.cache()
 
     def failover(self, stop: threading.Event) -> None:
         """Sentinel promotes the replica (refused, raising, while the replica is

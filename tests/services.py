@@ -255,6 +255,19 @@ class Sentinel(Server):
         )
         return [str(config), "--sentinel", *self.args]
 
+    def cache(self) -> dict[str, object]:
+        """A django-redis CACHES entry whose SentinelClient asks this Sentinel."""
+        return {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://mymaster/0",
+            "OPTIONS": {
+                "CLIENT_CLASS": "django_redis.client.SentinelClient",
+                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+                "SENTINELS": [("127.0.0.1", self.port)],
+                "SOCKET_TIMEOUT": 2,
+            },
+        }
+
     def ask(self, *command: str) -> object:
         import redis
 

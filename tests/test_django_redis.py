@@ -113,19 +113,7 @@ def test_sentinel_locks_on_the_primary_and_follow_a_failover(settings, sentinel)
     watcher, primary, replica = sentinel
     with redis.Redis(port=replica.port) as client:
         wait_until(lambda: client.info("replication")["master_link_status"] == "up")
-    use(
-        settings,
-        "sentinel",
-        {
-            "LOCATION": "redis://mymaster/0",
-            "OPTIONS": {
-                "CLIENT_CLASS": "django_redis.client.SentinelClient",
-                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
-                "SENTINELS": [("127.0.0.1", watcher.port)],
-                "SOCKET_TIMEOUT": 2,
-            },
-        },
-    )
+    use(settings, "sentinel", watcher.cache())
     lock = Lock("sentinel-lock")
     assert lock.acquire()
     with redis.Redis(port=primary.port) as direct:
