@@ -374,8 +374,16 @@ class AsyncMemcached(_Servers):
         if conn is not None and server.meta and not conn.broken and not _refused:
             # The hot path, in one coroutine: the server's connection is open
             # and speaks meta commands, and no server is in its restart grace.
+            # (_take_command, inlined)
             wire = self._prefix + key.encode()
-            command = self._take_command(server.server, wire, token, expire)
+            data = token.encode()
+            clock = _clocks.get(server.server)
+            ttl = (
+                exptime(expire)
+                if clock is None
+                else math.ceil(_monotonic() + clock + expire)
+            )
+            command = b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (wire, len(data), ttl, data)
             landed = _Landed(conn, cancel)
             try:
                 reply = await conn.send(command, server.timeout, landed)
@@ -503,9 +511,13 @@ class AsyncMemcached(_Servers):
     def _take_command(server: Any, wire: bytes, token: str, expire: float) -> bytes:
         """``ms`` in add mode: stored only if absent, its CAS id returned."""
         data = token.encode()
-        return b"ms %s %d T%d F%d ME c\r\n%s\r\n" % (
-            wire, len(data), _ttl(server, expire), _TEXT_FLAG, data
-        )  # fmt: skip
+        clock = _clocks.get(server)  # _ttl, inlined (the hot path)
+        ttl = (
+            exptime(expire)
+            if clock is None
+            else math.ceil(_monotonic() + clock + expire)
+        )
+        return b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (wire, len(data), ttl, data)
 
     async def _acquire(
         self,
@@ -621,7 +633,7 @@ def _ttl(server: Any, expire: float) -> int:
     clock = _clocks.get(server)
     if clock is None:
         return exptime(expire)
-    return math.ceil(_monotonic() + clock) + math.ceil(expire)
+    return math.ceil(_monotonic() + clock + expire)
 
 
 def _cas_of(reply: bytes, head: bytes) -> int | None:

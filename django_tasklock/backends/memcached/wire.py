@@ -157,7 +157,7 @@ def expiry_on(server: Any, expire: float) -> int:
     offset = _clocks.get(server)
     if offset is None:
         return exptime(expire)
-    return math.ceil(time.monotonic() + offset) + math.ceil(expire)
+    return math.ceil(time.monotonic() + offset + expire)
 
 
 def sure_life(expire: float) -> float:
