@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,6 +100,8 @@ class Result:
     by_design: int = 0
     violations: list[str] = field(default_factory=list)
     fence_inversions: list[str] = field(default_factory=list)
+    #: Where the witness and the clients' logs were kept (runs that found any).
+    kept: str = ""
 
     def row(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items()))
@@ -576,13 +579,16 @@ def check(
         verdict(result, holds, nemesis.log)
     finally:
         deployment.close()
-        with contextlib.suppress(OSError):
-            path.unlink()
-            workdir.rmdir()
+        if not (result.violations or result.fence_inversions):
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:  # the witness and the clients' logs, for the violations' story
+            result.kept = str(workdir)
     if not quiet:
         print(result.row(), flush=True)
         for line in result.violations + result.fence_inversions:
             print("  " + line, flush=True)
+        if result.kept:
+            print(f"  witness and clients' logs kept in {result.kept}", flush=True)
     return result
 
 

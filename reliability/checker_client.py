@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -33,6 +35,22 @@ def witness(path: str, record: dict[str, Any]) -> None:
             file.flush()
         finally:
             fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _log_to(path: str) -> None:
+    """The package's log, INFO and up, to ``path``, each line stamped with
+    ``time.monotonic()`` (the witness's clock): what a violation's holders
+    were told and did."""
+
+    class Monotonic(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"{time.monotonic():.3f} {super().format(record)}"
+
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(Monotonic("%(levelname)s %(name)s %(message)s"))
+    package = logging.getLogger("django_tasklock")
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
 
 
 def main() -> None:
@@ -49,6 +67,7 @@ def main() -> None:
     chance = random.Random(config["seed"])
     client = config["client"]
     path = config["witness"]
+    _log_to(str(Path(path).with_name(f"{client}.log")))
     deadline = time.monotonic() + config["seconds"]
     while time.monotonic() < deadline:
         lock_id = chance.choice(config["ids"])
@@ -67,9 +86,8 @@ def main() -> None:
             continue
         start = time.monotonic()
         token = lock.token
-        witness(
-            path, {"e": "start", "c": client, "id": lock_id, "t": start, "tok": token}
-        )
+        witness(path, {"e": "start", "c": client, "id": lock_id, "t": start,
+                       "tok": token, "vu": _valid_until(lock)})  # fmt: skip
         fence = None
         if chance.random() < 0.5:
             try:
@@ -94,6 +112,12 @@ def main() -> None:
             path,
             {"e": "end", "tok": token, "last": last, "released": released, "f": fence},
         )
+
+
+def _valid_until(lock: Any) -> float | None:
+    """When the holder's clock says its lock's sure life ends (monotonic)."""
+    acquisition = getattr(lock, "acquisition", None)
+    return getattr(acquisition, "valid_until", None)
 
 
 if __name__ == "__main__":

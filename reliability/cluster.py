@@ -6,7 +6,8 @@ each) through django-valkey's ClusterValkeyCache. Shared with
 45. a primary SIGKILLed holding twenty locks it never replicated (its replica cut
     off), the replica promoted: a process that never saw the old primary takes
     none of them while the grace runs (and, the control, every one without it);
-46. a lock's hash slot moved between two primaries, keys and all, under a storm;
+46. a lock's hash slot moved between two primaries, keys and all, back and
+    forth for as long as a storm runs;
 47. and 48. cases 28 and 29 (a Celery pool child SIGKILLed, a whole worker on
     another host SIGKILLed) with the workers' locks on the cluster.
 """
@@ -35,6 +36,7 @@ __all__ = [
     "Failover",
     "Reshard",
     "cluster_storm",
+    "during_moves",
     "failover",
     "on_cluster",
     "reshard",
@@ -169,6 +171,11 @@ class Failover:
     def refused(self) -> int:
         return self.refused_naming + self.outcomes.count("refused")
 
+    #: The holders' process's longest stall from the kill until its locks
+    #: settled (a thread's ticks every 0.1 s, less the tick): past LIVENESS,
+    #: a holder may rightly have let its record lapse and lost its locks.
+    stalled: float = 0.0
+
 
 def failover(grace: float, locks: int = 20) -> Failover:
     """On a cluster of its own: ``locks`` locks its victim primary acknowledged
@@ -215,6 +222,7 @@ def failover(grace: float, locks: int = 20) -> Failover:
                 primary.execute_command("CLIENT", "KILL", "TYPE", "replica")
             holders = [Lock(lock_id, expire=60) for lock_id in ids]
             assert all(holder.acquire() for holder in holders)
+            ticker = Ticker()
             killed_at = time.monotonic()
             victim.stop(signal.SIGKILL)
             cluster.wait_until_ok()
@@ -234,6 +242,7 @@ def failover(grace: float, locks: int = 20) -> Failover:
                     promoted_after,
                     time.monotonic() - killed_at,
                 )
+                result.stalled = ticker.stop()
                 if grace:
                     limit = grace + 15
                     granted = pool.apply(first_granted, (tasklock, fresh, limit))
@@ -247,6 +256,29 @@ def failover(grace: float, locks: int = 20) -> Failover:
     finally:
         promotions.forget()
         cluster.stop()
+
+
+class Ticker:
+    """A thread that ticks every 0.1 s until stopped; the longest gap between
+    two ticks past the 0.1 s asked: how long this process stood still."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._over = threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+        self._thread.start()
+
+    def _tick(self) -> None:
+        last = time.monotonic()
+        while not self._over.wait(0.1):
+            now = time.monotonic()
+            self.longest = max(self.longest, now - last - 0.1)
+            last = now
+
+    def stop(self) -> float:
+        self._over.set()
+        self._thread.join()
+        return self.longest
 
 
 def _settle(backend: Any, holders: list[Any], limit: float = 20.0) -> int:
@@ -272,16 +304,18 @@ class Reshard:
     holds: list[tuple[float, float]]
     #: Keys moved with each move of the slot.
     moves: list[int] = field(default_factory=list)
+    #: When each move began and ended (``time.monotonic()``, the holds' clock).
+    spans: list[tuple[float, float]] = field(default_factory=list)
     #: The lock of the same slot held throughout: still its holder's after.
     kept: bool = False
     #: Its fence was drawn before and a new holder's after was greater.
     fence_grew: bool = False
 
 
-def reshard(cluster: RedisCluster, alias: str, wanted: int, times: int = 6) -> Reshard:
+def reshard(cluster: RedisCluster, alias: str, wanted: int) -> Reshard:
     """Eight processes take and release one lock ``wanted`` times between them
-    while its slot moves between two primaries ``times`` times, keys and all;
-    a lock of the same slot is held throughout."""
+    while its slot moves between two primaries, back and forth for as long as
+    they run, keys and all; a lock of the same slot is held throughout."""
     from django.conf import settings
 
     from django_tasklock import Lock
@@ -302,8 +336,10 @@ def reshard(cluster: RedisCluster, alias: str, wanted: int, times: int = 6) -> R
 
     def move_back_and_forth() -> None:
         source, target = first, second
-        while len(result.moves) < times and not over.is_set():
+        while not over.is_set():
+            began = time.monotonic()
             result.moves.append(cluster.move_slot(slot_number, source, target))
+            result.spans.append((began, time.monotonic()))
             source, target = target, source
             over.wait(0.3)
 
@@ -403,10 +439,21 @@ def _storm_row(quick: bool) -> Row:
     return row
 
 
+def during_moves(result: Reshard) -> int:
+    """Holds that began while the slot was moving (its keys half on each
+    primary: ASK redirections)."""
+    return sum(
+        any(began <= start <= ended for began, ended in result.spans)
+        for start, _ in result.holds
+    )
+
+
 def _reshard_row(cluster: RedisCluster, quick: bool) -> Row:
     result = reshard(cluster, "cluster", 1000 if quick else 5000)
     wrong = int(not result.kept) + int(not result.fence_grew)
     wrong += sum(moved < 2 for moved in result.moves)
+    amid = during_moves(result)
+    wrong += int(len(result.moves) < 2 or not amid)  # the storm never met a move
     row = Row(
         "46. cluster: slot moved under a storm",
         len(result.holds),
@@ -414,7 +461,8 @@ def _reshard_row(cluster: RedisCluster, quick: bool) -> Row:
         wrong,
     )
     row.figures.append(
-        f"slot moved {len(result.moves)} times ({sum(result.moves)} keys); "
+        f"slot moved {len(result.moves)} times ({sum(result.moves)} keys) while "
+        f"the storm ran, {amid} of its holds begun mid-move; "
         f"the lock held throughout kept {int(result.kept)}/1, fence grew "
         f"{int(result.fence_grew)}/1"
     )
@@ -427,6 +475,7 @@ def _failover_row(quick: bool) -> Row:
     promoted: list[float] = []
     settled: list[float] = []
     granted: list[float] = []
+    stalls: list[float] = []
     for _ in range(tries):
         result = failover(grace=FAILOVER_GRACE)
         attempts += len(result.ids)
@@ -436,10 +485,14 @@ def _failover_row(quick: bool) -> Row:
         back += result.put_back
         from_told += result.taken_from_told
         knew += sum(result.knew)
-        # Every holder keeps its lock (put back) or, starved past LIVENESS,
-        # knows it lost it; a fresh lock is granted once the grace is over.
+        # Every holder keeps its lock (put back) or, only if its process
+        # stood still for half of LIVENESS or more (measured), may know it
+        # lost it; a fresh lock is granted once the grace is over.
         missing = len(result.ids) - result.put_back
-        wrong += result.taken + max(0, missing - sum(result.knew))
+        if result.stalled >= FAILOVER_GRACE / 2:
+            missing = max(0, missing - sum(result.knew))
+        wrong += result.taken + missing
+        stalls.append(result.stalled)
         wrong += int(result.granted_after < 0)
         promoted.append(result.promoted_after)
         settled.append(result.settled_after)
@@ -457,7 +510,8 @@ def _failover_row(quick: bool) -> Row:
         f"naming the promotion, the others held again); put back by their live "
         f"holders {back}/{attempts} (holders starved past LIVENESS that knew "
         f"their lock lost {knew}, taken from them once the grace was over "
-        f"{from_told}), "
+        f"{from_told}; the holders' process stood still {max(stalls):.1f}s "
+        f"at most), "
         f"{max(settled):.1f}s after the kill at most; replica promoted "
         f"{min(promoted):.1f}-{max(promoted):.1f}s after the kill; new locks "
         f"granted again {min(granted):.1f}-{max(granted):.1f}s after it; without "

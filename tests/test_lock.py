@@ -337,6 +337,53 @@ def test_meta_replies_in_pieces_are_read_whole(settings, memcached):
         close_connections()
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_take_answered_after_its_sure_life_is_not_held(
+    settings, memcached, caplog, asynchronous
+):
+    """A take whose reply came only after the store's sure life of the lock
+    (here a network that delays each way 0.6 s; as well a process stopped
+    between the send and the reply, or a stalled store) may have been let go,
+    and taken by another, before its taker could act on it: acquire() does
+    not return True for it. It releases what is still its own and tries once
+    more; that one came as late, so the lock is refused and nothing is left
+    behind. (The checker's find: seed 20261128, memcached, a client stopped
+    4.7 s mid-acquire took a 3 s lock another client held.)"""
+    import asyncio
+
+    from reliability.nemesis import Proxy
+    from tests.helpers import close_connections
+
+    proxy = Proxy(memcached.port)
+    settings.CACHES = {
+        **settings.CACHES,
+        "late": {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": proxy.address,
+        },
+    }
+    settings.TASKLOCK = {"CACHE": "late", "LIVENESS": None}
+    try:
+        warm = Lock("late-warm")  # connects, and learns the server's run
+        assert warm.acquire() and warm.release()
+        proxy.delay(0.6)
+        late = Lock("late-reply", expire=3)  # surely kept 1 s
+        with caplog.at_level(logging.WARNING, logger="django_tasklock"):
+            if asynchronous:
+                taken = asyncio.run(late.aacquire())
+            else:
+                taken = late.acquire()
+        assert taken is False and not late.held
+        assert caplog.text.count("was taken only") == 2, caplog.text
+        proxy.heal()
+        # Released, not left to expire: free at once.
+        again = Lock("late-reply", expire=3)
+        assert again.acquire() and again.release()
+    finally:
+        proxy.close()
+        close_connections()
+
+
 def test_take_over_replaces_only_the_expected_mark(any_store):
     """A worker's run takes its queued call's lock: from the call's mark, or
     free; never from anybody else. What it took is an ordinary hold."""

@@ -18,6 +18,7 @@ the lock to expire, or to crash recovery when its holder's process is gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ from .fencing import draw_fence
 from .heartbeat import Heartbeat
 from .holds import extend_hold
 from .liveness import record_beside
-from .loss import release_failed, report_lost, take_failed
+from .loss import release_failed, report_lost, take_failed, taken_too_late
 from .recovery import LOOK_EVERY, take_from_dead
 from .validation import beat_for, misuse, require_hold
 from .waiting import POLL_MIN, next_wait
@@ -122,6 +123,7 @@ class AsyncLocking:
             record = await _kept(alias, backend, record)
         deadline, pause = None if timeout is None else started + timeout, POLL_MIN
         take = store.take if self._take_over is None else self._taking_over(store)
+        late = False  # one take came too late to hold: once more at once
         while True:
             token = (new_token if record is None else new_live_token)(self.owner)
             cancel = _LetGo(self, store, backend, key, token)
@@ -136,8 +138,21 @@ class AsyncLocking:
                 acq = Acquisition(
                     holder, backend, alias, key, token, hold, expire, tried_at, record
                 )
-                self._start_holding(acq, store, beat if renew else None, started)
-                return True
+                now = acq.acquired_at
+                if not (
+                    # (a lock kept for no sure time at all, 2 s or less on
+                    # memcached, is its caller's choice: check() says so)
+                    tried_at < acq.valid_until <= now
+                    or (record is not None and now >= record.valid_until)
+                ) or not taken_too_late(acq):
+                    self._start_holding(acq, store, beat if renew else None, started)
+                    return True
+                with contextlib.suppress(*store.errors):
+                    await store.release(key, hold, token)
+                late, retry = True, not late
+                if retry:
+                    tried_at = time.monotonic()
+                    continue
             now = time.monotonic()
             wait = next_wait(pause, deadline, now) if blocking else None
             if wait is None:

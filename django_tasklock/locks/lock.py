@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import contextlib
 import logging
 import socket
 import time
@@ -34,6 +35,7 @@ from .loss import (
     release_failed,
     report_lost,
     take_failed,
+    taken_too_late,
 )
 from .reads import StoreReads
 from .recovery import take_from_dead
@@ -278,6 +280,7 @@ class Lock(StoreReads, Holding, AsyncLocking):
         tried_at = started = time.monotonic()
         record, make_token = kept_record(alias, defaults[4], backend, started, key)
         deadline, pause = None if timeout is None else started + timeout, POLL_MIN
+        late = False  # one take came too late to hold: once more at once
         while True:
             token = make_token(self.owner)
             try:
@@ -292,16 +295,29 @@ class Lock(StoreReads, Holding, AsyncLocking):
             except backend.errors as exc:
                 raise take_failed(self, alias, backend, key, token, exc) from exc
             if hold is not None:
-                acq = Acquisition(
+                taken = Acquisition(
                     self, backend, alias, key, token, hold, expire, tried_at, record
                 )
-                self._acq = acq
-                if renew:
-                    self._heartbeat = Heartbeat(acq, beat).start()
-                if lock_acquired.receivers:
-                    waited = acq.acquired_at - started
-                    self._send(lock_acquired, token, fence=None, waited=waited)
-                return True
+                now = taken.acquired_at
+                if not (
+                    # (a lock kept for no sure time at all, 2 s or less on
+                    # memcached, is its caller's choice: check() says so)
+                    tried_at < taken.valid_until <= now
+                    or (record is not None and now >= record.valid_until)
+                ) or not taken_too_late(taken):
+                    self._acq = taken
+                    if renew:
+                        self._heartbeat = Heartbeat(taken, beat).start()
+                    if lock_acquired.receivers:
+                        waited = now - started
+                        self._send(lock_acquired, token, fence=None, waited=waited)
+                    return True
+                with contextlib.suppress(*backend.errors):
+                    backend.release(key, hold, token)
+                late, retry = True, not late
+                if retry:
+                    tried_at = time.monotonic()
+                    continue
             now = time.monotonic()
             next_pause = backoff(pause, deadline, now) if blocking else None
             if next_pause is None:

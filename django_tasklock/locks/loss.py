@@ -82,6 +82,28 @@ def lapsed(acq: Acquisition) -> bool:
     )
 
 
+def taken_too_late(acq: Acquisition) -> bool:
+    """Whether a lock just taken had outlived its sure life before its taker
+    could use it: the reply came, or this process resumed, only after the
+    store may have let it go (and another holder taken it). Such a take is
+    not held: forgotten here, logged; the caller releases it if it is still
+    its own and tries again."""
+    if not lapsed(acq) or acq.life <= 0:
+        return False
+    if acq.record is not None:
+        acq.record.held.pop(id(acq.lock), None)
+    logger.warning(
+        "Lock %r was taken only %.1fs after its command was sent, past the "
+        "%.1fs the store surely keeps it: this process or the store stood "
+        "still meanwhile, and another holder may have it. Not held; released "
+        "if still ours, and tried again.",
+        acq.lock_id,
+        acq.acquired_at - (acq.valid_until - acq.life),
+        acq.life,
+    )
+    return True
+
+
 def lapsed_why(acq: Acquisition) -> str:
     """Why a lock whose sure life, or whose holder's liveness record, ran out
     is lost."""
