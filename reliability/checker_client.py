@@ -108,10 +108,8 @@ def main() -> None:
             released: bool | None = lock.release()
         except LockBackendError:
             released = None
-        witness(
-            path,
-            {"e": "end", "tok": token, "last": last, "released": released, "f": fence},
-        )
+        ended = {"e": "end", "tok": token, "last": last, "released": released}
+        witness(path, {**ended, "f": fence, "end": time.monotonic()})
 
 
 def _valid_until(lock: Any) -> float | None:

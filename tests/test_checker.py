@@ -37,6 +37,33 @@ def test_an_overlap_after_a_fault_that_loses_locks_by_design_is_counted_apart():
     assert result.violations == [] and result.by_design == 1
 
 
+def fenced(client: str, start: float, last: float, let_go: float, fence: int) -> Hold:
+    made = hold(client, start, last)
+    made.fence, made.let_go, made.ended = fence, let_go, True
+    return made
+
+
+def test_a_newer_hold_begun_before_the_older_was_let_go_needs_a_larger_fence():
+    """The older holder stopped believing at 2 s (told it lost its lock) but
+    let it go at 6 s: a write it made in between is what fences are for. A
+    newer hold from 3 s must have drawn a larger fence; unless a fault that
+    loses locks (and counters) by design came between."""
+    result = Result("pool", seed=1)
+    verdict(result, [fenced("a", 0, 2, 6, 10), fenced("b", 3, 5, 5, 10)], [])
+    assert result.violations == [] and len(result.fence_inversions) == 1
+    assert "a fence 10, then b fence 10" in result.fence_inversions[0]
+    larger = Result("pool", seed=1)
+    verdict(larger, [fenced("a", 0, 2, 6, 10), fenced("b", 3, 5, 5, 11)], [])
+    assert larger.fence_inversions == []
+    flushed = Result("pool", seed=1)
+    flush = [Fault(2.5, "flush", "server-0")]
+    verdict(flushed, [fenced("a", 0, 2, 6, 10), fenced("b", 3, 5, 5, 9)], flush)
+    assert flushed.fence_inversions == []
+    after = Result("pool", seed=1)  # begun after the older was let go
+    verdict(after, [fenced("a", 0, 2, 6, 10), fenced("b", 7, 8, 8, 9)], [])
+    assert after.fence_inversions == []
+
+
 def test_with_the_restart_grace_off_the_checker_finds_robbed_holders():
     """The control: memcached restarted empty under live holders, with
     RESTART_GRACE 0 and no liveness records, hands their locks out again at
