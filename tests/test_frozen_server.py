@@ -29,7 +29,7 @@ from tests.services import Memcached
 
 pytestmark = pytest.mark.slow
 
-EXPIRE = 4
+EXPIRE = 8  # a sure life (6 s) past the longest stall: no take answered late
 STALLS = (0.5, 1, 2, 3, 5)
 SENDERS = 4
 

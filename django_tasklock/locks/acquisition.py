@@ -66,7 +66,9 @@ class Acquisition:
     before; ``deadline`` when ``max_hold`` ends it; ``record`` the holder's
     liveness record beside it (None: records off); ``fence`` its fencing token
     once drawn; ``lost`` once known lost, ``reported`` once told (WARNING,
-    ``lock_lost``).
+    ``lock_lost``); ``late`` if the store's sure life of it, or of the
+    holder's record, had passed when it was taken (a reply come, or a process
+    resumed, too late: ``loss.taken_too_late``).
     """
 
     __slots__ = (
@@ -80,6 +82,7 @@ class Acquisition:
         "guard",
         "hold",
         "key",
+        "late",
         "life",
         "lock",
         "lock_id",
@@ -121,7 +124,12 @@ class Acquisition:
             life = lives[expire] = backend.shortest_life(expire)
         self.life = life
         # From when the command was sent: the store's clock started no later.
-        self.valid_until = sent_at + life
+        self.valid_until = valid_until = sent_at + life
+        # (A lock kept for no sure time at all, 2 s or less on memcached, is
+        # its caller's choice: check() says so.)
+        self.late = sent_at < valid_until <= now or (
+            record is not None and now >= record.valid_until
+        )
         max_hold = lock.max_hold
         self.deadline = None if max_hold is None else now + max_hold
         self.fence: int | None = None

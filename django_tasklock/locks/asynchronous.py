@@ -98,10 +98,9 @@ class AsyncLocking:
     async def aacquire(
         self, *, blocking: bool = False, timeout: float | None = None
     ) -> bool:
-        """``acquire()``, awaited: True if this call took the lock. Waiting
-        (``blocking``, up to ``timeout`` seconds) sleeps on the loop, so an
-        ``asyncio.timeout`` around it or a cancel ends it; a take then in
-        flight finishes, and what it got is released."""
+        """``acquire()``, awaited: True if this call took the lock. Waiting sleeps
+        on the loop, so an ``asyncio.timeout`` around it or a cancel ends it; a
+        take then in flight finishes, and what it got is released."""
         acq = self._acq
         if (acq is not None and acq.hold is not None) or (
             timeout is not None and not blocking
@@ -114,8 +113,7 @@ class AsyncLocking:
         renew = self._renew_option if self._renew_option is not None else defaults[3]
         alias, protocol = self._cache or defaults[1], defaults[2]
         store = warm_backend(alias, protocol) or await loop_backend(alias, protocol)
-        backend = store.sync
-        key = backend.keys_for(self.lock_id)[0]
+        key = (backend := store.sync).keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
         tried_at = started = time.monotonic()
         record = record_beside(alias, defaults[4], backend, key)
@@ -123,7 +121,6 @@ class AsyncLocking:
             record = await _kept(alias, backend, record)
         deadline, pause = None if timeout is None else started + timeout, POLL_MIN
         take = store.take if self._take_over is None else self._taking_over(store)
-        late = False  # one take came too late to hold: once more at once
         while True:
             token = (new_token if record is None else new_live_token)(self.owner)
             cancel = _LetGo(self, store, backend, key, token)
@@ -138,21 +135,11 @@ class AsyncLocking:
                 acq = Acquisition(
                     holder, backend, alias, key, token, hold, expire, tried_at, record
                 )
-                now = acq.acquired_at
-                if not (
-                    # (a lock kept for no sure time at all, 2 s or less on
-                    # memcached, is its caller's choice: check() says so)
-                    tried_at < acq.valid_until <= now
-                    or (record is not None and now >= record.valid_until)
-                ) or not taken_too_late(acq):
+                if not acq.late or not taken_too_late(acq):
                     self._start_holding(acq, store, beat if renew else None, started)
                     return True
-                with contextlib.suppress(*store.errors):
+                with contextlib.suppress(*store.errors):  # and refused
                     await store.release(key, hold, token)
-                late, retry = True, not late
-                if retry:
-                    tried_at = time.monotonic()
-                    continue
             now = time.monotonic()
             wait = next_wait(pause, deadline, now) if blocking else None
             if wait is None:

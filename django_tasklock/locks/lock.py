@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import _thread
-import contextlib
 import logging
 import socket
 import time
@@ -33,9 +32,9 @@ from .loss import (
     lapsed,
     lapsed_why,
     release_failed,
+    released_too_late,
     report_lost,
     take_failed,
-    taken_too_late,
 )
 from .reads import StoreReads
 from .recovery import take_from_dead
@@ -280,7 +279,6 @@ class Lock(StoreReads, Holding, AsyncLocking):
         tried_at = started = time.monotonic()
         record, make_token = kept_record(alias, defaults[4], backend, started, key)
         deadline, pause = None if timeout is None else started + timeout, POLL_MIN
-        late = False  # one take came too late to hold: once more at once
         while True:
             token = make_token(self.owner)
             try:
@@ -288,8 +286,7 @@ class Lock(StoreReads, Holding, AsyncLocking):
                     hold = backend.acquire(key, token, expire)
                 else:
                     hold = backend.take_over(key, self._take_over, token, expire)
-                # Refused: look at its holder when due (the test is here, not
-                # in the call, as it fails on all but one refusal in many).
+                # Refused: look at its holder when due (tested here: rarely so).
                 if hold is None and backend.looks.get(key, 0.0) <= tried_at:
                     hold = take_from_dead(self.lock_id, backend, key, token, expire)
             except backend.errors as exc:
@@ -298,26 +295,14 @@ class Lock(StoreReads, Holding, AsyncLocking):
                 taken = Acquisition(
                     self, backend, alias, key, token, hold, expire, tried_at, record
                 )
-                now = taken.acquired_at
-                if not (
-                    # (a lock kept for no sure time at all, 2 s or less on
-                    # memcached, is its caller's choice: check() says so)
-                    tried_at < taken.valid_until <= now
-                    or (record is not None and now >= record.valid_until)
-                ) or not taken_too_late(taken):
+                if not taken.late or not released_too_late(taken):
                     self._acq = taken
                     if renew:
                         self._heartbeat = Heartbeat(taken, beat).start()
                     if lock_acquired.receivers:
-                        waited = now - started
+                        waited = taken.acquired_at - started
                         self._send(lock_acquired, token, fence=None, waited=waited)
-                    return True
-                with contextlib.suppress(*backend.errors):
-                    backend.release(key, hold, token)
-                late, retry = True, not late
-                if retry:
-                    tried_at = time.monotonic()
-                    continue
+                    return True  # (else released, if still its own: refused)
             now = time.monotonic()
             next_pause = backoff(pause, deadline, now) if blocking else None
             if next_pause is None:

@@ -9,6 +9,7 @@ the others find it reported.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -87,7 +88,7 @@ def taken_too_late(acq: Acquisition) -> bool:
     could use it: the reply came, or this process resumed, only after the
     store may have let it go (and another holder taken it). Such a take is
     not held: forgotten here, logged; the caller releases it if it is still
-    its own and tries again."""
+    its own, and counts it a refusal."""
     if not lapsed(acq) or acq.life <= 0:
         return False
     if acq.record is not None:
@@ -95,12 +96,22 @@ def taken_too_late(acq: Acquisition) -> bool:
     logger.warning(
         "Lock %r was taken only %.1fs after its command was sent, past the "
         "%.1fs the store surely keeps it: this process or the store stood "
-        "still meanwhile, and another holder may have it. Not held; released "
-        "if still ours, and tried again.",
+        "still meanwhile, and another holder may have it. Not held: released "
+        "if still ours, and refused.",
         acq.lock_id,
         acq.acquired_at - (acq.valid_until - acq.life),
         acq.life,
     )
+    return True
+
+
+def released_too_late(acq: Acquisition) -> bool:
+    """``taken_too_late``, and then released if still its taker's."""
+    if not taken_too_late(acq):
+        return False
+    backend = acq.backend
+    with contextlib.suppress(*backend.errors):
+        backend.release(acq.key, acq.hold, acq.token)
     return True
 
 

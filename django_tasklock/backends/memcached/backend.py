@@ -57,7 +57,6 @@ from .wire import (
     TimedSockets,
     Wire,
     _clocks,
-    _server_name,
     _wire_key,
     expiry_on,
     exptime,
@@ -121,13 +120,6 @@ class MemcachedBackend(MemcachedReads):
     def close(self) -> None:
         self._hash_client.close()
 
-    def describe(self, key: str) -> str:
-        try:
-            server = _server_name(self._client(key).server)
-        except self.errors:
-            server = "(no live server)"
-        return f"memcached cache {self.alias!r} at {server}"
-
     def shortest_life(self, expire: float) -> float:
         return sure_life(expire)
 
@@ -148,13 +140,11 @@ class MemcachedBackend(MemcachedReads):
             and wire.meta(client)
         ):
             # The common case: a connection whose server run is known, in one
-            # send and one read. Anything unusual goes the long way below.
-            # expiry_on, inlined (the hot path)
-            offset = _clocks.get(client.server)
+            # send and one read (expiry_on inlined). Anything unusual goes the
+            # long way below.
+            at = _clocks.get(client.server)
             ttl = (
-                exptime(expire)
-                if offset is None
-                else math.ceil(_monotonic() + offset + expire)
+                exptime(expire) if at is None else math.ceil(_monotonic() + at + expire)
             )
             data = token.encode()
             wire_key = client.key_prefix + key.encode()

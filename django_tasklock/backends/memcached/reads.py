@@ -33,6 +33,13 @@ class MemcachedReads(LockBackend):
     _hash_client: Any
     _only_client: Any
 
+    def describe(self, key: str) -> str:
+        try:
+            server = _server_name(self._client(key).server)
+        except self.errors:
+            server = "(no live server)"
+        return f"memcached cache {self.alias!r} at {server}"
+
     def _client(self, key: str) -> Any:
         """The server Django's own ``cache.add(key)`` talks to."""
         if self._only_client is not None:
