@@ -424,8 +424,16 @@ class Nemesis:
                 self._note(kind, name, seconds)
                 self._paused(server.process, seconds)
             else:
-                self._note(kind, name)
-                self.deployment.flush(index)
+                # Its span: a flush waits on a paused node (a cluster's flush
+                # goes to every node, one after another).
+                began = time.monotonic()
+                try:
+                    self.deployment.flush(index)
+                finally:
+                    span = round(time.monotonic() - began, 2)
+                    self.log.append(
+                        Fault(began, kind, name, span if span > 0.05 else 0)
+                    )
 
     def _proxy(self, kind: str, proxy: Proxy, name: str, seconds: float) -> None:
         if kind == "proxy-reset":
