@@ -117,7 +117,9 @@ def killed_mid_call(tries: int) -> Row:
 
 def never_consumed(tries: int) -> Row:
     """A call sent to a queue nobody reads (QUEUE_EXPIRE 2 s): its key must be
-    free within 2 s (+1, whole seconds), and not before 1 s."""
+    free within 2 s + 3 (an expiry on the server's own clock, read in whole
+    seconds, may end up to 3 s late: docs/explanation/guarantees.rst), and
+    not before 1 s."""
     from django.test import override_settings
 
     from django_tasklock import lock_id_for
@@ -138,7 +140,7 @@ def never_consumed(tries: int) -> Row:
                 wrong += 1
                 continue
             frees.append(time.monotonic() - sent_at)
-            wrong += not 1 <= frees[-1] <= 3
+            wrong += not 1 <= frees[-1] <= 2 + 3
     row = Row("20. message never consumed (QUEUE_EXPIRE 2s)", attempts, None, wrong)
     row.figures.append(
         f"key free {min(frees, default=0):.1f}-{max(frees, default=0):.1f}s after "

@@ -169,7 +169,7 @@ def test_a_message_nobody_consumes_frees_its_call_within_the_queue_allowance(
     sent = tasks.finish_once.apply_async(("lost",), queue="nobody-consumes")
     assert holder(lock_id) == ("queued", sent.id)
     took = wait_until(lambda: not lock_status(lock_id).held, 10)
-    assert took <= 2 + 1  # memcached counts whole seconds
+    assert took <= 2 + LONGER  # an end on the server's clock: up to 3 s late
     assert published(broker, "nobody-consumes") == [sent.id]
     assert tasks.finish_once.delay("lost").id != sent.id
 

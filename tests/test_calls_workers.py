@@ -23,7 +23,7 @@ from django_tasklock.signals import call_deduplicated
 from django_tasklock.status import lock_status
 from tests import tasks
 from tests.celery_app import app
-from tests.helpers import wait_until
+from tests.helpers import LONGER, wait_until
 from tests.test_celery_workers import broker, intervals, storm  # noqa: F401
 from tests.workers import (
     overlaps,
@@ -201,8 +201,9 @@ def test_worker_killed_mid_call_frees_it_within_the_lock_expiry(workers):
     os.kill(tasks.runs("killed")[0]["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
     wait_until(lambda: free(lock_id), 10)
-    # expire=3 on memcached (whole seconds): gone within 3 s of the last write.
-    assert time.monotonic() - killed_at <= 3 + 1
+    # expire=3 on memcached, an end on the server's clock: gone within 3 s of
+    # the last write, up to LONGER late.
+    assert time.monotonic() - killed_at <= 3 + LONGER
 
 
 def test_coalesce_queues_one_follow_up_while_a_run_is_in_progress(workers, joined):
