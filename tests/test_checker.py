@@ -12,7 +12,7 @@ import pytest
 
 from reliability.checker import FLAVOURS, Fault, Hold, Result, check, verdict
 
-pytestmark = [pytest.mark.slow, pytest.mark.long(seconds=80)]
+pytestmark = [pytest.mark.slow, pytest.mark.long(seconds=95)]
 
 
 def hold(client: str, start: float, last: float) -> Hold:
@@ -70,8 +70,8 @@ def test_with_the_restart_grace_off_the_checker_finds_robbed_holders():
     once, and the checker must see it."""
     result = check(
         "memcached",
-        seconds=25,
-        clients=4,
+        seconds=40,
+        clients=5,
         seed=5,
         quiet=True,
         tasklock={"RESTART_GRACE": 0, "LIVENESS": None},
