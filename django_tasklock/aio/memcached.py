@@ -38,6 +38,7 @@ from ..backends.memcached.wire import (
     MemcachedHold,
     _clocks,
     _server_name,
+    expiry_on,
     exptime,
     kept_moving,
 )
@@ -374,7 +375,7 @@ class AsyncMemcached(_Servers):
         if conn is not None and server.meta and not conn.broken and not _refused:
             # The hot path, in one coroutine: the server's connection is open
             # and speaks meta commands, and no server is in its restart grace.
-            # (_take_command, inlined)
+            # (_take_command, expiry_on inlined)
             wire = self._prefix + key.encode()
             data = token.encode()
             clock = _clocks.get(server.server)
@@ -486,7 +487,7 @@ class AsyncMemcached(_Servers):
                     if cas is None or (cas != hold.cas and not unique_value(old)):
                         return None
                 command = b"ms %s %d C%d T%d F%d c\r\n%s\r\n" % (
-                    wire, len(data), cas, _ttl(server.server, expire), _TEXT_FLAG, data
+                    wire, len(data), cas, expiry_on(server.server, expire), _TEXT_FLAG, data
                 )  # fmt: skip
                 reply, conn, _ = await self._command(server, command)
                 if reply.startswith(b"HD"):
@@ -511,12 +512,7 @@ class AsyncMemcached(_Servers):
     def _take_command(server: Any, wire: bytes, token: str, expire: float) -> bytes:
         """``ms`` in add mode: stored only if absent, its CAS id returned."""
         data = token.encode()
-        clock = _clocks.get(server)  # _ttl, inlined (the hot path)
-        ttl = (
-            exptime(expire)
-            if clock is None
-            else math.ceil(_monotonic() + clock + expire)
-        )
+        ttl = expiry_on(server, expire)
         return b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (wire, len(data), ttl, data)
 
     async def _acquire(
@@ -625,15 +621,6 @@ class _Landed:
         cas = _cas_of(line, b"HD")
         if cas:
             finish_later(cancel.taken(MemcachedHold(cas, self.conn)))
-
-
-def _ttl(server: Any, expire: float) -> int:
-    """The ``T`` flag for an item on ``server`` that lasts ``expire`` seconds
-    (``expiry_on``, inlined: the hot path)."""
-    clock = _clocks.get(server)
-    if clock is None:
-        return exptime(expire)
-    return math.ceil(_monotonic() + clock + expire)
 
 
 def _cas_of(reply: bytes, head: bytes) -> int | None:
