@@ -103,11 +103,19 @@ def test_renewing_task_raises_lock_lost_at_check_after_a_steal():
     from django.core.cache import caches
 
     lock_id = lock_id_for(tasks.lifecycle, "stolen-run")
-    body, outcome = background(tasks.lifecycle, "stolen-run", 5)
-    deadline = time.monotonic() + 5
-    while not Lock(lock_id).locked():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    # Its 3 s lock is surely kept 1 s: on a loaded machine the first take
+    # (connection and all) can be answered later than that, and is then
+    # rightly refused and the run skipped. A skipped run is started again.
+    for _ in range(5):
+        body, outcome = background(tasks.lifecycle, "stolen-run", 5)
+        deadline = time.monotonic() + 5
+        while not Lock(lock_id).locked() and body.is_alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        if body.is_alive():
+            break
+        assert outcome == {"result": None}, outcome  # skipped, not failed
+    assert Lock(lock_id).locked(), "five runs in a row were refused their take"
     time.sleep(2.5)  # past its 2 s expiry: the heartbeat kept it
     assert Lock(lock_id).locked()
     caches["default"].delete(lock_id)

@@ -28,7 +28,7 @@ from ..aio.finishing import carried_through
 from ..backends import _generation, backend_for, fork_generation
 from ..conf import settings, validate_expire
 from ..exceptions import LockBackendError
-from ..signals import lock_acquired, lock_contended, lock_released
+from ..signals import lock_acquired, lock_released
 from ..tokens import new_live_token, new_token
 from .acquisition import Acquisition
 from .fencing import draw_fence
@@ -89,6 +89,10 @@ class AsyncLocking:
 
         def _stop_heartbeat(self) -> None: ...
 
+        def _backend(self) -> tuple[LockBackend, str]: ...
+
+        def release_quietly(self) -> None: ...
+
         def check(self) -> bool: ...
 
         def _store_error(
@@ -98,11 +102,8 @@ class AsyncLocking:
     async def aacquire(
         self, *, blocking: bool = False, timeout: float | None = None
     ) -> bool:
-        """``acquire()``, awaited: True if this call took the lock. Waiting sleeps
-        on the loop, so an ``asyncio.timeout`` around it or a cancel ends it; a
-        take then in flight finishes, and what it got is released."""
-        acq = self._acq
-        if (acq is not None and acq.hold is not None) or (
+        """``acquire()``, awaited; cancelled, it releases what a take in flight got."""
+        if ((acq := self._acq) is not None and acq.hold is not None) or (
             timeout is not None and not blocking
         ):
             raise misuse(self.lock_id, self.held)
@@ -115,10 +116,10 @@ class AsyncLocking:
         store = warm_backend(alias, protocol) or await loop_backend(alias, protocol)
         key = (backend := store.sync).keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
-        tried_at = started = time.monotonic()
         record = record_beside(alias, defaults[4], backend, key)
-        if record is not None and started >= record.due:
+        if record is not None and time.monotonic() >= record.due:
             record = await _kept(alias, backend, record)
+        tried_at = started = time.monotonic()  # (after the record's trip, if any)
         deadline, pause = None if timeout is None else started + timeout, POLL_MIN
         take = store.take if self._take_over is None else self._taking_over(store)
         while True:
@@ -129,22 +130,23 @@ class AsyncLocking:
                 if hold is None and store.looks.get(key, 0.0) <= time.monotonic():
                     hold = await self._from_dead(store, key, token, expire, cancel)
             except store.errors as exc:
-                raise take_failed(self, alias, backend, key, token, exc) from exc  # type: ignore[arg-type]
+                raise take_failed(self, alias, backend, key, token, exc) from exc
             if hold is not None:
-                holder: Any = self
                 acq = Acquisition(
-                    holder, backend, alias, key, token, hold, expire, tried_at, record
+                    self, backend, alias, key, token, hold, expire, tried_at, record
                 )
                 if not acq.late or not taken_too_late(acq):
                     self._start_holding(acq, store, beat if renew else None, started)
                     return True
                 with contextlib.suppress(*store.errors):  # and refused
                     await store.release(key, hold, token)
+                if tried_at == started:  # the first take late: again at once
+                    tried_at = time.monotonic()
+                    continue
             now = time.monotonic()
             wait = next_wait(pause, deadline, now) if blocking else None
             if wait is None:
-                if lock_contended.receivers:
-                    self._send_contended(backend, key, now - started)
+                self._send_contended(backend, key, now - started)  # if listened to
                 return False
             await asyncio.sleep(wait[0])
             pause, tried_at = wait[1], time.monotonic()

@@ -254,20 +254,15 @@ class Lock(StoreReads, Holding, AsyncLocking):
     # -- acquire -----------------------------------------------------------------
 
     def acquire(self, *, blocking: bool = False, timeout: float | None = None) -> bool:
-        """Take the lock; True if this call took it, False if someone else holds it.
-
-        With ``blocking=True`` it tries again, with growing pauses, until it gets
-        the lock or ``timeout`` seconds (None: no limit) have passed. Raises
-        ``LockBackendError`` when the store cannot be reached: the caller must not
-        run the protected code then.
-        """
-        acq = self._acq
-        if (acq is not None and acq.hold is not None) or (
+        """Take the lock: True if this call took it, False if someone else holds
+        it; ``blocking=True`` tries again, with growing pauses, until it is taken
+        or ``timeout`` seconds (None: no limit) have passed. Raises
+        ``LockBackendError`` if the store cannot be reached: do not run then."""
+        if ((acq := self._acq) is not None and acq.hold is not None) or (
             timeout is not None and not blocking
         ):
             raise misuse(self.lock_id, self.held)
-        # LOCK_EXPIRE, CACHE, MEMCACHED_PROTOCOL, RENEW, LIVENESS
-        defaults = settings.lock_defaults()
+        defaults = settings.lock_defaults()  # EXPIRE, CACHE, PROTOCOL, RENEW, LIVENESS
         expire = self._expire if self._expire is not None else defaults[0]
         if self.max_hold is not None:
             expire = min(expire, self.max_hold)
@@ -286,7 +281,6 @@ class Lock(StoreReads, Holding, AsyncLocking):
                     hold = backend.acquire(key, token, expire)
                 else:
                     hold = backend.take_over(key, self._take_over, token, expire)
-                # Refused: look at its holder when due (tested here: rarely so).
                 if hold is None and backend.looks.get(key, 0.0) <= tried_at:
                     hold = take_from_dead(self.lock_id, backend, key, token, expire)
             except backend.errors as exc:
@@ -303,6 +297,9 @@ class Lock(StoreReads, Holding, AsyncLocking):
                         waited = taken.acquired_at - started
                         self._send(lock_acquired, token, fence=None, waited=waited)
                     return True  # (else released, if still its own: refused)
+                if tried_at == started:  # the first take late: again at once
+                    tried_at = time.monotonic()
+                    continue
             now = time.monotonic()
             next_pause = backoff(pause, deadline, now) if blocking else None
             if next_pause is None:

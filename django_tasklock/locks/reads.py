@@ -48,6 +48,8 @@ class StoreReads:
         raise NotImplementedError
 
     def _send_contended(self, backend: LockBackend, key: str, waited: float) -> None:
+        if not lock_contended.receivers:
+            return
         try:
             peek = backend.peek(key)
         except backend.errors:
