@@ -42,6 +42,7 @@ from ..backends.memcached.wire import (
     exptime,
     kept_moving,
 )
+from ..conf import settings as tasklock_settings
 from ..values import unique_value
 from .base import Cancel, PipelinedBackend
 from .finishing import carried_through, finish_later
@@ -182,14 +183,21 @@ class _Connection(Pipeline, asyncio.Protocol):
         await self._closed
 
 
+def _ours(timeout: float | None) -> float:
+    """``timeout`` (an alias's option), never longer than SOCKET_TIMEOUT."""
+    ours = tasklock_settings.SOCKET_TIMEOUT
+    return ours if not timeout else min(timeout, ours)
+
+
 class _Server:
     """A loop's connection to one server, opened when first needed and again
     after it broke."""
 
     def __init__(self, server: Any, client: Any) -> None:
         self.server, self.client = server, client
-        #: The client's ``timeout`` option: how long a reply may take.
-        self.timeout: float | None = getattr(client, "timeout", None)
+        #: How long a reply may take: the client's ``timeout`` option where it
+        #: is shorter than ``TASKLOCK['SOCKET_TIMEOUT']``, else that.
+        self.timeout: float = _ours(getattr(client, "timeout", None))
         self.conn: _Connection | None = None
         self._opening: asyncio.Future[_Connection] | None = None
         self.meta: bool | None = None
@@ -211,7 +219,7 @@ class _Server:
 
     async def _open(self, alias: str, protocol: str) -> _Connection:
         server = self.server
-        connect_timeout = getattr(self.client, "connect_timeout", None)
+        connect_timeout = _ours(getattr(self.client, "connect_timeout", None))
         loop = asyncio.get_running_loop()
         opening = (
             loop.create_connection(_Connection, *server)

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Pipeline"]
 
+#: How many looks a reply's timeout is watched in (``Pipeline._watch``).
+_LOOKS = 4
+
 
 class Pipeline:
     """The waiters of one connection's commands, in the order they were sent.
@@ -47,6 +50,13 @@ class Pipeline:
         #: Set while the transport's buffer is above its high-water mark: a
         #: command waits on it before its reply.
         self._drain: Callable[[], Awaitable[None]] | None = None
+        #: The watch on replies (``_watch``), while one is due; the longest a
+        #: reply may be awaited; the first waiter in line when last looked,
+        #: and at how many looks in a row.
+        self._watching: asyncio.TimerHandle | None = None
+        self._timeout = 0.0
+        self._head: asyncio.Future[Any] | None = None
+        self._looks = 0
 
     #: Writes a command (the transport's own ``write`` where it needs no
     #: more: a call less per command).
@@ -69,9 +79,34 @@ class Pipeline:
             if handler is not None:
                 handler(reply if error is None else error)
 
+    def _watch(self) -> None:
+        """No reply for ``_timeout`` seconds while commands wait: the server
+        stalled (or the network), and the connection fails, and with it every
+        command in flight. Looked at four times a timeout while something is
+        in line (not a timer per command: none on the hot path): the same
+        waiter first in line at five looks in a row has waited a timeout and
+        at most a quarter more."""
+        self._watching = None
+        pending = self.pending
+        if self.broken or not pending:
+            self._head = None
+            return
+        if pending[0] is self._head:
+            self._looks += 1
+            if self._looks >= _LOOKS:
+                timeout = self._timeout
+                self._fail(TimeoutError(f"no reply within {timeout:g}s"))
+                return
+        else:
+            self._head, self._looks = pending[0], 0
+        self._watching = self._loop.call_later(self._timeout / _LOOKS, self._watch)
+
     def _fail(self, exc: BaseException) -> None:
         """The connection is lost: every command in flight with it."""
         self.broken = True
+        watching, self._watching = self._watching, None
+        if watching is not None:
+            watching.cancel()
         self._close_transport()
         while self.pending:
             waiter = self.pending.popleft()
@@ -91,15 +126,18 @@ class Pipeline:
         late: Callable[[Any], object] | None = None,
     ) -> Any:
         """``command``'s reply (an error reply raised). One not come within
-        ``timeout`` seconds breaks the connection: what was in flight on it is
-        out of step. If the caller is cancelled once the command is written,
-        ``late`` gets its reply when it comes (None if the connection fails
-        first)."""
+        ``timeout`` seconds (and at most a quarter more: ``_watch``) breaks the
+        connection: what was in flight on it is out of step. If the caller is
+        cancelled once the command is written, ``late`` gets its reply when it
+        comes (None if the connection fails first)."""
         if self.broken:
             raise self.lost(f"{self.store} connection lost")
         waiter: asyncio.Future[Any] = self._loop.create_future()
         self.pending.append(waiter)
         self._write(command)
+        if timeout is not None and self._watching is None:
+            self._timeout = timeout
+            self._watching = self._loop.call_later(timeout / _LOOKS, self._watch)
         if late is not None:
             # Before any await: the reply of a cancelled caller may be read
             # before that caller resumes.
@@ -108,13 +146,7 @@ class Pipeline:
             drain = self._drain
             if drain is not None:
                 await drain()
-            if timeout is None:
-                reply = await waiter
-            else:
-                reply = await asyncio.wait_for(waiter, timeout)
-        except asyncio.TimeoutError:
-            self._fail(TimeoutError(f"no reply within {timeout}s"))
-            raise
+            reply = await waiter
         except asyncio.CancelledError:
             if not waiter.done():  # (cancelled while the write drained)
                 waiter.cancel()

@@ -131,10 +131,9 @@ def key_tag_problem(cache: Any) -> tuple[str, bool] | None:
 
 
 class ClusterKeys(ValkeyBackend):
-    """Where a cluster keeps each key (``cluster_key``), and the reads and
-    plain writes that span primaries: one pipelined round trip per primary
-    (django-valkey's cluster cache drops ``set_many``'s timeout: written
-    here)."""
+    """Where a cluster keeps each key (``cluster_key``), and the reads that
+    span primaries: one pipelined round trip per primary (the plain writes,
+    ``RedisBackend``'s, are pipelined the same way)."""
 
     def key_for(self, lock_id: str) -> str:
         return cluster_key(self.cache, lock_id)
@@ -147,24 +146,6 @@ class ClusterKeys(ValkeyBackend):
         else:  # one MGET per slot, pipelined: a round trip per primary
             values = client.mget_nonatomic(keys)
         return values
-
-    def add(self, key: str, value: str, timeout: int) -> bool:
-        made = self.key_for(key)
-        return bool(
-            self._redis(made).set(made, self._encode(value), ex=timeout, nx=True)
-        )
-
-    def write_many(self, items: dict[str, str], timeout: int) -> None:
-        pipe = self._redis("").pipeline()
-        for key, value in items.items():
-            pipe.set(self.key_for(key), self._encode(value), ex=timeout)
-        pipe.execute()  # a round trip per primary
-
-    def delete_many(self, keys: list[str]) -> None:
-        pipe = self._redis("").pipeline()
-        for key in keys:
-            pipe.delete(self.key_for(key))
-        pipe.execute()
 
     def _server(self) -> str:
         return str(self._cache_client._server[0])
@@ -186,11 +167,6 @@ class ClusterKeys(ValkeyBackend):
             info = node.valkey_connection.info("server")
             found[name] = float(info["uptime_in_seconds"])
         return found
-
-    def close(self) -> None:
-        primary, self._primary = self._primary, None
-        if primary is not None:
-            primary.disconnect_connection_pools()
 
 
 class ValkeyClusterBackend(ClusterKeys):

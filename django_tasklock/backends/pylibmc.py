@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pymemcache.exceptions import MemcacheError
 
+from ..conf import settings as tasklock_settings
 from ..keys import memcached_key
 from ..values import unique_value
 from .base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
@@ -68,6 +69,11 @@ class PyLibMCBackend(LockBackend):
         # A lock must stay on its server: never let libmemcached move a failing
         # server's keys to another one.
         behaviors.pop("remove_failed", None)
+        # Never wait longer than SOCKET_TIMEOUT on a server (libmemcached's
+        # own default is 4 s to connect and 5 s for a reply).
+        ours = max(1, int(tasklock_settings.SOCKET_TIMEOUT * 1000))
+        for name in ("connect_timeout", "_poll_timeout"):
+            behaviors[name] = min(behaviors.get(name) or ours, ours)
         self._mc: Any = pylibmc.Client(
             django_cache.client_servers, behaviors=behaviors, **options
         )

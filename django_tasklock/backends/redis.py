@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..keys import encodable_key
 from .base import FenceCounter, Hold, LockBackend, Peek
+from .sockets import close_own, own_client
 
 if TYPE_CHECKING:
     from django.core.cache.backends.redis import RedisCache
@@ -144,7 +145,8 @@ class RedisBackend(LockBackend):
         # backend's thread as well, at a fraction of the cost per lock.
         primary = self._primary
         if primary is None:
-            primary = self._primary = self._connect(key)
+            # One of our own, over the same servers: timeouts of ours.
+            primary = self._primary = own_client(self._connect(key))
         return primary
 
     def _connect(self, key: str) -> Any:
@@ -164,9 +166,9 @@ class RedisBackend(LockBackend):
         return f"{self.kind} cache {self.alias!r} at {self._server()}"
 
     def close(self) -> None:
-        # RedisCache.close() leaves its connection pools open.
-        for pool in getattr(self._cache_client, "_pools", {}).values():
-            pool.disconnect()
+        primary, self._primary = self._primary, None
+        if primary is not None:
+            close_own(primary)
 
     def _script(self, script: str, keys: tuple[str, ...], *args: object) -> Any:
         client = self._redis(keys[0])
@@ -214,6 +216,26 @@ class RedisBackend(LockBackend):
         primary."""
         values: list[Any] = self._redis(keys[0]).mget(keys)
         return values
+
+    # Plain writes (rosters, listings): on our own client too.
+
+    def add(self, key: str, value: str, timeout: int) -> bool:
+        made = self.key_for(key)
+        return bool(
+            self._redis(made).set(made, self._encode(value), ex=timeout, nx=True)
+        )
+
+    def write_many(self, items: dict[str, str], timeout: int) -> None:
+        pipe = self._redis("").pipeline()
+        for key, value in items.items():
+            pipe.set(self.key_for(key), self._encode(value), ex=timeout)
+        pipe.execute()  # (on a cluster: a round trip per primary)
+
+    def delete_many(self, keys: list[str]) -> None:
+        pipe = self._redis("").pipeline()
+        for key in keys:
+            pipe.delete(self.key_for(key))
+        pipe.execute()
 
     def read_many(self, keys: list[str]) -> dict[str, Any]:
         if not keys:
@@ -329,11 +351,3 @@ class DjangoRedisBackend(RedisBackend):
 
     def _server(self) -> str:
         return str(self._cache_client._server[0])
-
-    def close(self) -> None:
-        # django-redis keeps one connection pool per URL for the whole process,
-        # shared by every alias and thread: only this backend's own connections
-        # go back to it.
-        primary, self._primary = self._primary, None
-        if primary is not None:
-            primary.connection_pool.disconnect(inuse_connections=False)

@@ -1,0 +1,212 @@
+"""Every socket this package opens has a timeout of its own, whatever the
+alias's OPTIONS say: a server stalled as a whole (SIGSTOP: a frozen VM or
+container) makes a lock's call raise ``LockBackendError`` within
+``TASKLOCK['SOCKET_TIMEOUT']`` and a little, on every flavour of store and in
+the async API, where the cache's own client (no timeout set) waits for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from django_tasklock import Lock, LockBackendError
+from tests.helpers import close_connections
+from tests.services import Memcached, Redis, RedisCluster, Sentinel
+
+pytestmark = pytest.mark.slow
+
+#: The timeout of ours the tests set, and the most an answer may take: a
+#: reply's timeout (the async API's watch may add a quarter), a retry of a
+#: dropped command with its own, and a busy machine's slack. (Measured: 1.0 s
+#: on pylibmc, 2.0 s on the Redis clients, 2.3 s async memcached; with the
+#: clients' own timeouts, pylibmc's 5 s, the others never.)
+OURS = 1.0
+BOUND = 2.5 * OURS + 1.5
+
+
+def answered_within(call: Callable[[], object], seconds: float) -> tuple[object, float]:
+    """What ``call`` returned or raised, and how long it took; ("no answer",
+    seconds) if it had not ended within ``seconds`` (its thread is left to a
+    server that is woken afterwards)."""
+    outcome: list[object] = ["no answer"]
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome[0] = call()
+        except BaseException as exc:  # what it raised is the answer
+            outcome[0] = exc
+        finally:
+            close_connections()
+            done.set()
+
+    started = time.monotonic()
+    threading.Thread(target=run, daemon=True).start()
+    done.wait(seconds)
+    return outcome[0], time.monotonic() - started
+
+
+@contextlib.contextmanager
+def stopped(process: Any) -> Iterator[None]:
+    process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
+def alias(settings: Any, config: dict[str, object]) -> None:
+    """``config`` as the alias "stalling", the one TASKLOCK locks in."""
+    settings.CACHES = {**settings.CACHES, "stalling": config}
+    settings.TASKLOCK = {
+        "CACHE": "stalling",
+        "SOCKET_TIMEOUT": OURS,
+        "LIVENESS": None,
+        "LOCK_EXPIRE": 30,
+    }
+
+
+def stalls_within_bound(
+    lock_id: str, process: Any, asynchronous: bool, bound: float = BOUND
+) -> None:
+    """A lock taken and released on a warm connection; then, the server
+    stopped, a take raises within the bound (not "no answer")."""
+    warm = Lock(f"{lock_id}-warm")
+    if asynchronous:
+
+        async def take() -> bool:
+            assert await warm.aacquire()
+            assert await warm.arelease()
+            with stopped(process):
+                return await Lock(lock_id).aacquire()
+
+        outcome, spent = answered_within(lambda: asyncio.run(take()), 30)
+    else:
+        assert warm.acquire() and warm.release()
+        with stopped(process):
+            outcome, spent = answered_within(Lock(lock_id).acquire, 30)
+    assert isinstance(outcome, LockBackendError), (outcome, spent)
+    assert spent < bound, f"answered after {spent:.1f}s"
+
+
+@pytest.fixture(scope="module")
+def private_redis() -> Iterator[Redis]:
+    server = Redis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def private_memcached() -> Iterator[Memcached]:
+    server = Memcached().start()
+    yield server
+    server.stop()
+
+
+REDIS_ALIASES = {
+    "django": lambda url: {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": url,
+    },
+    "django-redis": lambda url: {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": url,
+    },
+    "django-valkey": lambda url: {
+        "BACKEND": "django_valkey.cache.ValkeyCache",
+        "LOCATION": url.replace("redis://", "valkey://"),
+    },
+}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("client", sorted(REDIS_ALIASES))
+def test_a_stalled_redis_answers_within_the_bound(
+    settings, private_redis, client, asynchronous
+):
+    alias(settings, REDIS_ALIASES[client](private_redis.url))
+    stalls_within_bound(f"stalled-{client}", private_redis.process, asynchronous)
+
+
+@pytest.mark.parametrize(
+    ("client", "asynchronous"),
+    [("PyMemcacheCache", False), ("PyMemcacheCache", True), ("PyLibMCCache", False)],
+    ids=["pymemcache-sync", "pymemcache-async", "pylibmc-sync"],
+)
+def test_a_stalled_memcached_answers_within_the_bound(
+    settings, private_memcached, client, asynchronous
+):
+    alias(
+        settings,
+        {
+            "BACKEND": f"django.core.cache.backends.memcached.{client}",
+            "LOCATION": private_memcached.address,
+        },
+    )
+    stalls_within_bound(f"stalled-{client}", private_memcached.process, asynchronous)
+
+
+def test_a_stalled_sentinel_primary_answers_within_the_bound(settings):
+    """django-redis's SentinelClient, its SOCKET_TIMEOUT option unset; the
+    Sentinel slow to judge the primary down, so no failover comes."""
+    primary = Redis().start()
+    sentinel = Sentinel(primary=primary, down_after=60000).start()
+    try:
+        config = sentinel.cache()
+        config["OPTIONS"] = {  # type: ignore[index]
+            name: value
+            for name, value in config["OPTIONS"].items()  # type: ignore[attr-defined]
+            if name != "SOCKET_TIMEOUT"
+        }
+        alias(settings, config)
+        stalls_within_bound("stalled-sentinel", primary.process, asynchronous=False)
+    finally:
+        close_connections()
+        sentinel.stop()
+        primary.stop()
+
+
+def test_a_stalled_cluster_primary_holds_up_only_its_own_slots(settings):
+    """A primary of a cluster stopped (its replica not promoted within the
+    test): a lock in its slots raises within the bound, and one in another
+    primary's is taken (by a fresh thread's client, which may first ask the
+    stopped node for the slots: within the bound too)."""
+    from django_tasklock.backends import backend_for
+
+    cluster = RedisCluster(node_timeout=60000).start()
+    try:
+        alias(
+            settings,
+            {
+                "BACKEND": "django_valkey.cluster_cache.cache.ClusterValkeyCache",
+                "LOCATION": cluster.url,
+            },
+        )
+        backend: Any = backend_for("stalling")
+        client = backend._redis("")
+        ids = [f"stalled-cluster-{n}" for n in range(40)]
+        where = {i: client.get_node_from_key(backend.key_for(i)).port for i in ids}
+        stalled_port = where[ids[0]]
+        stalled = next(node for node in cluster.nodes if node.port == stalled_port)
+        elsewhere = next(i for i in ids if where[i] != stalled_port)
+        # The cluster client tries a command that timed out again, after
+        # asking a node for the slots (which may be the stopped one), as many
+        # times as its cluster_error_retry_attempts say: each try a timeout
+        # or two.
+        bound = 2 * (client.cluster_error_retry_attempts + 1) * OURS + 2
+        stalls_within_bound(ids[0], stalled.process, False, bound)
+        with stopped(stalled.process):
+            outcome, spent = answered_within(Lock(elsewhere).acquire, 30)
+        assert outcome is True, outcome
+        assert spent < bound, f"a healthy primary's lock took {spent:.1f}s"
+    finally:
+        close_connections()
+        cluster.stop()
