@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 from django.apps import AppConfig
 from django.conf import settings as django_settings
 from django.core import checks
@@ -13,6 +15,13 @@ class TaskLockConfig(AppConfig):
         from .checks import check_settings
 
         checks.register(check_settings, checks.Tags.caches)
+        if "celery" in sys.modules:
+            # A Celery process (a worker sets Django up after importing
+            # Celery, before it sends worker_init): its workers check first.
+            # Elsewhere Celery is not imported for this.
+            from .integrations.celery.startup import connect
+
+            connect()
         raw = getattr(django_settings, "TASKLOCK", None)
         if isinstance(raw, dict) and raw.get("METRICS") == "prometheus":
             try:

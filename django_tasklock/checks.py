@@ -41,6 +41,8 @@ Ids are stable and documented in docs/reference/checks.rst:
 - W005 TASKLOCK['RESTART_GRACE'] is shorter than TASKLOCK['LIVENESS']: after a
   restart or failover a new lock may be granted while a holder slowed for less
   than LIVENESS has not yet put its lock back.
+- E024 TASKLOCK['ALLOW_PER_PROCESS'] is not True or False.
+- W006 TASKLOCK['ALLOW_PER_PROCESS'] is True (for test settings only).
 
 Each of E003-E006, E012, E015, W001 and W002 is reported for TASKLOCK['CACHE']
 and for every alias a ``@single_instance(cache=...)`` names: those of the task
@@ -94,12 +96,20 @@ _SETTING_IDS = {
     "ON_LIMIT": "django_tasklock.E019",
     "METRICS": "django_tasklock.E020",
     "BEAT_MISSED": "django_tasklock.E023",
+    "ALLOW_PER_PROCESS": "django_tasklock.E024",
 }
 _OPTION_IDS = {
     "default_noreply": "django_tasklock.E005",
     "ignore_exc": "django_tasklock.E006",
 }
 _HINT_ALIAS = f"Point TASKLOCK['CACHE'] at a CACHES entry using {recommended_paths()}."
+
+
+def _hint_for(named_by: str) -> str:
+    """What to change, for an alias ``named_by`` names."""
+    if named_by == "TASKLOCK['CACHE']":
+        return _HINT_ALIAS
+    return f"Make {named_by} name a CACHES entry using {recommended_paths()}."
 
 
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
@@ -131,6 +141,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     settings_ok = not messages
     if settings_ok:
         messages.extend(_check_grace(raw))
+        messages.extend(_check_per_process(raw))
     messages.extend(_import_task_modules())
     if settings_ok:  # (a limit is made from the settings: they must be sound)
         messages.extend(_check_declared_limits())
@@ -141,6 +152,22 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         by = f"@single_instance(cache={named!r}) of {', '.join(sorted(users))}"
         messages.extend(_check_cache(named, protocol, by))
     return messages
+
+
+def _check_per_process(raw: Any) -> list[CheckMessage]:
+    """W006: ALLOW_PER_PROCESS set (for test settings only)."""
+    if not isinstance(raw, dict) or raw.get("ALLOW_PER_PROCESS") is not True:
+        return []
+    return [
+        Warning(
+            "TASKLOCK['ALLOW_PER_PROCESS'] is True: Celery workers, LeaderScheduler "
+            "and Leadership start on a lock store each process has its own of "
+            "(LocMemCache), where their locks hold nothing between processes.",
+            hint="Set it in the settings of single-process tests only; the "
+            "tasklock fixture and TaskLockTestMixin need no setting.",
+            id="django_tasklock.W006",
+        )
+    ]
 
 
 def _check_grace(raw: Any) -> list[CheckMessage]:
@@ -347,7 +374,9 @@ def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessa
                 f"CACHES[{alias!r}] ({named_by}) is LocMemCache: each process has "
                 "its own, so a lock taken in one worker process is invisible to "
                 "the others.",
-                hint="Use it for single-process tests only. " + _HINT_ALIAS,
+                hint="Use it for single-process tests only (workers, beats and "
+                "leaderships refuse it unless TASKLOCK['ALLOW_PER_PROCESS']). "
+                + _hint_for(named_by),
                 id="django_tasklock.W001",
             )
         )

@@ -61,6 +61,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "ON_LIMIT": "retry",
     "METRICS": None,
     "BEAT_MISSED": "send",
+    "ALLOW_PER_PROCESS": False,
 }
 
 
@@ -154,6 +155,9 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
     ),
     "METRICS": lambda v: validate_metrics(v),
     "BEAT_MISSED": lambda v: validate_beat_missed(v),
+    "ALLOW_PER_PROCESS": lambda v: validate_bool(
+        v, name="TASKLOCK['ALLOW_PER_PROCESS']"
+    ),
 }
 
 
@@ -427,6 +431,13 @@ class Settings:
     def RETRY_COUNTDOWN(self) -> float:
         """Seconds before ``on_contention="retry"`` runs the task again."""
         value: float = self._get("RETRY_COUNTDOWN")
+        return value
+
+    @property
+    def ALLOW_PER_PROCESS(self) -> bool:
+        """Whether a worker, beat or leadership may lock in a store each
+        process has its own of (LocMemCache): for single-process tests."""
+        value: bool = self._get("ALLOW_PER_PROCESS")
         return value
 
     @property

@@ -19,7 +19,7 @@ from .modes import mode_for
 from .modes.asynchronous import arun, refuse_async
 from .options import ModeName, OnContention, OnDuplicate, Options
 from .runs import current_lock, retry_unbound
-from .targets import lock_id_for
+from .targets import lock_id_for, refuse_task_object
 
 if TYPE_CHECKING:
     from .locks import OnLost
@@ -154,6 +154,7 @@ def single_instance(
 
 
 def _decorate(func: F, options: Options) -> F:
+    refuse_task_object(func, "single_instance")
     mode = mode_for(options)
     if mode.publishes:
         install()

@@ -29,7 +29,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .conf import validate_seconds
+from .backends import refuse_per_process
+from .conf import settings, validate_seconds
 from .exceptions import LockBackendError
 from .locks import Lock
 
@@ -128,6 +129,10 @@ class Leadership:
         """Start standing by (and leading, once the role is free)."""
         if self._thread is not None:
             raise RuntimeError(f"leadership {self.name!r} was started already")
+        refuse_per_process(
+            [self.cache or settings.CACHE],
+            f"Leadership {self.name!r} would let every process lead at once",
+        )
         self._thread = threading.Thread(
             target=self._run, name=f"tasklock-leader-{self.name}", daemon=True
         )

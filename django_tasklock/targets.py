@@ -5,6 +5,7 @@ either framework, and the lock ids its calls use."""
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -17,6 +18,7 @@ __all__ = [
     "lock_cache_for",
     "lock_id_for",
     "lock_mode_for",
+    "refuse_task_object",
     "spec_of",
 ]
 
@@ -50,6 +52,38 @@ def decorated(target: Callable[..., Any]) -> tuple[Any, str, bool]:
     if not hasattr(target, "_tasklock_lock_id"):
         raise TypeError(f"{target!r} is not decorated with @single_instance.")
     return target, target._tasklock_name, False  # type: ignore[attr-defined]
+
+
+def refuse_task_object(func: object, decorator: str) -> None:
+    """Raise if ``func`` is already a Celery task (an ``@app.task`` Task, or
+    ``@shared_task``'s proxy of one) or a ``django.tasks`` task: the lock
+    decorators wrap the function, under the task decorator. Told from the
+    object's own type (a proxy's attributes would build the task, and
+    finalize its app, at import time), without importing either framework."""
+    kind = type(func)
+    made = (
+        getattr(sys.modules.get(module), name, None) for module, name in _TASK_TYPES
+    )
+    if any(isinstance(cls, type) and issubclass(kind, cls) for cls in made):
+        raise TypeError(
+            f"@{decorator} is above a task decorator here ({func!r} is already a "
+            f"task), so it would wrap the task object, not the function, and the "
+            f"task's .delay() and .enqueue() would be lost. Put @{decorator} "
+            "under @shared_task / @app.task / @task, right above the def:\n\n"
+            f"    @shared_task(bind=True)\n    @{decorator}(...)\n"
+            "    def my_task(self, ...): ..."
+        )
+
+
+#: The types of an already-made task, by module (none of an object's type
+#: unless that module is loaded): a Celery Task, the proxy ``@shared_task``
+#: returns (whose class names itself after its module), a ``django.tasks``
+#: Task.
+_TASK_TYPES = (
+    ("celery.app.task", "Task"),
+    ("celery.local", "Proxy"),
+    ("django.tasks.base", "Task"),
+)
 
 
 def spec_of(task: Any, *, any_mode: bool = False) -> Spec | None:

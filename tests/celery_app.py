@@ -50,3 +50,5 @@ if os.environ.get("TASKLOCK_TEST_BEAT"):
         }
     }
 app.autodiscover_tasks(["tests"], related_name="tasks", force=True)
+if os.environ.get("TASKLOCK_TEST_UNBOUND_RETRY"):
+    app.conf.include = ["tests.unbound_retry"]

@@ -259,3 +259,18 @@ def test_a_second_delivery_of_a_running_async_call_is_dropped(caplog):
     assert call == ["running", "call-twice"]
     assert "Dropped a second delivery" in caplog.text
     assert not lock_status(held).held  # the cancelled first released it
+
+
+def test_single_instance_above_django_task_is_refused_at_decoration():
+    from django.tasks import task
+
+    from django_tasklock import single_instance
+
+    made = task(words)
+    with pytest.raises(TypeError, match="Put @single_instance under"):
+        single_instance(key="text")(made)
+
+
+def words(text):
+    """A plain function (django.tasks takes only module-level ones)."""
+    return len(text.split())

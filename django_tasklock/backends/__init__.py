@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.cache import InvalidCacheBackendError, caches
 from django.core.cache.backends.memcached import PyMemcacheCache
@@ -20,6 +20,9 @@ from .redis import DjangoRedisBackend
 from .supported import UNSUPPORTED, recommended_paths, supported_for, supported_names
 from .valkey import ValkeyBackend
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
 __all__ = [
     "IMPLICIT_CACHES",
     "FenceCounter",
@@ -30,6 +33,8 @@ __all__ = [
     "backends_generation",
     "caches_implicit",
     "close_thread_connections",
+    "per_process_tests",
+    "refuse_per_process",
     "thread_connections",
     "unsafe_options",
     "unsupported_reason",
@@ -286,6 +291,42 @@ IMPLICIT_CACHES = (
     "duplicate runs overlap. Set CACHES (its 'default', or the alias "
     f"TASKLOCK['CACHE'] names) to {recommended_paths()}."
 )
+
+
+#: How many test isolations (the ``tasklock`` fixture, ``TaskLockTestMixin``)
+#: are running in this process: while any is, a per-process store is allowed.
+per_process_tests = [0]
+
+
+def refuse_per_process(aliases: Iterable[str], where: str) -> None:
+    """Raise ``LockConfigurationError`` if one of ``aliases`` is a store each
+    process has its own of (LocMemCache: check W001), where the system checks
+    do not run (a worker, a beat, a leadership): ``where`` says which, and what
+    it would do. Allowed by ``TASKLOCK['ALLOW_PER_PROCESS']`` and in a test
+    isolation."""
+    from django.conf import settings as django_settings
+    from django.core.cache.backends.locmem import LocMemCache
+    from django.utils.module_loading import import_string
+
+    from ..conf import settings
+
+    if settings.ALLOW_PER_PROCESS or per_process_tests[0]:
+        return
+    configured: dict[str, Any] = django_settings.CACHES
+    for alias in sorted(set(aliases)):
+        try:
+            backend_class = import_string((configured.get(alias) or {})["BACKEND"])
+        except (ImportError, KeyError):
+            continue  # the lock itself reports an alias that cannot work
+        if isinstance(backend_class, type) and issubclass(backend_class, LocMemCache):
+            raise LockConfigurationError(
+                f"{where}, but CACHES[{alias!r}], its lock store, is LocMemCache: "
+                "each process has its own, so a lock taken in one process is "
+                "invisible to the others (check W001). Point TASKLOCK['CACHE'] (or "
+                f"the cache= alias) at a shared store, {recommended_paths()}; in "
+                "tests that run in one process, set TASKLOCK['ALLOW_PER_PROCESS'] "
+                "= True (the tasklock fixture and TaskLockTestMixin allow it)."
+            )
 
 
 def caches_implicit() -> bool:

@@ -24,6 +24,7 @@ from ..conf import LIMIT_POLICIES, settings
 from ..integrations import sender_over_limit
 from ..policies.limits import ON_LIMIT, Over
 from ..rates import RateSpec, parse_rate
+from ..targets import refuse_task_object
 from .limiter import Admission, RateLimiter, make_kind
 
 __all__ = ["current_admission", "rate_limited"]
@@ -77,6 +78,7 @@ def rate_limited(
     _check_options(rate, name, on_limit, kind, burst)
 
     def decorate(func: F) -> F:
+        refuse_task_object(func, "rate_limited")
         limits, signature = _declare(
             func, name, (rate, kind, burst, cache), key, on_limit
         )

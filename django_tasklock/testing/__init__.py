@@ -65,13 +65,20 @@ class Isolation:
         self._settings: Any = None
         self._receivers: list[tuple[Any, Any]] = []
         self._shift_before: int | None = None
+        self._counted = False
 
     # -- set-up and tear-down -------------------------------------------------
 
     def start(self) -> None:
-        """Give the lock caches this test's key prefix, and record signals."""
+        """Give the lock caches this test's key prefix, and record signals;
+        a store each process has its own of (LocMemCache) is allowed to
+        workers, beats and leaderships started meanwhile."""
+        from ..backends import per_process_tests
+
         self._isolate()
         self._listen()
+        per_process_tests[0] += 1
+        self._counted = True
 
     def _isolate(self) -> None:
         from django.conf import settings
@@ -107,8 +114,11 @@ class Isolation:
     def stop(self) -> None:
         """Stop recording, put the settings back; then fail if a lock the test
         took is still held (released first, so that nothing leaks)."""
-        from ..backends import close_thread_connections
+        from ..backends import close_thread_connections, per_process_tests
 
+        if self._counted:
+            per_process_tests[0] -= 1
+            self._counted = False
         for signal, receiver in self._receivers:
             signal.disconnect(receiver)
         self._receivers.clear()
