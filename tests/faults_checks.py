@@ -8,7 +8,10 @@ part's time is spent waiting on servers, workers and expiries.
 from __future__ import annotations
 
 import re
+import traceback
 from collections.abc import Callable
+
+import pytest
 
 from reliability.faults import PARTS
 from reliability.recovery import LIVENESS, SLACK, TARGET
@@ -52,25 +55,59 @@ def table_rows(out: str) -> list[Table]:
 def run_group(group: tuple[str, ...]) -> None:
     """Run ``group``'s parts at their quick sizes and check every row: all the
     rows those parts give, each carried out, nothing wrong, overlaps only where
-    the case builds one, and each part's own figures."""
+    the case builds one, and each part's own figures. A failure prints the
+    run's output, then one line per failed row or figure: what was expected,
+    what was seen, and the row's figures (why)."""
     parts = [argument for part in group for argument in ("--part", part)]
     out = run_module("reliability.faults", "--quick", *parts, timeout=900)
+    failed = failures(group, out)
+    if failed:
+        pytest.fail(
+            f"{out}\n{len(failed)} failed:\n" + "\n".join(failed), pytrace=False
+        )
+
+
+def failures(group: tuple[str, ...], out: str) -> list[str]:
+    """One line per row of ``group``'s parts in ``out`` that broke a promise
+    (case, column, expected, seen, why), and per part whose figures did not
+    come out as they must."""
     table = table_rows(out)
     expected = {f"{n}." for part in group for n in PARTS[part]}
     rows = {row[0].split(" ", 1)[0]: row for row in table}
-    assert set(rows) == expected, out
+    failed = [
+        f"row {number} missing: its part ended before it (see its output above)"
+        for number in sorted(expected - set(rows), key=lambda n: int(n[:-1]))
+    ]
     for case, attempts, overlapping, marked, wrong, figures in table:
         number = case.split(" ", 1)[0]
-        assert int(attempts) > 0, case
-        assert int(wrong) == 0, f"{case}: {figures}"
         if number in BY_DESIGN:
-            assert marked and int(overlapping) == int(attempts), f"{case}: {figures}"
+            want = ("(b)", f"all {attempts}")
+            ok = bool(marked) and overlapping == attempts
         elif number in NO_OVERLAP:
-            assert not marked and overlapping == "-", f"{case}: {figures}"
+            want, ok = ("", "-"), not marked and overlapping == "-"
         else:
-            assert not marked and int(overlapping) == 0, f"{case}: {figures}"
+            want, ok = ("", "0"), not marked and overlapping == "0"
+        checks = [
+            ("attempts", "more than 0", attempts, int(attempts) > 0),
+            ("wrong", "0", wrong, int(wrong) == 0),
+            ("overlaps", " ".join(want).strip(), f"{overlapping}{marked}", ok),
+        ]
+        failed += [
+            f"{case}: {column} expected {wanted}, seen {seen}; why: {figures}"
+            for column, wanted, seen, fine in checks
+            if not fine
+        ]
     for part in group:
-        FIGURES[part](out, rows)
+        try:
+            FIGURES[part](out, rows)
+        except (AssertionError, KeyError, AttributeError, ValueError) as error:
+            line = traceback.extract_tb(error.__traceback__)[-1]
+            said = f" ({error})" if str(error) else ""
+            failed.append(
+                f"part {part}: figures: {line.line}{said} "
+                f"(tests/faults_checks.py:{line.lineno})"
+            )
+    return failed
 
 
 def _basics(out: str, rows: dict[str, Table]) -> None:

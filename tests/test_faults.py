@@ -41,6 +41,42 @@ def test_bad_rows_are_the_ones_that_break_a_promise():
         assert bad([row]) == [row]
 
 
+def test_a_failure_says_which_row_failed_and_why():
+    from reliability.faults import render
+    from tests.faults_checks import failures
+
+    first, *rest = PARTS["basics"]
+    out = render(
+        [
+            Row(
+                f"{first}. a case that overlapped", 3, 1, 0, figures=["2 held at once"]
+            ),
+            Row("2. by design, overlap missing", 7, 6, 0, by_design=True),
+            Row(f"{rest[0]}. a wrong one", 5, 0, 2, figures=["fence went back"]),
+        ],
+        "command",
+    )
+    said = failures(("basics",), out)
+    assert (
+        f"{first}. a case that overlapped: overlaps expected 0, seen 1; why: "
+        "2 held at once" in said
+    )
+    assert (
+        "2. by design, overlap missing: overlaps expected (b) all 7, seen 6 (b); why: -"
+        in said
+    )
+    assert (
+        f"{rest[0]}. a wrong one: wrong expected 0, seen 2; why: fence went back"
+        in said
+    )
+    missing = [line for line in said if line.startswith("row ")]
+    assert len(missing) == len(rest) - 1, said
+    figures = [line for line in said if line.startswith("part basics: figures: ")]
+    assert len(figures) == 1 and "faults_checks.py:" in figures[0], said
+    # A run with nothing wrong says nothing.
+    assert failures((), render([], "command")) == []
+
+
 def test_the_groups_run_every_part_once_and_the_parts_every_row_once():
     parts = [part for group in GROUPS for part in group]
     assert sorted(parts) == sorted(PARTS) == sorted(FIGURES)

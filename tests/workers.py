@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -157,8 +158,9 @@ def hammer(
     ``storm``, until the storm's processes have held it often enough.
 
     Returns the (enter, exit) monotonic times of every hold and the number of
-    refused attempts. CLOCK_MONOTONIC is shared by all processes of one machine,
-    so holds from different processes can be compared. ``mode`` "none" skips the
+    refused attempts (a store error counts as one). CLOCK_MONOTONIC is shared
+    by all processes of one machine, so holds from different processes can be
+    compared. ``mode`` "none" skips the
     lock, to prove the overlap detector sees overlaps when there are some. With
     ``limit``, a Semaphore of that limit named ``lock_id`` instead of a Lock,
     each hold a little longer, so that others have room to pile in.
@@ -167,7 +169,7 @@ def hammer(
     from django.conf import settings
     from django.core.cache import close_caches
 
-    from django_tasklock import Lock, Semaphore
+    from django_tasklock import Lock, LockBackendError, Semaphore
 
     settings.TASKLOCK = tasklock
     holds: list[tuple[float, float]] = []
@@ -182,14 +184,21 @@ def hammer(
             if limit is None
             else Semaphore(lock_id, limit, expire=30)
         )
-        if mode == "none" or lock.acquire():
+        try:
+            taken = mode == "none" or lock.acquire()
+        except LockBackendError:
+            # A store error (a cluster client out of redirections while a
+            # slot moves): a failed attempt of this storm's row, not its end.
+            taken = False
+        if taken:
             entered = time.monotonic()
             # Hold for a moment, so an overlap would have room to show.
             while time.monotonic() - entered < hold_for:
                 pass
             exited = time.monotonic()
             if mode != "none":
-                assert lock.release(), "lost a lock nobody else could take"
+                with contextlib.suppress(LockBackendError):  # (then it expires)
+                    assert lock.release(), "lost a lock nobody else could take"
             holds.append((entered, exited))
             _count_hold()
         else:

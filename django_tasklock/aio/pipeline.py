@@ -17,13 +17,12 @@ import asyncio
 import collections
 from typing import TYPE_CHECKING, Any
 
+from .watch import watch
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
 __all__ = ["Pipeline"]
-
-#: How many looks a reply's timeout is watched in (``Pipeline._watch``).
-_LOOKS = 4
 
 
 class Pipeline:
@@ -50,13 +49,10 @@ class Pipeline:
         #: Set while the transport's buffer is above its high-water mark: a
         #: command waits on it before its reply.
         self._drain: Callable[[], Awaitable[None]] | None = None
-        #: The watch on replies (``_watch``), while one is due; the longest a
-        #: reply may be awaited; the first waiter in line when last looked,
-        #: and at how many looks in a row.
-        self._watching: asyncio.TimerHandle | None = None
-        self._timeout = 0.0
-        self._head: asyncio.Future[Any] | None = None
-        self._looks = 0
+        self.loop = self._loop
+        #: The longest a reply may be awaited (``watch``); 0 until a command
+        #: is sent with a timeout, and the connection watched.
+        self.timeout = 0.0
 
     #: Writes a command (the transport's own ``write`` where it needs no
     #: more: a call less per command).
@@ -79,34 +75,16 @@ class Pipeline:
             if handler is not None:
                 handler(reply if error is None else error)
 
-    def _watch(self) -> None:
-        """No reply for ``_timeout`` seconds while commands wait: the server
-        stalled (or the network), and the connection fails, and with it every
-        command in flight. Looked at four times a timeout while something is
-        in line (not a timer per command: none on the hot path): the same
-        waiter first in line at five looks in a row has waited a timeout and
-        at most a quarter more."""
-        self._watching = None
-        pending = self.pending
-        if self.broken or not pending:
-            self._head = None
-            return
-        if pending[0] is self._head:
-            self._looks += 1
-            if self._looks >= _LOOKS:
-                timeout = self._timeout
-                self._fail(TimeoutError(f"no reply within {timeout:g}s"))
-                return
-        else:
-            self._head, self._looks = pending[0], 0
-        self._watching = self._loop.call_later(self._timeout / _LOOKS, self._watch)
+    def stalled(self, head: asyncio.Future[Any]) -> None:
+        """The watch found ``head`` first in line for a whole timeout: no
+        reply came for that long, and the connection fails (if ``head`` is
+        still waiting first: a reply may have come meanwhile)."""
+        if not self.broken and self.pending and self.pending[0] is head:
+            self._fail(TimeoutError(f"no reply within {self.timeout:g}s"))
 
     def _fail(self, exc: BaseException) -> None:
         """The connection is lost: every command in flight with it."""
         self.broken = True
-        watching, self._watching = self._watching, None
-        if watching is not None:
-            watching.cancel()
         self._close_transport()
         while self.pending:
             waiter = self.pending.popleft()
@@ -126,7 +104,7 @@ class Pipeline:
         late: Callable[[Any], object] | None = None,
     ) -> Any:
         """``command``'s reply (an error reply raised). One not come within
-        ``timeout`` seconds (and at most a quarter more: ``_watch``) breaks the
+        ``timeout`` seconds (and at most a quarter more: ``watch``) breaks the
         connection: what was in flight on it is out of step. If the caller is
         cancelled once the command is written, ``late`` gets its reply when it
         comes (None if the connection fails first)."""
@@ -135,9 +113,9 @@ class Pipeline:
         waiter: asyncio.Future[Any] = self._loop.create_future()
         self.pending.append(waiter)
         self._write(command)
-        if timeout is not None and self._watching is None:
-            self._timeout = timeout
-            self._watching = self._loop.call_later(timeout / _LOOKS, self._watch)
+        if timeout is not None and not self.timeout:
+            self.timeout = timeout
+            watch(self)
         if late is not None:
             # Before any await: the reply of a cancelled caller may be read
             # before that caller resumes.
