@@ -50,6 +50,8 @@ class Outcome:
     released: bool | None = None
     verdict: tuple[bool | None, str] | None = None
     figures: dict[str, float] = field(default_factory=dict)
+    #: The holder's longest stall (its process starved or stopped), seconds.
+    stall: float = 0.0
 
 
 @dataclass
@@ -151,10 +153,12 @@ def contend(
 
 
 def finish(outcome: Outcome, holder: Holder) -> Outcome:
-    """The holder's own word: does it still hold its lock; then its release."""
+    """The holder's own word: does it still hold its lock, and how long did it
+    stand still; then its release."""
     outcome.kept = {"check True False": True, "check False True": False}.get(
         holder.ask("check")
     )
+    outcome.stall = float(holder.ask("stall").split()[1])
     outcome.released = holder.ask("release") == "released True"
     return outcome
 
@@ -549,21 +553,38 @@ def _held(alias: str) -> bool:
 # -- the table's rows ---------------------------------------------------------------------
 
 
+def starved(outcome: Outcome) -> bool:
+    """A holder told it lost its lock that nobody took, having stood still
+    long enough (half ``LIVENESS``) for its liveness record or heartbeat to
+    lapse: the safe direction, judged by what must hold (no second holder,
+    the holder told), not by the lock it was meant to keep."""
+    return outcome.kept is False and not outcome.taken and outcome.stall >= LIVENESS / 2
+
+
 def _row(case: str, runs: list[Outcome], *, least_tries: int = 1) -> Row:
     """One row from the outcomes of one scenario's runs. Overlaps: tries that
     took a live holder's lock. Wrong: a run whose contender tried fewer than
-    ``least_tries`` times, whose holder no longer held its lock (or could not
-    release it), or whose status called the holder dead."""
+    ``least_tries`` times, whose holder no longer held its lock (unless it was
+    starved: ``starved``) or could not release it, or whose status called
+    the holder dead."""
     wrong = sum(
         outcome.tries < least_tries
-        or outcome.kept is not True
-        or outcome.released is not True
+        or (
+            (outcome.kept is not True or outcome.released is not True)
+            and not starved(outcome)
+        )
         or (outcome.verdict is not None and outcome.verdict[0] is False)
         for outcome in runs
     )
     row = Row(case, len(runs), sum(o.taken for o in runs), wrong)
     tries = sum(o.tries for o in runs)
     row.figures.append(f"{tries} tries, {row.overlaps} took the live holder's lock")
+    hungry = [o.stall for o in runs if starved(o)]
+    if hungry:
+        row.figures.append(
+            f"holder starved and told it lost its lock {len(hungry)} "
+            f"(stood still up to {max(hungry):.1f}s; nobody took it)"
+        )
     said = [o.verdict[0] for o in runs if o.verdict is not None]
     if said:
         row.figures.append(

@@ -3,7 +3,9 @@
     python -m tests.holder <alias> <liveness or "none"> <lock id> [<semaphore limit>]
 
 Prints ``held <token> <fence>`` once it holds, then waits for a line on stdin:
-``check`` prints ``check <True|False> <lost>``; ``release`` releases and prints
+``check`` prints ``check <True|False> <lost>``; ``stall`` prints ``stall
+<seconds>``, the longest this process stood still (a tick thread's longest
+gap past its 0.1 s: starved of CPU, or stopped); ``release`` releases and prints
 ``released <True|False>``, then exits; ``exit`` exits holding it. Run under
 ``unshare --uts`` it is a holder on another host (a hostname of its own, same
 loopback stores).
@@ -12,6 +14,8 @@ loopback stores).
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 
 def main(argv: list[str]) -> None:
@@ -22,6 +26,17 @@ def main(argv: list[str]) -> None:
 
     from django_tasklock import Lock, Semaphore
 
+    stalled = [0.0]
+
+    def tick() -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(0.1)
+            now = time.monotonic()
+            stalled[0] = max(stalled[0], now - last - 0.1)
+            last = now
+
+    threading.Thread(target=tick, daemon=True).start()
     alias, liveness, lock_id, *rest = argv
     settings.TASKLOCK = {
         "CACHE": alias,
@@ -42,6 +57,8 @@ def main(argv: list[str]) -> None:
         command = line.strip()
         if command == "check":
             print(f"check {lock.check()} {lock.lost}", flush=True)
+        elif command == "stall":
+            print(f"stall {stalled[0]:.3f}", flush=True)
         elif command == "fence":
             print(f"fence {lock.fence}", flush=True)
         elif command == "exit":  # leave without releasing: the way out does

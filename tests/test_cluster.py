@@ -5,7 +5,7 @@ owner checks that survive NOSCRIPT, and many processes that never overlap."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from django.core.cache import caches
@@ -253,6 +253,35 @@ def test_a_live_holder_on_another_host_keeps_its_lock(on_cluster, settings):
         assert holder.ask("release") == "released True"
     finally:
         holder.close()
+
+
+def test_a_lock_is_never_taken_without_its_holders_record_beside_it(
+    on_cluster, settings
+):
+    """A take writes the holder's liveness record beside the lock, in the
+    same script, every time: a record written moments before may be gone (a
+    flush, an eviction, a failover), and a lock found without one is its
+    holder's dead to a contender on another host. (The checker's find, seed
+    20261129, cluster: the take skipped the record it had written within
+    half its life, a flush had removed it, and a live holder was robbed.)"""
+    from django_tasklock.backends import backend_for
+
+    settings.TASKLOCK = {"CACHE": "cluster", "LOCK_EXPIRE": 60, "LIVENESS": 5}
+    backend: Any = backend_for("cluster")
+    first = Lock("beside-its-record")
+    assert first.acquire()
+    key = backend.key_for("beside-its-record")
+    record_key = backend._record_key(key)
+    client = backend._redis(key)
+    assert client.exists(record_key) == 1
+    assert first.release()
+    client.delete(record_key)  # what a flush of that primary does
+    again = Lock("beside-its-record")
+    assert again.acquire()
+    try:
+        assert client.exists(record_key) == 1, "a lock without its holder's record"
+    finally:
+        again.release()
 
 
 @pytest.mark.slow

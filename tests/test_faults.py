@@ -77,6 +77,24 @@ def test_a_failure_says_which_row_failed_and_why():
     assert failures((), render([], "command")) == []
 
 
+def test_a_starved_holder_told_of_its_loss_is_said_so_and_not_wrong():
+    from reliability.deployments import LIVENESS, Outcome, _row
+
+    def run(kept, stall, taken=0):
+        return Outcome(tries=5, taken=taken, kept=kept, released=kept, stall=stall)
+
+    fine = run(True, 0.1)
+    starved = run(False, LIVENESS)  # told, nobody took it, stood still long
+    told_unstarved = run(False, 0.2)  # told with no stall: a broken put-back
+    taken = run(False, LIVENESS, taken=1)  # a second holder: never excused
+    row = _row("40. case", [fine, starved])
+    assert row.wrong == 0 and row.overlaps == 0
+    assert any("holder starved and told it lost its lock 1" in f for f in row.figures)
+    assert _row("40. case", [fine, told_unstarved]).wrong == 1
+    second = _row("40. case", [taken])
+    assert second.overlaps == 1 and second.wrong == 1
+
+
 def test_the_groups_run_every_part_once_and_the_parts_every_row_once():
     parts = [part for group in GROUPS for part in group]
     assert sorted(parts) == sorted(PARTS) == sorted(FIGURES)

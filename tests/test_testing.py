@@ -94,3 +94,32 @@ def test_a_lock_left_held_is_released_when_the_test_ends(settings):
     isolation.allow_held("left-on-purpose")
     isolation.stop()
     assert not backend_for("default").locked(key)
+
+
+def test_the_isolation_covers_an_alias_a_decorator_names(settings):
+    """``@single_instance(cache="pair")`` locks in an alias TASKLOCK does not
+    name: the isolation gives it the test's key prefix too, so a lock on the
+    same id held outside the test is not seen inside it."""
+    from django_tasklock import Lock, lock_id_for
+    from django_tasklock.testing import Isolation
+    from tests.helpers import close_connections
+    from tests.named_alias import counted
+
+    settings.TASKLOCK = {"CACHE": "default"}
+    outside = Lock(lock_id_for(counted, "x"), cache="pair")
+    assert outside.acquire()
+    assert outside.acquisition is not None
+    backend = outside.acquisition.backend  # (closed at the end: it outlives
+    try:  # the CACHES generations the isolation makes)
+        assert counted("x") is None  # not isolated: the lock outside is seen
+        isolation = Isolation()
+        isolation.start()
+        try:
+            assert counted("x") == "ran x"
+        finally:
+            close_connections()
+            isolation.stop()
+    finally:
+        outside.release()
+        backend.close()
+        close_connections()

@@ -202,9 +202,6 @@ class ValkeyClusterBackend(ClusterKeys):
         self._slots: dict[str, int] = {}
         #: lock key -> the key of this process's liveness record beside it.
         self._beside: dict[str, str] = {}
-        #: record key -> until when (monotonic) this thread need not write the
-        #: record there again: half its life after it last did.
-        self._fresh: dict[str, float] = {}
         self._tokens = TOKENS
         self._record_id = record_id(socket.gethostname(), this_process())
 
@@ -267,27 +264,21 @@ class ValkeyClusterBackend(ClusterKeys):
         self, script: str, key: str, token: str, arguments: tuple[object, ...]
     ) -> Any:
         """Run ``script`` on the lock at ``key`` for ``token``: with this
-        process's liveness record written first, beside the lock, when the
-        token promises one and this thread has not written it there within
-        half its life (the record's thread renews it beside every lock held,
-        every beat)."""
-        if self._tokens.live_prefix in token:  # it promises a record
+        process's liveness record written first, beside the lock, in the same
+        script, when the token promises one. Every time: a lock is never
+        there without its holder's record, which a contender would read as
+        its holder dead (a record written moments ago may be gone since: a
+        flush, an eviction, a failover that lost it)."""
+        ttl = settings.LIVENESS
+        if ttl is not None and self._tokens.live_prefix in token:  # it promises one
             record_key = self._beside.get(key) or self._record_key(key)
-            sent = time.monotonic()
-            ttl = None if self._fresh.get(record_key, 0.0) > sent else settings.LIVENESS
-            if ttl is not None:
-                stamp = b"%.3f" % time.time()
-                result = self._script(
-                    _WITH_RECORD[script],
-                    (key, record_key),
-                    *arguments,
-                    stamp,
-                    math.ceil(ttl),
-                )
-                if len(self._fresh) >= 10_000:
-                    self._fresh.clear()
-                self._fresh[record_key] = sent + ttl / 2
-                return result
+            return self._script(
+                _WITH_RECORD[script],
+                (key, record_key),
+                *arguments,
+                b"%.3f" % time.time(),
+                math.ceil(ttl),
+            )
         return self._script(script, (key,), *arguments)
 
     def _record_key(self, key: str, record: str | None = None) -> str:
