@@ -140,3 +140,28 @@ def test_f6_after_a_failover_later_processes_count_the_grace_from_the_promotion(
         lock = Lock(ids[2])
         assert lock.acquire()
         assert lock.release()
+
+
+def test_a_primary_restarted_in_place_is_refused_by_a_process_that_knew_it(
+    cluster, monkeypatch
+):
+    """A process that learnt the primary's run a moment ago (and would trust
+    it without asking for a while: here for a minute, ``LEARN_EVERY``), then
+    the primary SIGKILLed and started again, empty, before its replica was
+    promoted: the next lock there is refused for the grace, not granted, since
+    its client had to reconnect. (The checker's find, seed 20261129, cluster:
+    a lock taken on a primary restarted in place 0.7 s before, its live
+    holder's lock lost with the restart.)"""
+    monkeypatch.setattr(promotions, "LEARN_EVERY", 60.0)
+    with on_cluster(cluster, "marks", RESTART_GRACE=GRACE, LIVENESS=None) as alias:
+        victim, ids = ids_on(cluster, alias)
+        first = Lock(ids[0], expire=120)
+        assert first.acquire()  # learnt: trusted for a minute from now
+        before = cluster.ask(victim, "INFO", "replication")["master_replid"]
+        victim.stop(signal.SIGKILL)
+        victim.start()
+        cluster.wait_until_ok()
+        info = cluster.ask(victim, "INFO", "replication")
+        assert info["role"] == "master" and info["master_replid"] != before
+        with pytest.raises(LockBackendError, match="RESTART_GRACE"):
+            Lock(ids[1]).acquire()

@@ -31,7 +31,7 @@ from ..keys import (
 )
 from ..tokens import TOKENS, this_process
 from .base import Hold, LockBackend
-from .failover import LEARNT, Promotions
+from .failover import LEARNT, Promotions, relearn
 from .redis import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER
 from .valkey import ValkeyBackend
 
@@ -204,6 +204,11 @@ class ValkeyClusterBackend(ClusterKeys):
         self._beside: dict[str, str] = {}
         self._tokens = TOKENS
         self._record_id = record_id(socket.gethostname(), this_process())
+
+    def _connected(self, connection: Any) -> None:
+        # A node reconnected to: its run is asked again before a lock there
+        # stands (a restart in place breaks every connection).
+        relearn(f"{connection.host}:{connection.port}")
 
     # -- taking a lock: with the record beside it, refused after a failover --
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from ..conf import settings
 
-__all__ = ["LEARNT", "MARK_PREFIX", "RUN_PREFIX", "Promotions"]
+__all__ = ["LEARNT", "MARK_PREFIX", "RUN_PREFIX", "Promotions", "relearn"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,19 @@ def _lowest_slot(nodes: object) -> int:
             if numbers:
                 return min(numbers)
     raise ValueError("the node serves no hash slot (not a primary now)")
+
+
+def relearn(name: str) -> None:
+    """A new connection to the primary at ``name`` (host:port): ask its run
+    again before a lock taken there stands. A restart in place keeps the
+    address and breaks every connection, so what was learnt of the run
+    before is not trusted past a reconnection (the fast path would otherwise
+    trust it for up to ``LEARN_EVERY``: a lock granted on a primary restarted
+    empty, within its grace)."""
+    with _mutex:
+        learnt = _learnt.get(name)
+        if learnt is not None and learnt[2] > 0.0:
+            _learnt[name] = (learnt[0], learnt[1], 0.0)
 
 
 class Promotions:

@@ -19,6 +19,8 @@ from .base import FenceCounter, Hold, LockBackend, Peek
 from .sockets import close_own, own_client
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from django.core.cache.backends.redis import RedisCache
 
 __all__ = ["DjangoRedisBackend", "RedisBackend"]
@@ -146,11 +148,14 @@ class RedisBackend(LockBackend):
         primary = self._primary
         if primary is None:
             # One of our own, over the same servers: timeouts of ours.
-            primary = self._primary = own_client(self._connect(key))
+            primary = self._primary = own_client(self._connect(key), self._connected)
         return primary
 
     def _connect(self, key: str) -> Any:
         return self._cache_client.get_client(key, write=True)
+
+    #: Called with each connection a cluster client makes (``own_client``).
+    _connected: Callable[[Any], object] | None = None
 
     def _encode(self, token: str) -> bytes:
         encoded: bytes = self._cache_client._serializer.dumps(token)

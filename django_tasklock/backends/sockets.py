@@ -18,9 +18,12 @@ pool's service and Sentinels; a cluster client's startup nodes and options.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..conf import settings
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["close_own", "own_client", "own_timeouts"]
 
@@ -38,14 +41,16 @@ def own_timeouts(options: dict[str, Any]) -> dict[str, Any]:
     return made
 
 
-def own_client(client: Any) -> Any:
+def own_client(client: Any, on_connect: Callable[[Any], object] | None = None) -> Any:
     """A client of this package's own that reaches what ``client`` (a
     ``redis.Redis``, ``valkey.Valkey`` or ``valkey.cluster.ValkeyCluster``
     a cache handed out) reaches, with ``own_timeouts``. Its connections are
-    its own: closing it leaves the cache's alone."""
+    its own: closing it leaves the cache's alone. On a cluster, ``on_connect``
+    is called with every connection it makes to a node, as it is made (a
+    node restarted in place is reconnected to)."""
     package = importlib.import_module(type(client).__module__.split(".", 1)[0])
     if hasattr(client, "nodes_manager"):
-        return _own_cluster(package, client)
+        return _own_cluster(package, client, on_connect)
     pool = client.connection_pool
     sentinel = importlib.import_module(f"{package.__name__}.sentinel")
     if isinstance(pool, sentinel.SentinelConnectionPool):
@@ -95,20 +100,36 @@ def _own_sentinel_pool(sentinel: Any, pool: Any) -> Any:
     )
 
 
-def _own_cluster(package: Any, client: Any) -> Any:
+def _own_cluster(
+    package: Any, client: Any, on_connect: Callable[[Any], object] | None
+) -> Any:
     """A cluster client of our own over ``client``'s startup nodes, with its
-    options and its nodes' connection options, and our timeouts."""
+    options and its nodes' connection options, and our timeouts; the user's
+    connect hook kept, after ``on_connect``."""
     cluster = importlib.import_module(f"{package.__name__}.cluster")
     manager = client.nodes_manager
     nodes = [
         cluster.ClusterNode(node.host, node.port)
         for node in manager.startup_nodes.values()
     ]
+    # (The cluster client's own connect hook is in its nodes' options: the
+    # new client puts in its own, which calls the one given it.)
+    hooks = ("valkey_connect_func", "redis_connect_func")
     options = {
         name: value
         for name, value in manager.connection_kwargs.items()
-        if name not in ("host", "port")
+        if name not in ("host", "port", *hooks)
     }
+    user = getattr(client, "user_on_connect_func", None)
+    if on_connect is not None or user is not None:
+
+        def connected(connection: Any) -> None:
+            if on_connect is not None:
+                on_connect(connection)
+            if user is not None:
+                user(connection)
+
+        options[f"{package.__name__}_connect_func"] = connected
     kept = {
         name: getattr(client, name)
         for name in (
