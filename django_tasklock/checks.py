@@ -43,15 +43,16 @@ Ids are stable and documented in docs/reference/checks.rst:
   than LIVENESS has not yet put its lock back.
 - E024 TASKLOCK['ALLOW_PER_PROCESS'] is not True or False.
 - W006 TASKLOCK['ALLOW_PER_PROCESS'] is True (for test settings only).
+- W007 a setting named as TASKLOCK misspelt (TASK_LOCK, TASKLOCKS), not read.
+- W008 a memcached server of the lock cache did not answer the check's probe.
 
 Each of E003-E006, E012, E015, W001 and W002 is reported for TASKLOCK['CACHE']
 and for every alias a ``@single_instance(cache=...)`` names: those of the task
 modules loaded by then, and of each installed app's ``tasks`` module, which the
 check imports as Celery's autodiscovery would.
 
-E012 and W002 come from asking each reachable memcached server once (a
-connection with a 0.5 s timeout); a server that does not answer is left to the
-first lock, which reports it.
+E012, W002 and W008 come from asking each memcached server once (a
+connection with a 0.5 s timeout).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 id="django_tasklock.E015",
             )
         )
+    messages.extend(_check_misspelt())
     alias = raw.get("CACHE", DEFAULTS["CACHE"]) if isinstance(raw, dict) else "default"
     checked = set()
     if isinstance(alias, str) and alias:
@@ -152,6 +154,26 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         by = f"@single_instance(cache={named!r}) of {', '.join(sorted(users))}"
         messages.extend(_check_cache(named, protocol, by))
     return messages
+
+
+def _check_misspelt() -> list[CheckMessage]:
+    """W007: a setting whose name is TASKLOCK misspelt (TASK_LOCK,
+    TASKLOCKS, tasklock...), which nothing reads."""
+    found = [
+        name
+        for name in dir(django_settings)
+        if name != "TASKLOCK"
+        and name.replace("_", "").upper() in ("TASKLOCK", "TASKLOCKS")
+    ]
+    return [
+        Warning(
+            f"settings.{name} is set, but django_tasklock reads only TASKLOCK: "
+            "its entries are not used.",
+            hint=f"Rename {name} to TASKLOCK.",
+            id="django_tasklock.W007",
+        )
+        for name in found
+    ]
 
 
 def _check_per_process(raw: Any) -> list[CheckMessage]:
@@ -265,10 +287,21 @@ def _check_protocol(
     """E012/W002: ask each memcached server of the alias how it meets ``mn``."""
     messages: list[CheckMessage] = []
     for server in _servers(config):
+        name = "{}:{}".format(*server)
         try:
             how = meta_support(server, timeout=0.5)
-        except OSError:
-            continue  # down or unreachable: the first lock says so
+        except OSError as exc:
+            messages.append(
+                Warning(
+                    f"CACHES[{alias!r}] server {name} did not answer in 0.5s "
+                    f"({type(exc).__name__}: {exc}): every lock on it fails "
+                    "(LockBackendError) until it does.",
+                    hint="Start it, or correct its LOCATION. (A server that is "
+                    "only starting up answers in a moment: check again.)",
+                    id="django_tasklock.W008",
+                )
+            )
+            continue
         if how == "meta":
             continue
         what = (
@@ -277,7 +310,6 @@ def _check_protocol(
             if how == "closed"
             else "answers ERROR to memcached's meta commands (memcached < 1.6)"
         )
-        name = "{}:{}".format(*server)
         if protocol == "meta":
             messages.append(
                 Error(

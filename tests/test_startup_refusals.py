@@ -106,3 +106,29 @@ def test_a_leader_beat_on_a_per_process_store_is_refused(settings, tmp_path):
     app.conf.update(broker_url="memory://", beat_schedule={})
     with pytest.raises(LockConfigurationError, match="celery-beat-beat-refused"):
         LeaderScheduler(app=app, schedule_filename=str(tmp_path / "schedule"))
+
+
+def test_a_misspelt_tasklock_setting_is_named(settings):
+    settings.TASK_LOCK = {"CACHE": "default"}
+    found = [m for m in run_checks() if m.id == "django_tasklock.W007"]
+    assert len(found) == 1 and "settings.TASK_LOCK" in found[0].msg
+    del settings.TASK_LOCK
+    assert not [m for m in run_checks() if m.id == "django_tasklock.W007"]
+
+
+def test_an_unreachable_memcached_server_is_named_by_the_check(settings):
+    from tests.services import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    settings.CACHES = {
+        **settings.CACHES,
+        "gone": {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": address,
+        },
+    }
+    settings.TASKLOCK = {"CACHE": "gone"}
+    found = [m for m in run_checks() if m.id == "django_tasklock.W008"]
+    assert len(found) == 1 and address in found[0].msg, found
+    settings.TASKLOCK = {}  # the default alias, on a running server
+    assert not [m for m in run_checks() if m.id == "django_tasklock.W008"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -174,9 +175,19 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         if not held:
             # Exit status 1, as grep: "status X && ..." runs only while held.
+            # On the command line quietly (what it printed says so: a free
+            # lock is an answer, not an error); to call_command, as an error.
+            if self.from_command_line:
+                sys.exit(1)
             raise CommandError(f"Lock {lock_id!r} is not held.", returncode=1)
 
     _mode = "while_running"
+    #: Run from the command line (``run_from_argv``), not ``call_command``.
+    from_command_line = False
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        self.from_command_line = True
+        super().run_from_argv(argv)
 
     def _lock_id(self, options: dict[str, Any]) -> tuple[str, str | None]:
         values: list[str] = options["values"]
