@@ -291,16 +291,7 @@ def _check_protocol(
         try:
             how = meta_support(server, timeout=0.5)
         except OSError as exc:
-            messages.append(
-                Warning(
-                    f"CACHES[{alias!r}] server {name} did not answer in 0.5s "
-                    f"({type(exc).__name__}: {exc}): every lock on it fails "
-                    "(LockBackendError) until it does.",
-                    hint="Start it, or correct its LOCATION. (A server that is "
-                    "only starting up answers in a moment: check again.)",
-                    id="django_tasklock.W008",
-                )
-            )
+            messages.append(_unanswered(alias, name, exc))
             continue
         if how == "meta":
             continue
@@ -333,6 +324,18 @@ def _check_protocol(
                 )
             )
     return messages
+
+
+def _unanswered(alias: str, name: str, exc: OSError) -> CheckMessage:
+    """W008: a server of the alias that did not answer the probe."""
+    return Warning(
+        f"CACHES[{alias!r}] server {name} did not answer in 0.5s "
+        f"({type(exc).__name__}: {exc}): every lock on it fails "
+        "(LockBackendError) until it does.",
+        hint="Start it, or correct its LOCATION. (A server that is only "
+        "starting up answers in a moment: check again.)",
+        id="django_tasklock.W008",
+    )
 
 
 def _unsafe_options(
