@@ -127,7 +127,9 @@ def test_misspelt_key_check_names_the_key_meant_in_its_hint(settings):
     assert message.hint == "Rename 'LOCK_EXPRIE' to 'LOCK_EXPIRE'."
     settings.TASKLOCK = {"ZZZ": 5}
     [message] = check_settings()
-    assert message.hint.startswith("Remove 'ZZZ'; known keys: BEAT_MISSED, CACHE,")
+    assert message.hint.startswith(
+        "Remove 'ZZZ'; known keys: ALLOW_PER_PROCESS, BEAT_MISSED, CACHE,"
+    )
 
 
 def test_check_covers_every_alias_a_decorated_task_names(settings, monkeypatch):

@@ -19,7 +19,7 @@ import pytest
 
 from django_tasklock import Lock, LockBackendError
 from tests.helpers import close_connections
-from tests.services import Memcached, Redis, RedisCluster, Sentinel
+from tests.services import Memcached, Redis, RedisCluster, Sentinel, stop_and_wait
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,9 @@ def answered_within(call: Callable[[], object], seconds: float) -> tuple[object,
 
 @contextlib.contextmanager
 def stopped(process: Any) -> Iterator[None]:
-    process.send_signal(signal.SIGSTOP)
+    # Until every thread of it has stopped: the signal takes effect
+    # asynchronously, and a loaded server answered a take sent right after it.
+    stop_and_wait(process.pid)
     try:
         yield
     finally:
