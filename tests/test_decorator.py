@@ -433,30 +433,32 @@ def test_plain_function_body_gets_its_renewing_lock_and_fence(settings):
 
 
 @pytest.mark.parametrize("decorator", ["single_instance", "rate_limited"])
-@pytest.mark.parametrize("made_by", ["app.task", "shared_task"])
+@pytest.mark.parametrize("made_by", ["task", "proxy"])
 def test_a_lock_decorator_above_the_task_decorator_is_refused_at_once(
     decorator, made_by
 ):
-    """Above ``@app.task`` (a Task) or ``@shared_task`` (a proxy of one) the
-    decorator would wrap the task object and lose ``.delay()``: refused at
-    decoration, saying where it goes, without building the proxied task
-    (which would finalize its app at import time)."""
-    from celery import Celery, shared_task
+    """Above ``@app.task`` (a Task, or the proxy of one that ``@shared_task``
+    and a lazy app hand out) the decorator would wrap the task object and
+    lose ``.delay()``: refused at decoration, saying where it goes, without
+    building the proxied task (which would finalize its app at import time).
+    (Apps of the test's own: ``@shared_task`` would add the task to every app
+    made after it, other tests' too.)"""
+    from celery import Celery
 
     from django_tasklock import rate_limited
-
-    app = Celery("above", set_as_current=False)
 
     def body(self, url):
         return url
 
-    if made_by == "app.task":
-        task = app.task(bind=True, lazy=False, name=f"above.{decorator}")(body)
-    else:
-        task = shared_task(bind=True, name=f"above.shared.{decorator}")(body)
+    app = Celery(f"above-{made_by}-{decorator}", set_as_current=False)
+    lazy = made_by == "proxy"
+    task = app.task(bind=True, lazy=lazy, name=f"{app.main}.above")(body)
+    assert not app.finalized
     lock = single_instance(key="url") if decorator == "single_instance" else None
     wrap = lock or rate_limited("10/m")
     with pytest.raises(TypeError, match=f"Put @{decorator} under @shared_task"):
         wrap(task)
-    # Under it, as documented, both work.
-    assert app.task(bind=True, lazy=False, name=f"under.{decorator}")(wrap(body))
+    assert not app.finalized, "the proxy was evaluated"
+    # Under it, as documented, it works.
+    under = Celery(f"under-{made_by}-{decorator}", set_as_current=False)
+    assert under.task(bind=True, lazy=False, name=f"{under.main}.under")(wrap(body))
