@@ -424,8 +424,9 @@ def test_store_down_longer_than_the_lock_lives_is_a_loss(private_store, lost_eve
 def test_store_paused_past_the_locks_life_is_a_loss_by_the_clock(
     private_store, lost_events
 ):
-    # With no socket timeout the heartbeat hangs on the paused store; the holder
-    # still learns from check() once the lock may have expired.
+    # The heartbeat's renewals time out on the paused store (SOCKET_TIMEOUT);
+    # the holder learns of the loss once the lock may have expired, from
+    # check() or from the heartbeat, whichever looks first, and only once.
     _kind, server = private_store
     lock = Lock("paused", expire=EXPIRE, renew=True)
     before = time.monotonic()
@@ -438,9 +439,8 @@ def test_store_paused_past_the_locks_life_is_a_loss_by_the_clock(
     # reply shortens it, never lengthens it): never told before that.
     assert time.monotonic() - before >= life
     (event,) = lost_events
-    assert event["during"] == "check" and "sure to keep the lock" in str(
-        event["reason"]
-    )
+    assert event["during"] in ("check", "renew"), event
+    assert "sure to keep the lock" in str(event["reason"]), event
     assert lock.check() is False and len(lost_events) == 1, "told more than once"
     server.process.send_signal(signal.SIGCONT)
     # Whatever the resumed store says, the holder was told and stays told; its
