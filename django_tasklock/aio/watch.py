@@ -71,6 +71,7 @@ def _run() -> None:
                 _thread[0] = None
                 return
         now = time.monotonic()
+        tick = min(min(conn.timeout for conn in conns), 60.0) / LOOKS
         for conn in conns:
             try:
                 head = conn.pending[0]
@@ -86,10 +87,4 @@ def _run() -> None:
                 with contextlib.suppress(RuntimeError):
                     conn.loop.call_soon_threadsafe(conn.stalled, head)
         del conns
-        time.sleep(min(conn_timeout() or 1.0, 60.0) / LOOKS)
-
-
-def conn_timeout() -> float | None:
-    """The shortest timeout of the connections watched."""
-    with _mutex:
-        return min((conn.timeout for conn in _watched), default=None)
+        time.sleep(tick)
