@@ -52,7 +52,12 @@ def redis_cluster() -> Iterator[RedisCluster]:
     not when a test first asks for it: its settings must lie under every
     test's own (a test's override_settings, when it ends, puts back what was
     there when it began)."""
-    server = RedisCluster().start()
+    # Its nodes judge a silent peer failed after 30 s, not 2 s: a loaded CI
+    # (8 workers on 2 cores) starves a node for seconds, and a failover it
+    # causes may lose a holder's renewed lock (the likeliest cause of one CI
+    # failure: a renewed slot gone 1 s after its renewal, its holder told).
+    # The tests of failovers make clusters of their own.
+    server = RedisCluster(node_timeout=30_000).start()
     yield server
     server.stop()
 
