@@ -94,9 +94,25 @@ def namespace(redis_server, memcached):
         if not broker:
             broker.append(use_redis_broker(app, redis_server.url))
 
-    def start_a_worker():
+    def before_a_worker():
+        """What a worker an example starts needs: the broker, and its pool's
+        threads' lock connections closed as they end."""
         task_postrun.connect(close_in_worker_thread, weak=False)
         use_the_broker()
+
+    def after_a_worker():
+        """Put back what a stopped worker changed (the root logger's level and
+        handlers; the publisher's connections)."""
+        import gc
+
+        task_postrun.disconnect(close_in_worker_thread)
+        reset_publisher(app)  # the broker connections and result consumers too
+        gc.collect()  # a socket left open surfaces here, not in a later test
+        root.setLevel(logging_before[0])
+        root.handlers[:] = logging_before[1]
+
+    def start_a_worker():
+        before_a_worker()
         # The worker sets the root logger's level (to ERROR by default): the
         # WARNINGs later tests capture would be dropped. It is put back below.
         worker = start_worker(
@@ -111,15 +127,9 @@ def namespace(redis_server, memcached):
         return worker
 
     def stop_the_worker(worker):
-        import gc
-
         running.remove(worker)
         worker.__exit__(None, None, None)
-        task_postrun.disconnect(close_in_worker_thread)
-        reset_publisher(app)  # the broker connections and result consumers too
-        gc.collect()  # a socket left open surfaces here, not in a later test
-        root.setLevel(logging_before[0])
-        root.handlers[:] = logging_before[1]
+        after_a_worker()
 
     for name, document in DOCUMENTS.items():
         document.namespace.update(
@@ -129,6 +139,8 @@ def namespace(redis_server, memcached):
             assert_settings_pass_checks=assert_settings_pass_checks,
             assert_skips_while_held=assert_skips_while_held,
             start_a_worker=start_a_worker,
+            before_a_worker=before_a_worker,
+            after_a_worker=after_a_worker,
             use_the_broker=use_the_broker,
             stop_the_worker=stop_the_worker,
         )
