@@ -500,9 +500,10 @@ def main(argv: list[str] | None = None) -> int:
 
         ok = True
         for number, task_name in enumerate(TASKS, 1):
+            cookbook = task_name == "import_feed"
             label = (
-                "memcache_lock (the cookbook's way)"
-                if task_name == "import_feed"
+                "the cookbook's code, with django_tasklock's memcache_lock"
+                if cookbook
                 else "@single_instance"
             )
             say()
@@ -514,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
             say(f"   sent {sent} tasks")
             wait_for(task_name, sent)
             ok = report(task_name, urls) and ok
+            if cookbook:
+                say(
+                    "   Step 2's result, by design: the cookbook's code, with "
+                    "django_tasklock's\n   memcache_lock in place of the recipe's. "
+                    "The recipe's own lock goes wrong\n   only when a lock expires, "
+                    "is flushed or restarts under a run: `make lock-demo`\n   shows "
+                    "it deleting a newer holder's lock."
+                )
         say()
         say(
             f'{len(TASKS) + 1}. refresh_feed, @single_instance(mode="coalesce"): '
