@@ -60,6 +60,10 @@ logger = logging.getLogger(__name__)
 _HOSTNAME = socket.gethostname()
 
 
+#: oid -> the owner written at the start of its tokens (owner_for), for
+#: the few oids a process uses.
+_OWNERS: dict[str, str] = {}
+
 class Lock(StoreReads, Holding, AsyncLocking):
     """An owner-checked lock on one lock id, in the cache ``TASKLOCK['CACHE']`` names.
 
@@ -140,7 +144,13 @@ class Lock(StoreReads, Holding, AsyncLocking):
         if cache is not None:
             self._cache = check_cache(cache)
         if oid is not None:
-            self.owner = owner_for(oid, _HOSTNAME)
+            # An app's oid or two, checked once each (a call each otherwise).
+            owner = _OWNERS.get(oid) if type(oid) is str else None
+            if owner is None:
+                owner = owner_for(oid, _HOSTNAME)
+                if len(_OWNERS) < 64:
+                    _OWNERS[oid] = owner
+            self.owner = owner
         if renew is not None:
             self._renew_option = validate_bool(renew, name="renew")
         if max_hold is not None:
