@@ -180,3 +180,56 @@ def test_a_clock_read_before_a_stalled_server_caught_up_never_replaces_a_better_
         assert _clocks[server] == best + 1
     finally:
         _clocks.pop(server, None)
+
+
+def test_a_record_write_held_up_past_its_timeout_never_ends_a_later_one(settings):
+    """A liveness record's write that timed out may still land: held in the
+    network, or queued in a stalled server (the soak's four robberies: a
+    paused server resumed and carried out a write its writer had given up on
+    after a later write of the same record). Its end, counted from its send,
+    is earlier than the later write's; landing last, it would end the record
+    sooner than its holder counts, and a contender would take a live
+    holder's lock. The proxy holds the first write's store command until the
+    second write (straight to the server) is done, then lets it through: the
+    record must keep the second write's end."""
+    from django_tasklock.backends import backend_for
+    from tests.faultproxy import FaultProxy
+
+    server = Memcached().start()
+    proxy = FaultProxy(server.port)
+    config = {"BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache"}
+    settings.CACHES = {
+        **settings.CACHES,
+        "via-proxy": {**config, "LOCATION": proxy.address},
+        "direct": {**config, "LOCATION": server.address},
+    }
+    settings.TASKLOCK = {"CACHE": "direct", "SOCKET_TIMEOUT": 1}
+    raw = Client(("127.0.0.1", server.port))
+    try:
+        slow, fast = backend_for("via-proxy"), backend_for("direct")
+        slow_place, fast_place = slow.record_places()[0], fast.record_places()[0]
+        slow.write_record(slow_place, "rec", "warm", 60)  # (connections, clocks)
+        wire_key = fast.key_for("rec").encode()
+        # Every store command of the record: set, add, cas or a meta set.
+        proxy.hold(
+            *(verb + b" " + wire_key for verb in (b"set", b"add", b"cas", b"ms"))
+        )
+        with pytest.raises(slow.errors):
+            slow.write_record(slow_place, "rec", "stale", 3)  # times out, held
+        assert proxy.held == 1
+        fast.write_record(fast_place, "rec", "fresh", 30)
+        proxy.let_go()
+        # Whatever the held write does, it does within a moment; the record
+        # must end as the fresh write said (30 s), never as the stale (3 s).
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            reply = raw.raw_command(b"mg " + wire_key + b" t v", b"\r\n")
+            assert reply.startswith(b"VA"), reply
+            left = int(reply.split(b" t")[1].split()[0])
+            assert left > 20, f"the stale write ended the record: {left}s left"
+            time.sleep(0.05)
+    finally:
+        raw.close()
+        close_connections()
+        proxy.close()
+        server.stop()

@@ -64,6 +64,7 @@ _HOSTNAME = socket.gethostname()
 #: the few oids a process uses.
 _OWNERS: dict[str, str] = {}
 
+
 class Lock(StoreReads, Holding, AsyncLocking):
     """An owner-checked lock on one lock id, in the cache ``TASKLOCK['CACHE']`` names.
 

@@ -145,13 +145,9 @@ class MemcachedReads(LockBackend):
 
     def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
         client, key = self._at(place), self.key_for(record_id)
-        stored = self.wire.once_more(
-            client,
-            lambda: client.set(
-                key, value, expire=expiry_on(client.server, ttl), noreply=False
-            ),
-        )
-        if not stored:
+        if not self.wire.once_more(
+            client, lambda: _write_after(client, key, value, ttl)
+        ):
             raise MemcacheError(f"memcached at {place!r} did not store {key!r}")
 
     def read_record(self, key: str, record_id: str) -> object | None:
@@ -203,3 +199,29 @@ class MemcachedReads(LockBackend):
     def last_fence(self, key: str, fence_key: str) -> int | None:
         value = self._client(key).get(fence_key)
         return None if value is None else int(value)
+
+
+#: How many times a record's write reads and writes again when another write
+#: of this process's came between its read and its write.
+_RECORD_TRIES = 3
+
+
+def _write_after(client: Any, key: str, value: str, ttl: int) -> bool:
+    """Write a liveness record only over what was there when it was read (CAS),
+    or where there was nothing (add): never a plain set. Its end is a time on
+    the server's clock counted from the send (``expiry_on``), so an earlier
+    write of this process's, held up in the network or in a stalled server
+    past its caller's timeout, would otherwise land after a later one and end
+    the record sooner than its holder counts; a contender would then find a
+    live holder's record gone (the fault checker's soak found four such
+    robberies, each as a paused server resumed). Conditional, that write
+    finds the item changed (or there) and is refused. True if stored."""
+    for _ in range(_RECORD_TRIES):
+        _, cas = client.gets(key)
+        expire = expiry_on(client.server, ttl)
+        if cas is None:
+            if client.add(key, value, expire=expire, noreply=False):
+                return True
+        elif client.cas(key, value, cas, expire=expire, noreply=False):
+            return True
+    return False
