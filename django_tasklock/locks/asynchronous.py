@@ -117,10 +117,9 @@ class AsyncLocking:
         key = (backend := store.sync).keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
         record = record_beside(alias, defaults[4], backend, key)
-        tried_at = started = time.monotonic()
-        if record is not None and started >= record.due:
+        if record is not None and time.monotonic() >= record.due:
             record = await _kept(alias, backend, record)
-            tried_at = started = time.monotonic()  # (after the record's trip)
+        tried_at = started = time.monotonic()  # (after the record's trip, if any)
         deadline, pause = None if timeout is None else started + timeout, POLL_MIN
         take = store.take if self._take_over is None else self._taking_over(store)
         while True:

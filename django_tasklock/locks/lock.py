@@ -61,8 +61,16 @@ _HOSTNAME = socket.gethostname()
 
 
 #: oid -> the owner written at the start of its tokens (owner_for), for
-#: the few oids a process uses.
+#: the few oids a process uses: checked once each, not on every Lock.
 _OWNERS: dict[str, str] = {}
+
+
+def _owner(oid: object) -> str:
+    """``owner_for(oid)`` on this host, kept for the next Lock of ``oid``."""
+    owner = owner_for(oid, _HOSTNAME)
+    if len(_OWNERS) < 64 and type(oid) is str:
+        _OWNERS[oid] = owner
+    return owner
 
 
 class Lock(StoreReads, Holding, AsyncLocking):
@@ -145,13 +153,7 @@ class Lock(StoreReads, Holding, AsyncLocking):
         if cache is not None:
             self._cache = check_cache(cache)
         if oid is not None:
-            # An app's oid or two, checked once each (a call each otherwise).
-            owner = _OWNERS.get(oid) if type(oid) is str else None
-            if owner is None:
-                owner = owner_for(oid, _HOSTNAME)
-                if len(_OWNERS) < 64:
-                    _OWNERS[oid] = owner
-            self.owner = owner
+            self.owner = (type(oid) is str and _OWNERS.get(oid)) or _owner(oid)
         if renew is not None:
             self._renew_option = validate_bool(renew, name="renew")
         if max_hold is not None:
