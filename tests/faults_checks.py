@@ -59,8 +59,13 @@ def run_group(group: tuple[str, ...]) -> None:
     run's output, then one line per failed row or figure: what was expected,
     what was seen, and the row's figures (why)."""
     parts = [argument for part in group for argument in ("--part", part)]
-    out = run_module("reliability.faults", "--quick", *parts, timeout=900)
+    exits: list[int] = []
+    out = run_module(
+        "reliability.faults", "--quick", *parts, timeout=900, failing=exits
+    )
     failed = failures(group, out)
+    if exits[0] and not failed:  # it failed, and no row says why
+        failed = [f"the run exited {exits[0]} with every row as it must be"]
     if failed:
         pytest.fail(
             f"{out}\n{len(failed)} failed:\n" + "\n".join(failed), pytrace=False

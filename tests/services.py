@@ -675,10 +675,18 @@ def stop_and_wait(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def run_module(module: str, *args: str, timeout: float, measured: bool = True) -> str:
+def run_module(
+    module: str,
+    *args: str,
+    timeout: float,
+    measured: bool = True,
+    failing: list[int] | None = None,
+) -> str:
     """Run ``python -m module args`` from the repository's root, as README says;
     its output, or a failure with what it printed. ``measured``: whether
-    coverage traces it (see ``unmeasured``)."""
+    coverage traces it (see ``unmeasured``). ``failing``: a list the exit code
+    is appended to instead of failing on one not 0, and the output is then
+    stdout and stderr both (for a caller that says what failed itself)."""
     with contextlib.nullcontext() if measured else unmeasured():
         result = subprocess.run(
             [sys.executable, "-m", module, *args],
@@ -687,6 +695,9 @@ def run_module(module: str, *args: str, timeout: float, measured: bool = True) -
             timeout=timeout,
             cwd=ROOT,
         )
+    if failing is not None:
+        failing.append(result.returncode)
+        return result.stdout + result.stderr if result.returncode else result.stdout
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
