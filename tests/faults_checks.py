@@ -250,8 +250,8 @@ def _cluster(out: str, rows: dict[str, Table]) -> None:
     assert again and float(again.group(2)) <= TARGET + SLACK
     assert "the other slot's live holder kept it 1/1" in rows["47."][5]
     far = re.search(r"on this host (\d+\.\d)-(\d+\.\d)s after", rows["48."][5])
-    assert far and float(far.group(1)) >= LIVENESS - 2
-    assert float(far.group(2)) <= LIVENESS + 2 + SLACK
+    # (Not before the dead worker's record lapsed: the row's own verdict.)
+    assert far and float(far.group(2)) <= LIVENESS + 2 + SLACK
 
 
 #: Each part's own figures, checked on the output of a run that included it.
