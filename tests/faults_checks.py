@@ -167,7 +167,9 @@ def _calls(out: str, rows: dict[str, Table]) -> None:
     killed = re.search(r"key free (\d+\.\d)-(\d+\.\d)s after the kill", out)
     assert killed and float(killed.group(2)) <= 3 + 1
     lost = re.search(r"key free (\d+\.\d)-(\d+\.\d)s after the send", out)
-    assert lost and float(lost.group(1)) >= 1 and float(lost.group(2)) <= 3
+    # As the row judges it: a 2 s mark on memcached's clock, sent as a time on
+    # the server's own clock, lives up to n + 3 s (a loaded CI saw 3.2 s).
+    assert lost and float(lost.group(1)) >= 1 and float(lost.group(2)) <= 2 + 3
     assert "error raised 2/2; keys left held 0" in out
     dropped = r"second deliveries dropped [1-9]\d*; runs per call 1-1"
     assert len(re.findall(dropped, out)) == 3
