@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from reliability.faults import ROOT, Row
-from tests.helpers import wait_until
+from tests.helpers import record_beside, wait_until
 from tests.processes import process_context
 from tests.services import Memcached, stop_and_wait
 from tests.workers import Holder, overlaps, started_runs
@@ -279,13 +279,12 @@ def _record_lapses(task: Any, key: str) -> float:
     from django_tasklock.tokens import holder_record_id
     from django_tasklock.values import token_process
 
-    backend = backend_for(settings.CACHE)
-    lock_key = backend.keys_for(lock_id_for(task, key))[0]
-    seen = backend.peek(lock_key)
+    backend, lock_id = backend_for(settings.CACHE), lock_id_for(task, key)
+    seen = backend.peek(backend.key_for(lock_id))
     parsed = None if seen is None else token_process(seen.value)
     if parsed is None:
         return time.monotonic()
-    written = backend.read_record(lock_key, holder_record_id(*parsed))
+    written = record_beside(settings.CACHE, lock_id, holder_record_id(*parsed))
     if written is None:
         return time.monotonic()
     text = written.decode() if isinstance(written, bytes) else str(written)

@@ -675,29 +675,25 @@ def stop_and_wait(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def run_module(
-    module: str,
-    *args: str,
-    timeout: float,
-    measured: bool = True,
-    failing: list[int] | None = None,
-) -> str:
-    """Run ``python -m module args`` from the repository's root, as README says;
-    its output, or a failure with what it printed. ``measured``: whether
-    coverage traces it (see ``unmeasured``). ``failing``: a list the exit code
-    is appended to instead of failing on one not 0, and the output is then
-    stdout and stderr both (for a caller that says what failed itself)."""
+def module_run(
+    module: str, *args: str, timeout: float, measured: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m module args`` from the repository's root, as README says,
+    and return what it did (exit code, stdout, stderr). ``measured``: whether
+    coverage traces it (see ``unmeasured``)."""
     with contextlib.nullcontext() if measured else unmeasured():
-        result = subprocess.run(
+        return subprocess.run(
             [sys.executable, "-m", module, *args],
             capture_output=True,
             text=True,
             timeout=timeout,
             cwd=ROOT,
         )
-    if failing is not None:
-        failing.append(result.returncode)
-        return result.stdout + result.stderr if result.returncode else result.stdout
+
+
+def run_module(module: str, *args: str, timeout: float, measured: bool = True) -> str:
+    """``module_run``'s output, or a failure with what it printed."""
+    result = module_run(module, *args, timeout=timeout, measured=measured)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
