@@ -393,7 +393,7 @@ class AsyncMemcached(_Servers):
                 else math.ceil(_monotonic() + clock + expire)
             )
             command = b"ms %s %d T%d F16 ME c\r\n%s\r\n" % (wire, len(data), ttl, data)
-            landed = _Landed(conn, cancel)
+            landed = functools.partial(_landed, conn, cancel)
             try:
                 reply = await conn.send(command, server.timeout, landed)
             except ConnectionError:
@@ -536,7 +536,7 @@ class AsyncMemcached(_Servers):
         command = self._take_command(server.server, wire, token, expire)
 
         def landed(conn: _Connection, line: bytes | None) -> None:
-            _Landed(conn, cancel)(line)
+            _landed(conn, cancel, line)
 
         reply, conn, retried = await self._command(
             server, command, True, landed, dropped
@@ -609,26 +609,18 @@ class AsyncMemcached(_Servers):
         return None if cas is None else MemcachedHold(cas, None)
 
 
-class _Landed:
-    """What becomes of the reply of a take whose caller was cancelled once it
-    was sent: a lock it took is released; a connection lost first leaves its
-    fate unknown (``cancel``)."""
-
-    __slots__ = ("cancel", "conn")
-
-    def __init__(self, conn: _Connection, cancel: Cancel | None) -> None:
-        self.conn, self.cancel = conn, cancel
-
-    def __call__(self, line: bytes | None) -> None:
-        cancel = self.cancel
-        if cancel is None:
-            return
-        if line is None:
-            cancel.failed(ConnectionResetError("memcached connection lost"))
-            return
-        cas = _cas_of(line, b"HD")
-        if cas:
-            finish_later(cancel.taken(MemcachedHold(cas, self.conn)))
+def _landed(conn: _Connection, cancel: Cancel | None, line: bytes | None) -> None:
+    """What becomes of the reply ``line`` of a take whose caller was
+    cancelled once it was sent on ``conn``: a lock it took is released; a
+    connection lost first leaves its fate unknown (``cancel``)."""
+    if cancel is None:
+        return
+    if line is None:
+        cancel.failed(ConnectionResetError("memcached connection lost"))
+        return
+    cas = _cas_of(line, b"HD")
+    if cas:
+        finish_later(cancel.taken(MemcachedHold(cas, conn)))
 
 
 def _cas_of(reply: bytes, head: bytes) -> int | None:

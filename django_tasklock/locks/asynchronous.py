@@ -117,14 +117,15 @@ class AsyncLocking:
         key = (backend := store.sync).keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else 0.0
         record = record_beside(alias, defaults[4], backend, key)
-        if record is not None and time.monotonic() >= record.due:
+        tried_at = started = time.monotonic()
+        if record is not None and started >= record.due:
             record = await _kept(alias, backend, record)
-        tried_at = started = time.monotonic()  # (after the record's trip, if any)
+            tried_at = started = time.monotonic()  # (after the record's trip)
         deadline, pause = None if timeout is None else started + timeout, POLL_MIN
         take = store.take if self._take_over is None else self._taking_over(store)
         while True:
             token = (new_token if record is None else new_live_token)(self.owner)
-            cancel = _LetGo(self, store, backend, key, token)
+            cancel = _LetGo(self, store, key, token)
             try:
                 hold = await take(key, token, expire, cancel)
                 if hold is None and store.looks.get(key, 0.0) <= time.monotonic():
@@ -222,7 +223,7 @@ class AsyncLocking:
             self._stop_heartbeat()
         # A beat in flight ends before the release (the guard orders them);
         # waited for on the loop, never in it.
-        while not acq.guard.acquire(blocking=False):
+        while not acq.guard.acquire(False):
             await asyncio.sleep(0.001)
         try:
             hold, token = acq.hold, acq.token
@@ -320,18 +321,12 @@ class _LetGo:
     sent (``aio.base.Cancel``): release what it got; a take whose fate is
     unknown, watched. One object per try, made before the take is sent."""
 
-    __slots__ = ("backend", "key", "lock", "store", "token")
+    __slots__ = ("key", "lock", "store", "token")
 
     def __init__(
-        self,
-        lock: AsyncLocking,
-        store: AsyncBackend,
-        backend: LockBackend,
-        key: str,
-        token: str,
+        self, lock: AsyncLocking, store: AsyncBackend, key: str, token: str
     ) -> None:
-        self.lock, self.store, self.backend = lock, store, backend
-        self.key, self.token = key, token
+        self.lock, self.store, self.key, self.token = lock, store, key, token
 
     async def taken(self, hold: Hold | None) -> None:
         """Release what the take got."""
@@ -353,4 +348,4 @@ class _LetGo:
         store = self.store
         if isinstance(exc, store.errors):
             lock: Any = self.lock
-            take_failed(lock, store.alias, self.backend, self.key, self.token, exc)
+            take_failed(lock, store.alias, store.sync, self.key, self.token, exc)
