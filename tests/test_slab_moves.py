@@ -217,21 +217,17 @@ def _after_each_read(monkeypatch, hooks, targets, move_again):
 
 
 def _hooked(read, name, after):
-    if name == "_owner_cas":  # AsyncMemcached._owner_cas(server, wire, token): reads
+    if name == "_read_item":  # AsyncMemcached._read_item(server, wire)
 
-        async def hooked(self, server, wire, token):
-            found = await read(self, server, wire, token)
+        async def hooked(self, server, wire):
+            found = await read(self, server, wire)
             after(wire.decode())
             return found
-    elif name == "owner_cas":  # Wire.owner_cas(client, key, hold, token)
+    elif name == "read_item":  # Wire.read_item(client, key)
 
-        def hooked(self, client, key, hold, token):
-            # (On the connection that took it, the CAS id it learnt is used
-            # unread: only a read opens the window.)
-            reads = hold.sock is None or getattr(client, "sock", None) is not hold.sock
-            found = read(self, client, key, hold, token)
-            if reads:
-                after(key)
+        def hooked(self, client, key):
+            found = read(self, client, key)
+            after(key)
             return found
     else:  # PyLibMCBackend._still(key, hold, token): reads
 
@@ -295,10 +291,10 @@ def test_a_lock_moved_again_between_its_check_and_its_write_stays_its_holders(
     # Where each reads the value before its write. (An async lock's release
     # is the loop's own; its extend runs the sync backend on a thread.)
     hooks = {
-        "meta": [(Wire, "owner_cas")],
-        "classic": [(Wire, "owner_cas")],
+        "meta": [(Wire, "read_item")],
+        "classic": [(Wire, "read_item")],
         "pylibmc": [(PyLibMCBackend, "_still")],
-        "async": [(AsyncMemcached, "_owner_cas"), (Wire, "owner_cas")],
+        "async": [(AsyncMemcached, "_read_item"), (Wire, "read_item")],
     }[kind]
 
     with _acting(kind) as (take, extend, release):
@@ -331,7 +327,8 @@ def test_a_lock_that_keeps_moving_under_its_release_is_an_error_not_a_loss(
     release gives up with a store error that says why, and nobody is told the
     lock was lost (it was not: it still holds the holder's token)."""
     from django_tasklock import LockBackendError
-    from django_tasklock.backends.memcached.wire import MOVES_IN_A_ROW, Wire
+    from django_tasklock.backends.memcached.meta import MOVES_IN_A_ROW
+    from django_tasklock.backends.memcached.wire import Wire
 
     memcached = own_memcached
     settings.TASKLOCK = {"CACHE": "default", "LIVENESS": None, "LOCK_EXPIRE": 600}
@@ -348,7 +345,7 @@ def test_a_lock_that_keeps_moving_under_its_release_is_an_error_not_a_loss(
         move_again(lock)
         pending[lock.acquisition.key] = lock  # and at the next read again
 
-    pending = _after_each_read(monkeypatch, [(Wire, "owner_cas")], [target], every_read)
+    pending = _after_each_read(monkeypatch, [(Wire, "read_item")], [target], every_read)
     with pytest.raises(LockBackendError, match="new CAS id 5 times in a row"):
         target.release()
     assert len(reads) == MOVES_IN_A_ROW == 5

@@ -29,9 +29,9 @@ from .memcached import (
     MOVES_IN_A_ROW,
     _bad_counter,
     _talk,
-    _ttl_of,
     exptime,
     kept_moving,
+    meta,
     sure_life,
 )
 
@@ -194,10 +194,10 @@ class PyLibMCBackend(LockBackend):
                 "memcached server (host:port) in LOCATION"
             )
         host, _, port = servers[0].rpartition(":")
-        reply = _talk((host, int(port or 11211)), b"mg %s t" % key.encode(), 2.0)
+        reply = _talk((host, int(port or 11211)), meta.read_ttl(key.encode()), 2.0)
         if not reply.startswith((b"EN", b"HD")):
             raise MemcacheError(f"memcached answered {reply!r} to mg (needs 1.6+)")
-        return _ttl_of(reply.strip())
+        return meta.ttl_of(reply)
 
     def record_places(self) -> list[object]:
         # libmemcached picks each key's server itself, so a liveness record

@@ -109,8 +109,7 @@ class AsyncLocking:
             raise misuse(self.lock_id, self.held)
         defaults = settings.lock_defaults()
         expire = self._expire if self._expire is not None else defaults[0]
-        if self.max_hold is not None:
-            expire = min(expire, self.max_hold)
+        expire = expire if self.max_hold is None else min(expire, self.max_hold)
         renew = self._renew_option if self._renew_option is not None else defaults[3]
         alias, protocol = self._cache or defaults[1], defaults[2]
         store = warm_backend(alias, protocol) or await loop_backend(alias, protocol)

@@ -1,22 +1,22 @@
-"""Owner-checked locks on memcached, in three layers: ``wire`` (meta and
-classic commands, the hot path, replies read by length), ``restarts`` (a
-restarted server's new locks wait) and ``backend`` (the lock operations)."""
+"""Owner-checked locks on memcached, in four layers: ``meta`` (the meta
+protocol with no socket: commands, replies, the owner check of a write, shared
+with the async client), ``wire`` (meta and classic commands on pymemcache's
+sockets, the hot path), ``restarts`` (a restarted server's new locks wait) and
+``backend`` (the lock operations)."""
 
 from __future__ import annotations
 
 from .backend import MemcachedBackend
 from .fencing import _bad_counter
+from .meta import MOVES_IN_A_ROW, kept_moving
 from .restarts import NodeRestarted, _refused, _runs, _unlearnable
 from .wire import (
     _PAST,
-    MOVES_IN_A_ROW,
     MemcachedHold,
     ServerRefused,
     _classic_servers,
     _talk,
-    _ttl_of,
     exptime,
-    kept_moving,
     meta_support,
     sure_life,
 )
@@ -33,7 +33,6 @@ __all__ = [
     "_refused",
     "_runs",
     "_talk",
-    "_ttl_of",
     "_unlearnable",
     "exptime",
     "kept_moving",

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 from pymemcache.exceptions import MemcacheClientError, MemcacheError
 
 from ...values import unique_value
-from .wire import _flag, _wire_key
+from . import meta
+from .wire import _wire_key
 
 if TYPE_CHECKING:
     from ..base import FenceCounter
@@ -39,24 +40,19 @@ def draw(
         # lock back: if it still holds our token under our CAS id, the lock
         # was ours when the token was drawn, so any later holder draws after
         # us and gets a larger one.
-        data = token.encode()
-        commands = b"ma %s N%d J%d T%d v\r\nmg %s c v" % (
-            _wire_key(client, fence.key),
-            fence.ttl,
-            fence.floor,
-            fence.ttl,
-            _wire_key(client, key),
+        commands = meta.count_and_read(
+            _wire_key(client, fence.key), fence.ttl, fence.floor, _wire_key(client, key)
         )
         replies = wire.exchange(client, commands, 2)
         if replies is not None:
-            drawn, check = replies
-            if not drawn.startswith(b"VA "):
-                raise _bad_counter(fence, drawn)
-            if not (check.startswith(b"VA ") and check.endswith(b" " + data)):
+            try:
+                found = meta.drawn(replies)
+            except ValueError:
+                raise _bad_counter(fence, replies[0].strip()) from None
+            if found is None or found[1] != token.encode():
                 return None
-            if not _same_item(hold, _flag(check[: -len(data) - 1], b"c"), token):
-                return None
-            return int(drawn.rsplit(b" ", 1)[1])
+            number, _, cas = found
+            return number if _same_item(hold, cas, token) else None
     try:
         number = client.incr(fence.key, 1, noreply=False)
         if number is None:

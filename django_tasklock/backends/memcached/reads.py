@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 from pymemcache.exceptions import MemcacheError, MemcacheUnknownCommandError
 
 from ..base import Hold, LockBackend, Peek
+from . import meta
 from .wire import (
     MemcachedHold,
     Wire,
     _read_stats,
     _server_name,
-    _ttl_of,
     _wire_key,
     expiry_on,
     exptime,
@@ -176,13 +176,13 @@ class MemcachedReads(LockBackend):
         # Only the meta protocol can read an item's remaining time, so this is
         # tried whatever MEMCACHED_PROTOCOL says.
         client = self._client(key)
-        reply = self.wire.command(client, b"mg %s t" % _wire_key(client, key))
+        reply = self.wire.command(client, meta.read_ttl(_wire_key(client, key)))
         if reply is None:
             raise MemcacheError(
                 "reading a lock's remaining time needs memcached's meta commands "
                 "(memcached 1.6+)"
             )
-        return _ttl_of(reply)
+        return meta.ttl_of(reply)
 
     def peek(self, key: str) -> Peek | None:
         client = self._client(key)
@@ -190,7 +190,7 @@ class MemcachedReads(LockBackend):
         if cas is None:
             return None
         # The CAS id was read on this connection: while it stays the one in
-        # use, it proves the item unchanged (see _owner_cas), so a replace
+        # use, it proves the item unchanged (see meta.while_ours), so a replace
         # through this hold is one round trip. Classic-protocol servers, maybe
         # behind a proxy, always check the value first.
         sock = getattr(client, "sock", None) if self.wire.meta(client) else None

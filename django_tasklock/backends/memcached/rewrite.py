@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pymemcache.exceptions import MemcacheError
-
-from .wire import _PAST, _TEXT_FLAG, MemcachedHold, Wire, _flag, _wire_key
+from . import meta
+from .wire import _PAST, MemcachedHold, Wire, _wire_key
 
 __all__ = ["delete_if", "rewrite"]
 
@@ -41,35 +40,24 @@ def _rewrite_at(
     """Store ``new`` at ``key`` only while its CAS id is ``cas``: the hold on
     the new item, or None (another CAS id by then, or gone)."""
     if wire.meta(client):
-        data = new.encode()
-        command = b"ms %s %d C%d T%d F%d c\r\n%s" % (
-            _wire_key(client, key),
-            len(data),
-            cas,
-            ttl,
-            _TEXT_FLAG,
-            data,
-        )
+        command = meta.swap(_wire_key(client, key), new.encode(), cas, ttl)
         reply = wire.command(client, command)
         if reply is not None:
-            if reply.startswith(b"HD"):
-                return wire.hold(client, _flag(reply, b"c"))
-            if reply.startswith((b"EX", b"NF")):
-                return None
-            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
+            new_cas = meta.swapped(reply)
+            return None if new_cas is None else wire.hold(client, new_cas)
     if not client.cas(key, new, cas, expire=ttl, noreply=False):
         return None
     value, new_cas = client.gets(key)
-    return wire.hold(client, new_cas, meta=False) if value == new else None
+    return wire.hold(client, new_cas, proven=False) if value == new else None
 
 
 def delete_if(wire: Wire, client: Any, key: str, token: object, cas: int) -> bool:
     """Delete the item at ``key`` only while its CAS id is ``cas``; True if
     it did."""
     if wire.meta(client):
-        reply = wire.command(client, b"md %s C%d" % (_wire_key(client, key), cas))
+        reply = wire.command(client, meta.delete(_wire_key(client, key), cas))
         if reply is not None:
-            return wire.deleted(reply)
+            return meta.deleted(reply)
     # cas() answers True (STORED), False (EXISTS: another owner's) or None
     # (NOT_FOUND); an expiry in the past makes the stored item expire at once.
     return bool(client.cas(key, token, cas, expire=_PAST, noreply=False))

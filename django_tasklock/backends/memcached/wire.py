@@ -25,13 +25,12 @@ from pymemcache.exceptions import (
     MemcacheUnknownCommandError,
 )
 
-from ...values import unique_value
+from . import meta
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 __all__ = [
-    "MOVES_IN_A_ROW",
     "MemcachedHold",
     "ServerRefused",
     "TimedSockets",
@@ -40,14 +39,10 @@ __all__ = [
     "closes_on_stats",
     "expiry_on",
     "exptime",
-    "kept_moving",
     "meta_support",
     "observe_clock",
 ]
 
-# pymemcache's serde marks str values with flag 16 (FLAG_TEXT): storing the token
-# with it lets cache.get(lock_id) read the owner back as a str.
-_TEXT_FLAG = 16
 _T = TypeVar("_T")
 # What a server that went away since the last command looks like on its socket.
 _DROPPED = (MemcacheUnexpectedCloseError, BrokenPipeError, ConnectionResetError)
@@ -58,25 +53,6 @@ _classic_servers: set[Any] = set()
 _PAST = 2592001
 
 logger = logging.getLogger(__name__)
-
-#: How many times in a row an owner-checked write (a release, an extend) may
-#: find its holder's own unique value under yet another CAS id, and read it
-#: again. Each time is a page move of memcached's slab rebalancer between the
-#: read and the write; a busy rebalancer moved one lock of 100,000 twice in a
-#: row (the console benchmark), which a single recheck reported lost.
-MOVES_IN_A_ROW = 5
-
-
-def kept_moving(key: str) -> MemcacheError:
-    """The error when the item at ``key`` kept the holder's value but moved
-    ``MOVES_IN_A_ROW`` times under its write: not a loss, so not told as one."""
-    return MemcacheError(
-        f"the item {key!r} still holds this holder's token but memcached gave it "
-        f"a new CAS id {MOVES_IN_A_ROW} times in a row (its slab rebalancer moving "
-        "pages): the write was not made. It expires on its own, or crash recovery "
-        "frees it; if this repeats, see memcached's slab_automove setting"
-    )
-
 
 #: The longest expiry memcached reads as seconds from now (protocol.txt,
 #: "Expiration times"); any larger number is a Unix time.
@@ -178,11 +154,11 @@ def sure_life(expire: float) -> float:
 
 
 def _talk(server: Any, line: bytes, timeout: float) -> bytes:
-    """Send one line to ``server`` on a connection of its own; the reply's first
+    """Send ``line`` (with its CR LF) to ``server`` on a connection of its own; the reply's first
     line, or b"" if the other end closed the connection instead of answering."""
     host, port = server if isinstance(server, tuple) else (server, 11211)
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-        sock.sendall(line + b"\r\n")
+        sock.sendall(line)
         reply = b""
         while not reply.endswith(b"\r\n"):
             chunk = sock.recv(4096)
@@ -200,7 +176,7 @@ def meta_support(server: Any, timeout: float = 2.0) -> str:
     answers the classic ``version`` (a proxy such as twemproxy). Raises OSError
     when it does not answer at all.
     """
-    reply = _talk(server, b"mn", timeout)
+    reply = _talk(server, b"mn\r\n", timeout)
     if reply.startswith(b"MN"):
         return "meta"
     if reply == b"ERROR\r\n":
@@ -211,7 +187,7 @@ def meta_support(server: Any, timeout: float = 2.0) -> str:
             f"memcached at {_server_name(server)} refused the connection: "
             f"{reply.strip().decode(errors='replace')}"
         )
-    if reply == b"" and _talk(server, b"version", timeout).startswith(b"VERSION"):
+    if reply == b"" and _talk(server, b"version\r\n", timeout).startswith(b"VERSION"):
         return "closed"
     raise ConnectionError(f"memcached at {server} answered {reply!r} to mn")
 
@@ -244,9 +220,9 @@ def closes_on_stats(server: Any, timeout: float) -> bool:
     connection on ``stats``. A server that closes every connection (stopping,
     or a port forwarder with nothing behind it) is not one; raises OSError
     when it does not answer in ``timeout`` seconds."""
-    if not _talk(server, b"version", timeout).startswith(b"VERSION"):
+    if not _talk(server, b"version\r\n", timeout).startswith(b"VERSION"):
         return False
-    return _talk(server, b"stats", timeout) == b""
+    return _talk(server, b"stats\r\n", timeout) == b""
 
 
 def _server_name(server: Any) -> str:
@@ -273,36 +249,6 @@ def _wire_key(client: Any, key: str) -> bytes:
     """
     wire: bytes = client.key_prefix + key.encode("utf-8")
     return wire
-
-
-def _split_replies(buffer: bytes, count: int) -> list[bytes] | None:
-    """The first ``count`` replies in ``buffer``, or None if more must be read."""
-    if (
-        count == 1
-        and buffer.endswith(b"\r\n")
-        and buffer.find(b"\r\n") == len(buffer) - 2
-    ):
-        return [buffer[:-2]]  # the common case: one reply line, read whole
-    replies: list[bytes] = []
-    start = 0
-    while len(replies) < count:
-        end = buffer.find(b"\r\n", start)
-        if end < 0:
-            return None
-        line = buffer[start:end]
-        start = end + 2
-        if line.startswith(b"VA "):
-            # The value is as long as the header says: it may hold CR LF itself.
-            size = _value_size(line)
-            end = start + size
-            if len(buffer) < end + 2:
-                return None
-            line += b" " + buffer[start:end]
-            start = end + 2
-        replies.append(line)
-        if line.startswith(b"ERROR"):
-            break
-    return replies
 
 
 class ServerRefused(MemcacheError):  # type: ignore[misc]
@@ -361,29 +307,6 @@ def _read_stats(client: Any) -> dict[bytes, bytes]:
     return stats
 
 
-def _value_size(header: bytes) -> int:
-    """The data length a ``VA <size> <flags>*`` reply header states."""
-    parts = header.split()
-    if len(parts) < 2 or not parts[1].isdigit():
-        raise MemcacheError(f"unexpected reply header from memcached: {header!r}")
-    return int(parts[1])
-
-
-def _flag(reply: bytes, name: bytes) -> int | None:
-    for flag in reply.split()[1:]:
-        if flag[:1] == name:
-            return int(flag[1:])
-    return None
-
-
-def _ttl_of(reply: bytes) -> float | None:
-    """The seconds left that an ``mg <key> t`` reply gives; None if no item."""
-    if not reply.startswith(b"HD"):
-        return None
-    seconds = _flag(reply, b"t")
-    return float("inf") if seconds is None or seconds < 0 else float(seconds)
-
-
 def only_client(hash_client: Any) -> Any:
     """The one client every key goes to, if there is one (a HashClient of ours
     never gains or loses servers): one server, even while HashClient has marked
@@ -436,7 +359,8 @@ class Wire:
             )
 
     def command(self, client: Any, command: bytes) -> bytes | None:
-        """Send one meta command and read its one-line reply (see ``exchange``)."""
+        """Send one meta command (``meta``) and read its reply (see
+        ``exchange``)."""
         replies = self.exchange(client, command, 1)
         if replies is None:
             return None
@@ -447,8 +371,8 @@ class Wire:
     def exchange(self, client: Any, commands: bytes, count: int) -> list[bytes] | None:
         """Send ``count`` pipelined meta commands and read their replies.
 
-        One round trip for all of them. A ``VA`` reply comes back as its header
-        and value joined by a space. None if the server does not know meta
+        One round trip for all of them; each reply whole (``meta.split``).
+        None if the server does not know meta
         commands. On the client's own socket (pymemcache's raw_command costs more
         than the lock's own work, and reads one line only); a PooledClient lends
         one of its clients. Any error closes the connection, as pymemcache does;
@@ -465,7 +389,7 @@ class Wire:
             client._connect()
             sock = client.sock
         try:
-            sock.sendall(commands + b"\r\n")
+            sock.sendall(commands)
             buffer = sock.recv(4096)
         except BaseException as exc:
             self._broken(client, fresh, exc)
@@ -479,7 +403,7 @@ class Wire:
         from ``sock`` (see ``exchange``)."""
         try:
             while True:
-                replies = _split_replies(buffer, count)
+                replies = meta.split(buffer, count)
                 if replies is not None:
                     break
                 chunk = sock.recv(4096)
@@ -495,7 +419,7 @@ class Wire:
             # An old server also answers the rest (a data line, the other
             # commands) with ERROR, which must not be read as the next reply.
             client.close()
-            if replies[0] != b"ERROR":
+            if replies[0] != b"ERROR\r\n":
                 # "ERROR <reason>": a refusal (over its connection limit), which
                 # says nothing about the commands it knows; it stays transient.
                 raise _refusal(client, replies[0])
@@ -557,43 +481,23 @@ class Wire:
         self._no_meta(client, how)
         return True
 
-    def hold(self, client: Any, cas: object, meta: bool = True) -> MemcachedHold:
+    def hold(self, client: Any, cas: object, proven: bool = True) -> MemcachedHold:
+        """The hold on the item at CAS id ``cas``, read on ``client``'s own
+        connection (``proven``: where that connection alone proves it later)."""
         cas_id = int(cast(Any, cas))
         if cas_id == 0:
-            raise MemcacheError(
-                f"memcached at {client.server} runs without CAS ids (-C), so a "
-                "lock cannot be owner-checked; restart it without -C"
-            )
+            raise meta.no_cas(_server_name(client.server))
         # PooledClient hides its sockets, and a classic-protocol proxy may have
         # reconnected to a restarted server behind the same socket: those holds
         # are always verified by value.
-        sock = getattr(client, "sock", None) if meta else None
+        sock = getattr(client, "sock", None) if proven else None
         return MemcachedHold(cas_id, sock)
 
-    def owner_cas(
-        self, client: Any, key: str, hold: MemcachedHold, token: object
-    ) -> int | None:
-        """The CAS id to act on if this holder still owns the lock, else None.
-
-        On the connection that took the lock, the CAS id it learnt is proof
-        enough. Elsewhere the stored token decides (tokens are random per
-        acquisition, nobody else writes ours), and the CAS id read with it makes
-        the following write conditional on nothing having changed since.
-        """
-        if hold.sock is not None and getattr(client, "sock", None) is hold.sock:
-            return hold.cas
-        # The value tells a restarted server's new item (CAS ids start again
-        # from 1) from ours; for a value other code may store every time, the
-        # CAS id must match too. A unique value of ours under a new CAS id is
-        # our item, moved by memcached's slab rebalancer: its id is learnt.
+    def read_item(self, client: Any, key: str) -> tuple[object, int] | None:
+        """The item's value and CAS id (``meta.while_ours``'s read), None if
+        it is gone: pymemcache's ``gets``, on either protocol."""
         value, cas = client.gets(key)
-        if value != token or cas is None:
-            return None
-        if int(cas) != hold.cas:
-            if not unique_value(token):
-                return None
-            hold.cas = int(cas)
-        return hold.cas
+        return None if cas is None else (value, int(cas))
 
     def while_ours(
         self,
@@ -603,20 +507,13 @@ class Wire:
         token: object,
         write: Callable[[int], _T | None],
     ) -> _T | None:
-        """``write(cas)`` with the CAS id of the holder's item, while the item is
-        still the holder's; ``write`` answers None where nothing was written (the
-        item had another CAS id or was gone by then). A unique value read back
-        under yet another CAS id is the holder's item moved once more by the slab
-        rebalancer: written again, at most ``MOVES_IN_A_ROW`` times."""
-        for _ in range(MOVES_IN_A_ROW):
-            cas = self.owner_cas(client, key, hold, token)
-            if cas is None:
-                return None
-            done = write(cas)
-            if done is not None or not unique_value(token):
-                return done
-            hold.sock = None  # the value tells from now on
-        raise kept_moving(key)
+        """``write(cas)`` at the CAS id of the holder's item, while the item is
+        still the holder's (``meta.while_ours``): on the connection that took
+        it, the CAS id it learnt; elsewhere, read first."""
+        proven = hold.sock is not None and getattr(client, "sock", None) is hold.sock
+        steps = meta.while_ours(key, hold, token, hold.cas if proven else None)
+        done: _T | None = meta.drive(steps, lambda: self.read_item(client, key), write)
+        return done
 
     def once_more(self, client: Any, operation: Callable[[], _T]) -> _T:
         """Run ``operation``, again once if a connection from before had dropped.
@@ -635,21 +532,8 @@ class Wire:
 
     def added(self, client: Any, wire: bytes, reply: bytes) -> MemcachedHold | None:
         """The hold an add-mode ``ms`` answered with ``reply`` gives; None if the
-        key was taken."""
-        if reply.startswith(b"NS"):
-            return None
-        if not reply.startswith(b"HD"):
-            raise MemcacheError(f"unexpected reply to ms: {reply!r}")
-        cas = _flag(reply, b"c")
-        if not cas:
-            self.command(client, b"md %s" % wire)
-        return self.hold(client, cas)
-
-    @staticmethod
-    def deleted(reply: bytes) -> bool:
-        """Whether an ``md <key> C<cas>`` that answered ``reply`` deleted it."""
-        if reply.startswith(b"HD"):
-            return True
-        if reply.startswith((b"EX", b"NF")):
-            return False
-        raise MemcacheError(f"unexpected reply to md: {reply!r}")
+        key was taken. An item stored with no CAS id is removed again."""
+        cas = meta.taken(reply)
+        if cas == 0:
+            self.command(client, meta.delete(wire))
+        return None if cas is None else self.hold(client, cas)
