@@ -322,12 +322,21 @@ def semaphore_holder(
     queue: object,
     expire: float = 3,
 ) -> None:
-    """Take a slot of ``name`` renewing, report which, then run until killed."""
+    """Take a slot of ``name`` renewing, report which, then run until killed.
+    A slot found lost is reported too: ``("lost", pid, late)``, ``late``
+    True when the renewal that found it came after the slot's sure life had
+    run out (the heartbeat starved: the safe direction, told)."""
     setup_django()
     from django.conf import settings
 
     from django_tasklock import Semaphore
+    from django_tasklock.signals import lock_lost
 
+    def told(sender: object, lock: Any, **details: object) -> None:
+        late = time.monotonic() >= lock.acquisition.valid_until
+        queue.put(("lost", os.getpid(), late))  # type: ignore[attr-defined]
+
+    lock_lost.connect(told, weak=False)
     settings.TASKLOCK = tasklock
     semaphore = Semaphore(name, limit, expire=expire, renew=True)
     assert semaphore.acquire()
