@@ -146,8 +146,7 @@ class Lock(StoreReads, Holding, AsyncLocking):
             self.lock_id = lock_id
         else:
             self.lock_id = check_lock_id(lock_id)
-        # Options left out keep the class's defaults below: a Lock is made for
-        # every locked call, so it sets only what it was given.
+        # Options left out keep the class's defaults below (set per Lock).
         if expire is not None:
             self._expire = validate_expire(expire)
         if cache is not None:
@@ -353,11 +352,14 @@ class Lock(StoreReads, Holding, AsyncLocking):
         Stops the heartbeat first. A lock found gone or owned by someone else is
         left alone and reported (WARNING, ``lock_lost``: the protected work may
         have overlapped), and False is returned. Raises ``LockBackendError`` if
-        the store cannot be reached; the lock then stays until it expires.
-        """
+        the store cannot be reached; the lock then stays until it expires."""
         acq = self._acq
         if acq is None or acq.hold is None or acq.fork != fork_generation[0]:
             acq = require_hold(self.lock_id, acq, "release()")
+        return self._release(acq)
+
+    def _release(self, acq: Acquisition) -> bool:
+        """``release()`` of ``acq``, this object's hold, checked by the caller."""
         if self._heartbeat is not None:
             self._stop_heartbeat()
         with acq.guard:
@@ -433,6 +435,6 @@ class Lock(StoreReads, Holding, AsyncLocking):
             )
             return
         try:
-            self.release()
+            self._release(acq)
         except LockBackendError:
             logger.exception("Could not release lock %r", self.lock_id)

@@ -137,12 +137,15 @@ class MemcachedBackend(MemcachedReads):
             sock is not None
             and sock is self._learnt.get(client, _UNLEARNT)
             and not _refused
-            and wire.meta(client)
+            and not wire.classic
+            and client.server not in wire.without_meta
         ):
-            # The common case: a connection whose server run is known, in one
+            # The common case: a connection whose server run is known and
+            # speaks meta commands (Wire.meta, but for a forced "meta" alias's
+            # server another alias found without them: the long way), in one
             # send and one read. Anything unusual goes the long way below.
-            # (expiry_on, meta.add and meta.taken inlined: each call is 1-2 %
-            # of a Lock cycle's instructions, make bench-cpu.)
+            # (expiry_on, Wire.meta, meta.add and meta.taken inlined: each
+            # call is 1-2 % of a Lock cycle's instructions, make bench-cpu.)
             at = _clocks.get(client.server)
             ttl = (
                 exptime(expire) if at is None else math.ceil(_monotonic() + at + expire)

@@ -325,6 +325,11 @@ class Wire:
     def __init__(self, protocol: str) -> None:
         #: "auto", "meta" or "classic", fixed when the backend is built.
         self.protocol = protocol
+        #: Whether this alias sends classic commands only ("classic").
+        self.classic = protocol == "classic"
+        #: The servers found without meta commands (every alias's: a server
+        #: of several aliases is probed once).
+        self.without_meta = _classic_servers
 
     # -- protocol choice -----------------------------------------------------------
 
