@@ -123,40 +123,49 @@ def _run(steps, items, writes):
     return meta.drive(steps, read, write), seen
 
 
-def test_owner_check_writes_at_once_where_the_connection_proves_the_cas():
+def test_a_write_at_the_proven_cas_settles_unless_a_unique_value_moved():
+    """The drivers' first write, on the connection that took the item: it
+    settles the check if it wrote, or if the value cannot prove a move; else
+    the value tells from now on."""
+    token = "host:1-2-3-s:ab:1:2"  # (a lock token: unique)
     hold = MemcachedHold(5, object())
-    done, seen = _run(meta.while_ours("k", hold, "tok:1", 5), [], ["written"])
-    assert (done, seen) == ("written", [5])
+    assert meta.settled(hold, token, "written") and hold.sock is not None
+    assert meta.settled(hold, "3", None) and hold.sock is not None
+    assert not meta.settled(hold, token, None) and hold.sock is None
 
 
 def test_owner_check_learns_a_moved_items_cas_and_tries_again():
     """A unique token of the holder's under a new CAS id is its item, moved:
     the new id is learnt; an EX after it (moved again) reads once more."""
     hold = MemcachedHold(5, object())
-    token = "host:1-2-3-s:ab:1:2"  # (a lock token: unique)
-    steps = meta.while_ours("k", hold, token, 5)
-    done, seen = _run(steps, [(token, 9), (token, 11)], [None, None, "written"])
-    assert (done, seen) == ("written", [5, "read", 9, "read", 11])
+    token = "host:1-2-3-s:ab:1:2"
+    steps = meta.while_ours("k", hold, token)
+    done, seen = _run(steps, [(token, 9), (token, 11)], [None, "written"])
+    assert (done, seen) == ("written", ["read", 9, "read", 11])
     assert hold.cas == 11 and hold.sock is None
 
 
 def test_owner_check_refuses_another_value_a_gone_item_or_an_unproven_one():
     token = "host:1-2-3-s:ab:1:2"
     hold = MemcachedHold(5, None)
-    assert _run(meta.while_ours("k", hold, token, None), [("other", 5)], [])[0] is None
-    assert _run(meta.while_ours("k", hold, token, None), [None], [])[0] is None
+    assert _run(meta.while_ours("k", hold, token), [("other", 5)], [])[0] is None
+    assert _run(meta.while_ours("k", hold, token), [None], [])[0] is None
     # A value other code may store (a rate limit's state) proves nothing
     # under another CAS id.
     plain = MemcachedHold(5, None)
-    assert _run(meta.while_ours("k", plain, "3", None), [("3", 6)], [])[0] is None
+    assert _run(meta.while_ours("k", plain, "3"), [("3", 6)], [])[0] is None
     assert plain.cas == 5
-    done, seen = _run(meta.while_ours("k", plain, "3", None), [("3", 5)], [None])
+    done, seen = _run(meta.while_ours("k", plain, "3"), [("3", 5)], [None])
     assert (done, seen) == (None, ["read", 5])  # not written: not tried again
 
 
-def test_owner_check_gives_up_after_moves_in_a_row_without_calling_it_lost():
+def test_owner_check_gives_up_after_its_tries_without_calling_it_lost():
     token = "host:1-2-3-s:ab:1:2"
     hold = MemcachedHold(5, None)
     moves = [(token, 6 + n) for n in range(meta.MOVES_IN_A_ROW)]
     with pytest.raises(MemcacheError, match="new CAS id 5 times in a row"):
-        _run(meta.while_ours("k", hold, token, None), moves, [None] * 5)
+        _run(meta.while_ours("k", hold, token), moves, [None] * 5)
+    done, seen = _run(meta.while_ours("k", hold, token, 2), moves, [None, "ok"])
+    assert (done, seen) == ("ok", ["read", 6, "read", 7])
+    with pytest.raises(MemcacheError):
+        _run(meta.while_ours("k", hold, token, 2), moves, [None, None])

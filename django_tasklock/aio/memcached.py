@@ -355,12 +355,19 @@ class _Servers(PipelinedBackend):
         wire: bytes,
         hold: MemcachedHold,
         token: object,
-        cas: int | None,
+        proven: bool,
         write: Callable[[int], Awaitable[Any]],
     ) -> Any:
         """``meta.while_ours``'s steps, each awaited: the item read, or
-        ``write(cas)``."""
-        steps = meta.while_ours(wire.decode(errors="replace"), hold, token, cas)
+        ``write(cas)``; at once at the holder's CAS id where the connection
+        proves it (``proven``), as the sync Wire does."""
+        tries = meta.MOVES_IN_A_ROW
+        if proven:
+            done = await write(hold.cas)
+            if meta.settled(hold, token, done):
+                return done
+            tries -= 1
+        steps = meta.while_ours(wire.decode(errors="replace"), hold, token, tries)
         step = next(steps)
         while True:
             if step == meta.READ:
@@ -369,8 +376,8 @@ class _Servers(PipelinedBackend):
                 answer = await write(step)
             try:
                 step = steps.send(answer)
-            except StopIteration as done:
-                return done.value
+            except StopIteration as done_steps:
+                return done_steps.value
 
     async def aclose(self) -> None:
         for server in self._servers.values():
@@ -508,10 +515,9 @@ class AsyncMemcached(_Servers):
         # tells, as it does after an EX.
         taker = hold.sock
         took = isinstance(taker, _Connection) and taker is server.conn
-        cas = hold.cas if took and not taker.broken else None
         try:
             found: MemcachedHold | None = await self._while_ours(
-                server, wire, hold, old, cas, swap
+                server, wire, hold, old, took and not taker.broken, swap
             )
         except NoMetaCommands:
             return await self._threaded.replace(key, hold, old, new, expire)
@@ -565,7 +571,7 @@ class AsyncMemcached(_Servers):
 
         return bool(
             await carried_through(
-                self._while_ours(server, wire, hold, token, None, delete)
+                self._while_ours(server, wire, hold, token, False, delete)
             )
         )
 

@@ -44,6 +44,7 @@ __all__ = [
     "read_ttl",
     "removed",
     "reply_end",
+    "settled",
     "split",
     "swap",
     "swapped",
@@ -152,12 +153,11 @@ def split(buffer: bytes, count: int) -> list[bytes] | None:
     return replies
 
 
-def flag(reply: bytes, name: bytes) -> int | None:
-    """The number after flag ``name`` (one letter) in ``reply``'s first line,
-    or None."""
-    end = reply.find(b"\r\n")
-    for word in (reply if end < 0 else reply[:end]).split()[1:]:
-        if word[:1] == name and word[1:].lstrip(b"-").isdigit():
+def flag(line: bytes, name: bytes) -> int | None:
+    """The number after flag ``name`` (one letter) in a reply line (for a
+    ``VA`` reply, its header: the value may hold any words), or None."""
+    for word in line.split()[1:]:
+        if word[:1] == name:
             return int(word[1:])
     return None
 
@@ -296,8 +296,19 @@ class Held(Protocol):
     sock: Any
 
 
+def settled(hold: Held, token: object, done: object) -> bool:
+    """Whether a write at the holder's CAS id that gave ``done`` (None:
+    nothing written) settles its owner check: it wrote, or the holder's value
+    could not prove a move (not unique). Else the item moved or is another's,
+    and from now on its value tells (``hold.sock`` is forgotten)."""
+    if done is not None or not unique_value(token):
+        return True
+    hold.sock = None
+    return False
+
+
 def while_ours(
-    key: str, hold: Held, token: object, cas: int | None
+    key: str, hold: Held, token: object, tries: int = MOVES_IN_A_ROW
 ) -> Generator[int, Any, Any]:
     """An owner-checked write, as steps: each yields ``READ`` (send back the
     item's ``(value, cas)``, None if it is gone) or the CAS id to write at
@@ -305,29 +316,26 @@ def while_ours(
     CAS id by then, or gone). Returns what the write gave, or None if the
     item was not the holder's (``drive`` runs it with two functions).
 
-    ``cas``: the CAS id, where the connection proves it the holder's (the
-    one that took it, never closed since); None reads the item first. A CAS
-    id alone proves nothing elsewhere: a restarted server hands ids out
+    A CAS id alone proves nothing but on the connection that took the item
+    (the drivers write at once there, and come here only if that write
+    settled nothing, with a try less): a restarted server hands ids out
     again from 1. The stored token decides (random per acquisition, written
     by no one else); a value other code may store proves it only with the
     CAS id the holder knows. A unique value of the holder's under a new CAS
     id is its item moved by the slab rebalancer: the new id is learnt, and
-    the write tried again, at most ``MOVES_IN_A_ROW`` times."""
-    for _ in range(MOVES_IN_A_ROW):
-        if cas is None:
-            found = yield READ
-            if found is None or found[0] != token:
+    the write tried again, ``tries`` times in all (``MOVES_IN_A_ROW``)."""
+    for _ in range(tries):
+        found = yield READ
+        if found is None or found[0] != token:
+            return None
+        cas = found[1]
+        if cas != hold.cas:
+            if not unique_value(token):
                 return None
-            cas = found[1]
-            if cas != hold.cas:
-                if not unique_value(token):
-                    return None
-                hold.cas = cas
+            hold.cas = cas
         done = yield cas
-        if done is not None or not unique_value(token):
+        if settled(hold, token, done):
             return done
-        hold.sock = None  # moved, or another's: the value tells from now on
-        cas = None
     raise kept_moving(key)
 
 
