@@ -310,6 +310,8 @@ class Reshard:
     kept: bool = False
     #: Its fence was drawn before and a new holder's after was greater.
     fence_grew: bool = False
+    #: Seconds from its take to the check that it was kept.
+    kept_for: float = 0.0
 
 
 def reshard(cluster: RedisCluster, alias: str, wanted: int) -> Reshard:
@@ -344,8 +346,10 @@ def reshard(cluster: RedisCluster, alias: str, wanted: int) -> Reshard:
             over.wait(0.3)
 
     # A lock of the same group (so in the same slot) held throughout, with its
-    # fencing counter: keys that move with every move of the slot.
-    keeper = Lock("reshard-storm-run-keeper", expire=60)
+    # fencing counter: keys that move with every move of the slot. Not renewed,
+    # so it outlives the whole run (a storm's eight processes starting beside
+    # two CPU hogs took it past a 60 s expiry: gone, not moved away).
+    keeper = Lock("reshard-storm-run-keeper", expire=600)
     assert keeper.acquire()
     fence = keeper.fence
     mover = threading.Thread(target=move_back_and_forth)
@@ -358,6 +362,7 @@ def reshard(cluster: RedisCluster, alias: str, wanted: int) -> Reshard:
         over.set()
         mover.join()
     result.holds = [hold for process_holds, _ in results for hold in process_holds]
+    result.kept_for = time.monotonic() - keeper.acquired_at  # type: ignore[operator]
     result.kept = keeper.owned() and keeper.extend(60)
     rival = Lock("reshard-storm-run-keeper", expire=60)
     result.kept = result.kept and not rival.acquire() and keeper.release()
