@@ -5,7 +5,9 @@
 Prints ``held <token> <fence>`` once it holds, then waits for a line on stdin:
 ``check`` prints ``check <True|False> <lost>``; ``stall`` prints ``stall
 <seconds>``, the longest this process stood still (a tick thread's longest
-gap past its 0.1 s: starved of CPU, or stopped); ``release`` releases and prints
+gap past its 0.1 s: starved of CPU, or stopped); ``record`` prints
+what its liveness record's keeper knows (beats, seconds it is still sure,
+locks it vouches for); ``release`` releases and prints
 ``released <True|False>``, then exits; ``exit`` exits holding it. Run under
 ``unshare --uts`` it is a holder on another host (a hostname of its own, same
 loopback stores).
@@ -59,6 +61,18 @@ def main(argv: list[str]) -> None:
             print(f"check {lock.check()} {lock.lost}", flush=True)
         elif command == "stall":
             print(f"stall {stalled[0]:.3f}", flush=True)
+        elif command == "record":  # what its liveness record's keeper knows
+            acq = lock._acq
+            record = None if acq is None else acq.record
+            if record is None:
+                print("record none", flush=True)
+            else:
+                print(
+                    f"record beats={record.beats} "
+                    f"valid_for={record.valid_until - time.monotonic():.2f} "
+                    f"held={len(record.held)} lapsed_at={record.lapsed_at:.2f}",
+                    flush=True,
+                )
         elif command == "fence":
             print(f"fence {lock.fence}", flush=True)
         elif command == "exit":  # leave without releasing: the way out does

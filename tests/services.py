@@ -465,6 +465,45 @@ class RedisCluster:
     def node_id(self, node: Redis) -> str:
         return str(self.ask(node, "CLUSTER", "MYID"))
 
+    def evidence(self, pattern: str = "*tasklock-alive*") -> str:
+        """What each node holds and believes, for a failure message: its role
+        and epochs, the slots it claims, and every key matching ``pattern``
+        with its time to live (ms) and value."""
+        lines = []
+        for node in self.nodes:
+            if node.process is None:
+                lines.append(f"{node.address}: stopped")
+                continue
+            try:
+                info = dict(
+                    line.split(":", 1)
+                    for line in str(self.ask(node, "CLUSTER", "INFO")).split()
+                    if ":" in line
+                )
+                role = self.ask(node, "INFO", "replication").get("role")
+                myself = next(
+                    line
+                    for line in str(self.ask(node, "CLUSTER", "NODES")).splitlines()
+                    if "myself" in line
+                )
+                found = (
+                    {
+                        key: (self.ask(node, "PTTL", key), self.ask(node, "GET", key))
+                        for key in self.ask(node, "KEYS", pattern)
+                    }
+                    if role == "master"
+                    else "(a replica)"
+                )
+            except Exception as exc:  # evidence, never a failure of its own
+                lines.append(f"{node.address}: {type(exc).__name__}: {exc}")
+                continue
+            lines.append(
+                f"{node.address} {role} state={info.get('cluster_state')} "
+                f"epoch={info.get('cluster_current_epoch')} "
+                f"known={info.get('cluster_known_nodes')}\n  {myself}\n  {found}"
+            )
+        return "\n".join(lines)
+
     def move_slot(self, slot: int, source: Redis, target: Redis) -> int:
         """Move hash slot ``slot`` and its keys from ``source`` to ``target``,
         as ``redis-cli --cluster reshard`` does (IMPORTING/MIGRATING, MIGRATE

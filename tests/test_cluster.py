@@ -4,6 +4,7 @@ owner checks that survive NOSCRIPT, and many processes that never overlap."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -233,7 +234,7 @@ def test_single_instance_skips_a_duplicate_and_status_reads_the_holder(on_cluste
     assert lock.release()
 
 
-def test_a_live_holder_on_another_host_keeps_its_lock(on_cluster, settings):
+def test_a_live_holder_on_another_host_keeps_its_lock(on_cluster, settings, caplog):
     """A holder on another host (a hostname of its own) renews its liveness
     record beside its lock, in the lock's hash slot. A contender here looks
     at it (crash recovery, every half second) for longer than LIVENESS and
@@ -252,10 +253,18 @@ def test_a_live_holder_on_another_host_keeps_its_lock(on_cluster, settings):
             started = time.monotonic()
             while time.monotonic() - started < 3 * 3:
                 taker = Lock("held-elsewhere")
-                if taker.acquire():
+                with caplog.at_level(logging.WARNING, logger="django_tasklock"):
+                    taken = taker.acquire()
+                if taken:
                     believed = holder.ask("check")
+                    evidence = on_cluster.evidence()
                     taker.release()
-                    assert believed.startswith("check False"), "a live holder robbed"
+                    assert believed.startswith("check False"), (
+                        f"a live holder robbed {time.monotonic() - started:.2f}s "
+                        f"into window {window} (it {holder.ask('stall')}, "
+                        f"{holder.ask('record')}); the "
+                        f"contender said: {caplog.text}\nthe nodes:\n{evidence}"
+                    )
                     print(f"window {window}: the holder starved and was told")
                     break
                 looks += 1

@@ -128,13 +128,17 @@ def test_a_dead_holders_semaphore_slot_is_free(store, holders, settings):
 
 @pytest.mark.slow
 def test_a_dead_holder_on_another_host_is_free_within_the_bound(
-    store, holders, settings, caplog
+    store, holders, settings, caplog, request
 ):
     settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
     holder = holders(store.alias, "elsewhere", host="tasklock-other-host")
     assert "@tasklock-other-host:" not in holder.token  # no oid: host only
     assert holder.token.startswith("tasklock-other-host:")
-    assert taken_within(Lock("elsewhere"), LIVENESS / 2) is None  # alive: kept
+    taken = taken_within(Lock("elsewhere"), LIVENESS / 2)
+    assert taken is None, (  # alive: kept
+        f"a live holder robbed {taken:.2f}s in (it {holder.ask('check')}, "
+        f"{holder.ask('record')}){evidence(store, request)}"
+    )
     killed = holder.kill()
     with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
         lock = Lock("elsewhere", expire=30)
@@ -156,21 +160,48 @@ def test_a_holder_keeping_no_record_is_never_judged_from_another_host(
 
 
 @pytest.mark.slow
-def test_a_paused_holder_keeps_its_lock_for_half_the_bound(store, holders, settings):
+def test_a_paused_holder_keeps_its_lock_for_half_the_bound(
+    store, holders, settings, request
+):
     """The bound: LIVENESS less one renewal period and less the time the store
     may drop a record early (two seconds on memcached), here 6 s; a holder
-    paused for half of it keeps its lock, and knows it."""
+    paused for half of it keeps its lock, and knows it.
+
+    A take within it is a robbery only while the holder, resumed, still
+    believes it holds: one starved of CPU just before the pause (its last
+    renewal long past) was told, which is the safe direction, and the pause
+    is tried again with a new holder, three times at most."""
     liveness = 2 * LIVENESS
     settings.TASKLOCK = {**store.tasklock, "LIVENESS": liveness}
     bound = backend_for(store.alias).shortest_life(liveness) - min(1, liveness / 10)
-    holder = holders(store.alias, "paused", host="tasklock-paused", liveness=liveness)
-    stop_and_wait(holder.process.pid)
-    try:
-        assert taken_within(Lock("paused"), bound / 2) is None
-    finally:
-        os.kill(holder.process.pid, signal.SIGCONT)
-    assert holder.ask("check") == "check True False"
-    assert holder.ask("release") == "released True"
+    for attempt in range(3):
+        lock_id = f"paused-{attempt}"
+        holder = holders(
+            store.alias, lock_id, host="tasklock-paused", liveness=liveness
+        )
+        stop_and_wait(holder.process.pid)
+        try:
+            taken = taken_within(Lock(lock_id), bound / 2)
+        finally:
+            os.kill(holder.process.pid, signal.SIGCONT)
+        believed = holder.ask("check")
+        if taken is None:
+            assert believed == "check True False"
+            assert holder.ask("release") == "released True"
+            return
+        assert believed.startswith("check False"), (
+            f"a paused holder robbed {taken:.2f}s into a pause of {bound / 2:.2f}s "
+            f"(it {holder.ask('record')}){evidence(store, request)}"
+        )
+    raise AssertionError("the holder starved before each of three pauses")
+
+
+def evidence(store, request) -> str:
+    """What a cluster's nodes hold, for a failure message; nothing for a store
+    that is no cluster."""
+    if store.alias != "cluster":
+        return ""
+    return "; the nodes:\n" + request.getfixturevalue("redis_cluster").evidence()
 
 
 @pytest.mark.slow
