@@ -5,6 +5,8 @@ from __future__ import annotations
 from .decorator import single_instance
 from .exceptions import (
     AlreadyQueued,
+    InvalidArgument,
+    InvalidArgumentType,
     InvalidLockExpire,
     LockBackendError,
     LockConfigurationError,
@@ -27,6 +29,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Admission",
     "AlreadyQueued",
+    "InvalidArgument",
+    "InvalidArgumentType",
     "InvalidLockExpire",
     "Leadership",
     "Lock",

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 
+from .exceptions import InvalidArgument, InvalidArgumentType
+
 if TYPE_CHECKING:
     import inspect
 
@@ -102,7 +104,7 @@ def _json_key(key: object) -> str:
     if isinstance(key, float):
         text: str = _ENCODER.encode(key)  # refuses NaN and infinities
         return text
-    raise TypeError(
+    raise InvalidArgumentType(
         f"a dict key must be a str, int, float, bool or None, not "
         f"{type(key).__name__} ({key!r}): JSON cannot send it"
     )
@@ -115,7 +117,7 @@ def _with_json_keys(value: object) -> object:
         for key, item in value.items():
             text = _json_key(key)
             if text in converted:
-                raise TypeError(
+                raise InvalidArgumentType(
                     f"a dict has two keys that JSON writes as {text!r} (such as 1 "
                     "and '1'): after the message's round trip only one is left. "
                     "Use keys of one type"
@@ -196,7 +198,7 @@ def call_digest(task_name: str, arguments: Mapping[str, Any], key: KeySpec) -> s
     """
     if isinstance(key, str):
         if key not in arguments:
-            raise TypeError(
+            raise InvalidArgumentType(
                 f"key={key!r} of {task_name} is not an argument of the call."
             )
         value = arguments[key]
@@ -227,7 +229,7 @@ def call_digest(task_name: str, arguments: Mapping[str, Any], key: KeySpec) -> s
         return md5_hex("&".join(parts))
     text = key(**arguments)
     if not isinstance(text, str):
-        raise TypeError(
+        raise InvalidArgumentType(
             f"The key= callable of {task_name} returned {type(text).__name__}, not str; "
             "return a str that identifies the call."
         )
@@ -238,7 +240,7 @@ def _serialise(task_name: str, name: str, value: object) -> str:
     try:
         return canonical_json(value)
     except (TypeError, ValueError) as exc:
-        raise TypeError(
+        raise InvalidArgumentType(
             f"single_instance cannot build the lock id of {task_name}: argument "
             f"{name!r} ({type(value).__name__}) is not JSON-serialisable ({exc}). "
             "Pass JSON-friendly values (str, numbers, lists, dicts, UUID, datetime, "
@@ -258,13 +260,13 @@ def check_key(
         or not names
         or not all(isinstance(name, str) for name in names)
     ):
-        raise TypeError(
+        raise InvalidArgumentType(
             f"key= must be an argument name, a list of names or a callable, not {key!r}."
         )
     known = signature.parameters
     for name in names:
         if name not in known:
-            raise ValueError(
+            raise InvalidArgument(
                 f"key= names {name!r}, which is not an argument of {func.__qualname__}; "
                 f"its arguments are: {', '.join(known) or '(none)'}."
             )

@@ -1,50 +1,7 @@
 """System checks: a TASKLOCK or CACHES entry that cannot give a working lock.
 
-Ids are stable and documented in docs/reference/checks.rst:
-
-- E001 TASKLOCK is not a dict, or has an unknown key.
-- E002 TASKLOCK['LOCK_EXPIRE'] is not a valid expiry.
-- E003 TASKLOCK['CACHE'] is not a str, or names no CACHES entry.
-- E004 the lock cache's backend cannot lock atomically (Dummy, FileBased,
-  Database, other memcached clients, unknown backends).
-- E005 memcached OPTIONS['default_noreply'] is true.
-- E006 memcached OPTIONS['ignore_exc'] is true.
-- E007 TASKLOCK['MEMCACHED_PROTOCOL'] is not auto, meta or classic.
-- E008 TASKLOCK['ON_CONTENTION'] is not skip, raise, retry or wait.
-- E009 TASKLOCK['WAIT_TIMEOUT'] is not a number of seconds > 0.
-- E010 TASKLOCK['RETRY_COUNTDOWN'] is not a number of seconds >= 0.
-- E011 TASKLOCK['RENEW'] is not True or False.
-- E013 TASKLOCK['RESTART_GRACE'] is not None or a number of seconds >= 0.
-- E014 TASKLOCK['QUEUE_EXPIRE'] is not a number of seconds in (0, 30 days].
-- E016 TASKLOCK['LIVENESS'] is not None or a number of seconds in [3, 86400].
-- E017 TASKLOCK['RATE_LIMITS'] is not a dict of names to rates ("100/m", or a
-  dict of rate, kind, burst and cache), or one of its rates is not a rate.
-- E018 TASKLOCK['RATE_KIND'] is not window or smooth.
-- E019 TASKLOCK['ON_LIMIT'] is not retry, raise, wait or skip.
-- E020 TASKLOCK['METRICS'] is not None or 'prometheus', or prometheus_client
-  is not installed.
-- E021 a @rate_limited of an installed app's tasks has a rate, kind or burst
-  it cannot keep, or names a limit TASKLOCK['RATE_LIMITS'] does not define.
-- E015 CACHES is not set: Django's implicit default is a LocMemCache per
-  process, so no lock is shared between worker processes.
-- E012 TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
-  refuses meta commands (memcached < 1.6, or a proxy such as twemproxy).
-- W001 the lock cache is LocMemCache: locks hold within one process only.
-- W002 a server of the lock cache refuses meta commands and MEMCACHED_PROTOCOL is
-  'auto': locks use the classic commands; set it to 'classic' to say so.
-- W003 an installed app's ``tasks`` module could not be imported, so the
-  ``cache=`` aliases of its ``@single_instance`` tasks were not checked.
-- E022 a cluster lock cache's keys (KEY_PREFIX, KEY_FUNCTION) have braces that
-  are no hash tag, so no key can share a lock's hash slot.
-- W004 a cluster lock cache's keys carry a hash tag of their own: every lock in
-  one hash slot, on one primary.
-- W005 TASKLOCK['RESTART_GRACE'] is shorter than TASKLOCK['LIVENESS']: after a
-  restart or failover a new lock may be granted while a holder slowed for less
-  than LIVENESS has not yet put its lock back.
-- E024 TASKLOCK['ALLOW_PER_PROCESS'] is not True or False.
-- W006 TASKLOCK['ALLOW_PER_PROCESS'] is True (for test settings only).
-- W007 a setting named as TASKLOCK misspelt (TASK_LOCK, TASKLOCKS), not read.
-- W008 a memcached server of the lock cache did not answer the check's probe.
+Ids are stable, named below (what each reports beside it) and documented in
+docs/reference/checks.rst.
 
 Each of E003-E006, E012, E015, W001 and W002 is reported for TASKLOCK['CACHE']
 and for every alias a ``@single_instance(cache=...)`` names: those of the task
@@ -57,7 +14,7 @@ connection with a 0.5 s timeout).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from django.conf import settings as django_settings
 from django.core.cache import caches
@@ -78,30 +35,143 @@ from .backends.supported import recommended_paths, supported_for
 from .conf import DEFAULTS, setting_problems, suggested_key
 from .declared import import_task_modules, named_aliases
 
-__all__ = ["check_settings"]
+__all__ = [
+    "ALLOW_PER_PROCESS_INVALID",
+    "BEAT_MISSED_INVALID",
+    "CACHES_UNSET",
+    "CACHE_CANNOT_LOCK",
+    "CACHE_UNKNOWN",
+    "CLASSIC_FALLBACK",
+    "EXPIRE_INVALID",
+    "GRACE_SHORT",
+    "IGNORE_EXC_SET",
+    "KEY_BRACES",
+    "LIVENESS_INVALID",
+    "META_REFUSED",
+    "METRICS_INVALID",
+    "NOREPLY_SET",
+    "ONE_SLOT",
+    "ON_CONTENTION_INVALID",
+    "ON_LIMIT_INVALID",
+    "PER_PROCESS_ALLOWED",
+    "PER_PROCESS_CACHE",
+    "PROTOCOL_INVALID",
+    "QUEUE_EXPIRE_INVALID",
+    "RATE_KIND_INVALID",
+    "RATE_LIMITS_INVALID",
+    "RENEW_INVALID",
+    "RESTART_GRACE_INVALID",
+    "RETRY_COUNTDOWN_INVALID",
+    "SERVER_SILENT",
+    "SETTING_MISSPELT",
+    "TASKLOCK_INVALID",
+    "TASKS_UNIMPORTABLE",
+    "TASK_RATE_INVALID",
+    "WAIT_TIMEOUT_INVALID",
+    "check_settings",
+]
+
+#: TASKLOCK is not a dict, or has an unknown key.
+TASKLOCK_INVALID: Final = "django_tasklock.E001"
+#: TASKLOCK['LOCK_EXPIRE'] is not a valid expiry.
+EXPIRE_INVALID: Final = "django_tasklock.E002"
+#: TASKLOCK['CACHE'] is not a str, or names no CACHES entry.
+CACHE_UNKNOWN: Final = "django_tasklock.E003"
+#: the lock cache's backend cannot lock atomically (Dummy, FileBased,
+#: Database, other memcached clients, unknown backends).
+CACHE_CANNOT_LOCK: Final = "django_tasklock.E004"
+#: memcached OPTIONS['default_noreply'] is true.
+NOREPLY_SET: Final = "django_tasklock.E005"
+#: memcached OPTIONS['ignore_exc'] is true.
+IGNORE_EXC_SET: Final = "django_tasklock.E006"
+#: TASKLOCK['MEMCACHED_PROTOCOL'] is not auto, meta or classic.
+PROTOCOL_INVALID: Final = "django_tasklock.E007"
+#: TASKLOCK['ON_CONTENTION'] is not skip, raise, retry or wait.
+ON_CONTENTION_INVALID: Final = "django_tasklock.E008"
+#: TASKLOCK['WAIT_TIMEOUT'] is not a number of seconds > 0.
+WAIT_TIMEOUT_INVALID: Final = "django_tasklock.E009"
+#: TASKLOCK['RETRY_COUNTDOWN'] is not a number of seconds >= 0.
+RETRY_COUNTDOWN_INVALID: Final = "django_tasklock.E010"
+#: TASKLOCK['RENEW'] is not True or False.
+RENEW_INVALID: Final = "django_tasklock.E011"
+#: TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta', but a server of the lock cache
+#: refuses meta commands (memcached < 1.6, or a proxy such as twemproxy).
+META_REFUSED: Final = "django_tasklock.E012"
+#: TASKLOCK['RESTART_GRACE'] is not None or a number of seconds >= 0.
+RESTART_GRACE_INVALID: Final = "django_tasklock.E013"
+#: TASKLOCK['QUEUE_EXPIRE'] is not a number of seconds in (0, 30 days].
+QUEUE_EXPIRE_INVALID: Final = "django_tasklock.E014"
+#: CACHES is not set: Django's implicit default is a LocMemCache per process,
+#: so no lock is shared between worker processes.
+CACHES_UNSET: Final = "django_tasklock.E015"
+#: TASKLOCK['LIVENESS'] is not None or a number of seconds in [3, 86400].
+LIVENESS_INVALID: Final = "django_tasklock.E016"
+#: TASKLOCK['RATE_LIMITS'] is not a dict of names to rates ("100/m", or a
+#: dict of rate, kind, burst and cache), or one of its rates is not a rate.
+RATE_LIMITS_INVALID: Final = "django_tasklock.E017"
+#: TASKLOCK['RATE_KIND'] is not window or smooth.
+RATE_KIND_INVALID: Final = "django_tasklock.E018"
+#: TASKLOCK['ON_LIMIT'] is not retry, raise, wait or skip.
+ON_LIMIT_INVALID: Final = "django_tasklock.E019"
+#: TASKLOCK['METRICS'] is not None or 'prometheus', or prometheus_client is
+#: not installed.
+METRICS_INVALID: Final = "django_tasklock.E020"
+#: a @rate_limited of an installed app's tasks has a rate, kind or burst it
+#: cannot keep, or names a limit TASKLOCK['RATE_LIMITS'] does not define.
+TASK_RATE_INVALID: Final = "django_tasklock.E021"
+#: a cluster lock cache's keys (KEY_PREFIX, KEY_FUNCTION) have braces that
+#: are no hash tag, so no key can share a lock's hash slot.
+KEY_BRACES: Final = "django_tasklock.E022"
+#: TASKLOCK['BEAT_MISSED'] is not "send" or "skip", nor a dict of periodic
+#: entry names to either.
+BEAT_MISSED_INVALID: Final = "django_tasklock.E023"
+#: TASKLOCK['ALLOW_PER_PROCESS'] is not True or False.
+ALLOW_PER_PROCESS_INVALID: Final = "django_tasklock.E024"
+#: the lock cache is LocMemCache: locks hold within one process only.
+PER_PROCESS_CACHE: Final = "django_tasklock.W001"
+#: a server of the lock cache refuses meta commands and MEMCACHED_PROTOCOL is
+#: 'auto': locks use the classic commands; set it to 'classic' to say so.
+CLASSIC_FALLBACK: Final = "django_tasklock.W002"
+#: an installed app's ``tasks`` module could not be imported, so the
+#: ``cache=`` aliases of its ``@single_instance`` tasks were not checked.
+TASKS_UNIMPORTABLE: Final = "django_tasklock.W003"
+#: a cluster lock cache's keys carry a hash tag of their own: every lock in
+#: one hash slot, on one primary.
+ONE_SLOT: Final = "django_tasklock.W004"
+#: TASKLOCK['RESTART_GRACE'] is shorter than TASKLOCK['LIVENESS']: after a
+#: restart or failover a new lock may be granted while a holder slowed for
+#: less than LIVENESS has not yet put its lock back.
+GRACE_SHORT: Final = "django_tasklock.W005"
+#: TASKLOCK['ALLOW_PER_PROCESS'] is True (for test settings only).
+PER_PROCESS_ALLOWED: Final = "django_tasklock.W006"
+#: a setting named as TASKLOCK misspelt (TASK_LOCK, TASKLOCKS), not read.
+SETTING_MISSPELT: Final = "django_tasklock.W007"
+#: a memcached server of the lock cache did not answer the check's probe.
+SERVER_SILENT: Final = "django_tasklock.W008"
+
 
 _SETTING_IDS = {
-    "": "django_tasklock.E001",
-    "LOCK_EXPIRE": "django_tasklock.E002",
-    "CACHE": "django_tasklock.E003",
-    "MEMCACHED_PROTOCOL": "django_tasklock.E007",
-    "ON_CONTENTION": "django_tasklock.E008",
-    "WAIT_TIMEOUT": "django_tasklock.E009",
-    "RETRY_COUNTDOWN": "django_tasklock.E010",
-    "RENEW": "django_tasklock.E011",
-    "RESTART_GRACE": "django_tasklock.E013",
-    "QUEUE_EXPIRE": "django_tasklock.E014",
-    "LIVENESS": "django_tasklock.E016",
-    "RATE_LIMITS": "django_tasklock.E017",
-    "RATE_KIND": "django_tasklock.E018",
-    "ON_LIMIT": "django_tasklock.E019",
-    "METRICS": "django_tasklock.E020",
-    "BEAT_MISSED": "django_tasklock.E023",
-    "ALLOW_PER_PROCESS": "django_tasklock.E024",
+    "": TASKLOCK_INVALID,
+    "LOCK_EXPIRE": EXPIRE_INVALID,
+    "CACHE": CACHE_UNKNOWN,
+    "MEMCACHED_PROTOCOL": PROTOCOL_INVALID,
+    "ON_CONTENTION": ON_CONTENTION_INVALID,
+    "WAIT_TIMEOUT": WAIT_TIMEOUT_INVALID,
+    "RETRY_COUNTDOWN": RETRY_COUNTDOWN_INVALID,
+    "RENEW": RENEW_INVALID,
+    "RESTART_GRACE": RESTART_GRACE_INVALID,
+    "QUEUE_EXPIRE": QUEUE_EXPIRE_INVALID,
+    "LIVENESS": LIVENESS_INVALID,
+    "RATE_LIMITS": RATE_LIMITS_INVALID,
+    "RATE_KIND": RATE_KIND_INVALID,
+    "ON_LIMIT": ON_LIMIT_INVALID,
+    "METRICS": METRICS_INVALID,
+    "BEAT_MISSED": BEAT_MISSED_INVALID,
+    "ALLOW_PER_PROCESS": ALLOW_PER_PROCESS_INVALID,
 }
 _OPTION_IDS = {
-    "default_noreply": "django_tasklock.E005",
-    "ignore_exc": "django_tasklock.E006",
+    "default_noreply": NOREPLY_SET,
+    "ignore_exc": IGNORE_EXC_SET,
 }
 _HINT_ALIAS = f"Point TASKLOCK['CACHE'] at a CACHES entry using {recommended_paths()}."
 
@@ -131,7 +201,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 IMPLICIT_CACHES.split(": ", 1)[0] + ": no lock is shared between "
                 "worker processes.",
                 hint=IMPLICIT_CACHES,
-                id="django_tasklock.E015",
+                id=CACHES_UNSET,
             )
         )
     messages.extend(_check_misspelt())
@@ -170,7 +240,7 @@ def _check_misspelt() -> list[CheckMessage]:
             f"settings.{name} is set, but django_tasklock reads only TASKLOCK: "
             "its entries are not used.",
             hint=f"Rename {name} to TASKLOCK.",
-            id="django_tasklock.W007",
+            id=SETTING_MISSPELT,
         )
         for name in found
     ]
@@ -187,7 +257,7 @@ def _check_per_process(raw: Any) -> list[CheckMessage]:
             "(LocMemCache), where their locks hold nothing between processes.",
             hint="Set it in the settings of single-process tests only; the "
             "tasklock fixture and TaskLockTestMixin need no setting.",
-            id="django_tasklock.W006",
+            id=PER_PROCESS_ALLOWED,
         )
     ]
 
@@ -209,7 +279,7 @@ def _check_grace(raw: Any) -> list[CheckMessage]:
             "then run.",
             hint="Leave RESTART_GRACE out (it is LIVENESS then), or set it to at "
             f"least {liveness:g}.",
-            id="django_tasklock.W005",
+            id=GRACE_SHORT,
         )
     ]
 
@@ -225,7 +295,7 @@ def _setting_error(key: str, message: str) -> Error:
             else f"Remove {key!r}; known keys: {', '.join(sorted(DEFAULTS))}."
         )
     return Error(
-        message, hint=hint, id=_SETTING_IDS[key] if known else "django_tasklock.E001"
+        message, hint=hint, id=_SETTING_IDS[key] if known else TASKLOCK_INVALID
     )
 
 
@@ -249,7 +319,7 @@ def _check_declared_limits() -> list[CheckMessage]:
                     f"@rate_limited {name!r}: {exc}",
                     hint="Fix its rate, kind or burst (or its TASKLOCK['RATE_LIMITS'] "
                     "entry); every call of it would fail.",
-                    id="django_tasklock.E021",
+                    id=TASK_RATE_INVALID,
                 )
             )
     return messages
@@ -263,7 +333,7 @@ def _import_task_modules() -> list[CheckMessage]:
             f"Could not import {name} ({type(exc).__name__}: {exc}), so the "
             "cache= aliases of its @single_instance tasks were not checked.",
             hint=f"Make {name} importable; run the check again.",
-            id="django_tasklock.W003",
+            id=TASKS_UNIMPORTABLE,
         )
         for name, exc in import_task_modules()
     ]
@@ -307,7 +377,7 @@ def _check_protocol(
                     f"CACHES[{alias!r}] server {name} {what}, and "
                     "TASKLOCK['MEMCACHED_PROTOCOL'] is 'meta': every lock fails.",
                     hint="Set TASKLOCK['MEMCACHED_PROTOCOL'] to 'classic'.",
-                    id="django_tasklock.E012",
+                    id=META_REFUSED,
                 )
             )
         else:
@@ -320,7 +390,7 @@ def _check_protocol(
                         "Set TASKLOCK['MEMCACHED_PROTOCOL'] to 'classic' to say so "
                         "(and skip this probe)."
                     ),
-                    id="django_tasklock.W002",
+                    id=CLASSIC_FALLBACK,
                 )
             )
     return messages
@@ -334,7 +404,7 @@ def _unanswered(alias: str, name: str, exc: OSError) -> CheckMessage:
         "(LockBackendError) until it does.",
         hint="Start it, or correct its LOCATION. (A server that is only "
         "starting up answers in a moment: check again.)",
-        id="django_tasklock.W008",
+        id=SERVER_SILENT,
     )
 
 
@@ -368,8 +438,8 @@ def _check_key_tags(alias: str, backend_class: type[Any]) -> list[CheckMessage]:
     hint = f"{KEY_TAG_ADVICE}. {_HINT_ALIAS}"
     message = f"CACHES[{alias!r}] is a cluster, and {what}."
     if fatal:
-        return [Error(message, hint=hint, id="django_tasklock.E022")]
-    return [Warning(message, hint=hint, id="django_tasklock.W004")]
+        return [Error(message, hint=hint, id=KEY_BRACES)]
+    return [Warning(message, hint=hint, id=ONE_SLOT)]
 
 
 def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessage]:
@@ -385,7 +455,7 @@ def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessa
                 hint=(
                     f"Add CACHES[{alias!r}], or make {named_by} name an existing alias."
                 ),
-                id="django_tasklock.E003",
+                id=CACHE_UNKNOWN,
             )
         ]
     try:
@@ -398,7 +468,7 @@ def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessa
             Error(
                 f"CACHES[{alias!r}] cannot hold task locks: {reason}",
                 hint=_HINT_ALIAS,
-                id="django_tasklock.E004",
+                id=CACHE_CANNOT_LOCK,
             )
         ]
     messages = _unsafe_options(alias, backend_class, config.get("OPTIONS") or {})
@@ -412,7 +482,7 @@ def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessa
                 hint="Use it for single-process tests only (workers, beats and "
                 "leaderships refuse it unless TASKLOCK['ALLOW_PER_PROCESS']). "
                 + _hint_for(named_by),
-                id="django_tasklock.W001",
+                id=PER_PROCESS_CACHE,
             )
         )
     if (

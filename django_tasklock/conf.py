@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from django.conf import settings as django_settings
 
-from .exceptions import InvalidLockExpire, LockConfigurationError
+from .exceptions import InvalidArgument, InvalidLockExpire, LockConfigurationError
 from .rates import parse_rate
 
 if TYPE_CHECKING:
@@ -113,14 +113,18 @@ def validate_seconds(value: object, *, name: str, allow_zero: bool = False) -> f
         or (value == 0 and not allow_zero)
     ):
         bound = "0 or more" if allow_zero else "greater than 0"
-        raise ValueError(f"{name} must be a number of seconds {bound}, not {value!r}.")
+        raise InvalidArgument(
+            f"{name} must be a number of seconds {bound}, not {value!r}."
+        )
     return value
 
 
 def validate_choice(value: object, *, name: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``."""
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}.")
+        raise InvalidArgument(
+            f"{name} must be one of {', '.join(choices)}, not {value!r}."
+        )
     return value
 
 
@@ -166,7 +170,7 @@ def validate_rate_limits(value: object) -> dict[str, dict[str, Any]]:
     a dict of ``rate`` and optionally ``kind``, ``burst`` and ``cache``."""
     where = "TASKLOCK['RATE_LIMITS']"
     if not isinstance(value, dict):
-        raise ValueError(
+        raise InvalidArgument(
             f"{where} must be a dict of limit names to rates, such as "
             f'{{"partner-api": "100/m"}}, not {value!r}.'
         )
@@ -175,7 +179,7 @@ def validate_rate_limits(value: object) -> dict[str, dict[str, Any]]:
         entry = spec if isinstance(spec, dict) else {"rate": spec}
         unknown = set(entry) - {"rate", "kind", "burst", "cache"}
         if not isinstance(name, str) or not name or unknown or "rate" not in entry:
-            raise ValueError(
+            raise InvalidArgument(
                 f'{where}[{name!r}] must be a rate ("100/m") or a dict with '
                 f'"rate" and optionally "kind", "burst" and "cache", not {spec!r}.'
             )
@@ -186,7 +190,7 @@ def validate_rate_limits(value: object) -> dict[str, dict[str, Any]]:
             )
         burst = entry.get("burst", 1)
         if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{where}[{name!r}]['burst'] must be a whole number >= 1, not {burst!r}."
             )
         if "cache" in entry:
@@ -206,7 +210,7 @@ def validate_beat_missed(value: object) -> str | dict[str, str]:
         isinstance(name, str) and choice in MISSED_POLICIES
         for name, choice in value.items()
     ):
-        raise ValueError(
+        raise InvalidArgument(
             f'{where} must be "send" or "skip" (for every periodic entry), or a '
             'dict of entry names to either, such as {"nightly-report": "skip"} '
             f"(the others send), not {value!r}."
@@ -220,13 +224,13 @@ def validate_metrics(value: object) -> str | None:
     if value is None:
         return None
     if value != "prometheus":
-        raise ValueError(
+        raise InvalidArgument(
             f"TASKLOCK['METRICS'] must be None or 'prometheus', not {value!r}."
         )
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
-        raise ValueError(
+        raise InvalidArgument(
             "TASKLOCK['METRICS'] is 'prometheus', but prometheus_client is not "
             "installed: pip install 'django-tasklock[prometheus]'."
         ) from None
@@ -243,7 +247,7 @@ def validate_liveness(value: object) -> float:
     least ``MIN_LIVENESS``, at most a day."""
     seconds = validate_seconds(value, name="TASKLOCK['LIVENESS']")
     if not MIN_LIVENESS <= seconds <= 86400:
-        raise ValueError(
+        raise InvalidArgument(
             f"TASKLOCK['LIVENESS'] must be between {MIN_LIVENESS} and 86400 seconds "
             f"(how long a holder may show no sign of life before its locks are "
             f"free), not {value!r}; None turns liveness records off."
@@ -254,14 +258,16 @@ def validate_liveness(value: object) -> float:
 def validate_bool(value: object, *, name: str) -> bool:
     """Return ``value`` if it is True or False."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, not {value!r}.")
+        raise InvalidArgument(f"{name} must be True or False, not {value!r}.")
     return value
 
 
 def validate_alias(value: object, *, name: str) -> str:
     """Return ``value`` if it can name a CACHES entry."""
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{name} must be the name of a CACHES entry, not {value!r}.")
+        raise InvalidArgument(
+            f"{name} must be the name of a CACHES entry, not {value!r}."
+        )
     return value
 
 

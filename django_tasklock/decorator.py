@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from .arguments import KeySpec, binder, call_digest, check_key
 from .declared import name_alias
+from .exceptions import InvalidArgumentType
 from .integrations import install, starter
 from .modes import mode_for
 from .modes.asynchronous import arun, refuse_async
@@ -146,7 +147,7 @@ def single_instance(
     if func is None:
         return lambda function: _decorate(function, options)
     if not callable(func):
-        raise TypeError(
+        raise InvalidArgumentType(
             "single_instance takes the function to decorate, or keyword options only: "
             f"@single_instance(key=...), not @single_instance({func!r})."
         )
@@ -171,7 +172,7 @@ def _decorate(func: F, options: Options) -> F:
     check_key(func, options.key, signature)
     bind_plain, bind_unbound = binder(signature), binder(unbound_signature)
     if options.on_contention == "retry" and not takes_self:
-        raise TypeError(retry_unbound(func.__qualname__))
+        raise InvalidArgumentType(retry_unbound(func.__qualname__))
     plain_name = f"{func.__module__}.{func.__qualname__}"
     if options.cache is not None:
         name_alias(options.cache, plain_name)

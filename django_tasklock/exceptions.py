@@ -1,4 +1,11 @@
-"""The exceptions django_tasklock raises; all of them subclass TaskLockError."""
+"""The exceptions django_tasklock raises; all of them subclass TaskLockError.
+
+A wrong argument or setting raises ``InvalidArgument`` (a ``ValueError``) or
+``InvalidArgumentType`` (a ``TypeError``), so ``except ValueError`` still
+catches what it caught before. Errors of Python itself and of other packages
+(a ``KeyboardInterrupt``, a bug's ``AttributeError``, a Celery ``Retry``
+raised on purpose) pass through unchanged.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 __all__ = [
     "AlreadyQueued",
+    "InvalidArgument",
+    "InvalidArgumentType",
     "InvalidLockExpire",
     "LockBackendError",
     "LockConfigurationError",
@@ -151,7 +160,17 @@ class LockConfigurationError(TaskLockError, ImproperlyConfigured):
     """
 
 
-class InvalidLockExpire(TaskLockError, ValueError):
+class InvalidArgument(TaskLockError, ValueError):
+    """An argument or setting whose value cannot be used; the message says
+    which and what would do."""
+
+
+class InvalidArgumentType(TaskLockError, TypeError):
+    """An argument of the wrong kind (a function where a bound Celery task is
+    needed, a decorator in the wrong order); the message says what to pass."""
+
+
+class InvalidLockExpire(InvalidArgument):
     """An expiry that is not a positive number of seconds up to 30 days."""
 
 

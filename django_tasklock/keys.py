@@ -13,7 +13,7 @@ import hashlib
 import re
 from typing import TYPE_CHECKING, Final
 
-from .exceptions import LockConfigurationError
+from .exceptions import InvalidArgument, InvalidArgumentType, LockConfigurationError
 
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
@@ -50,15 +50,15 @@ _UNSAFE_KEY_CHARS: Final = re.compile(r"[\x00-\x20\x7f]")
 def check_lock_id(lock_id: object) -> str:
     """Return ``lock_id`` if it is a non-empty str, else raise TypeError/ValueError."""
     if not isinstance(lock_id, str):
-        raise TypeError(
+        raise InvalidArgumentType(
             f"lock_id must be a str, not {type(lock_id).__name__}; build it from the "
             "task name and a digest of its arguments, e.g. "
             "f'{self.name}-lock-{digest}'."
         )
     if not lock_id:
-        raise ValueError("lock_id must be a non-empty str.")
+        raise InvalidArgument("lock_id must be a non-empty str.")
     if lock_id.startswith(FENCE_PREFIX):
-        raise ValueError(
+        raise InvalidArgument(
             f"lock_id must not start with {FENCE_PREFIX!r}: ids starting so name the "
             f"fencing counters of other locks. Got {lock_id!r}."
         )

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from .backends import refuse_per_process
 from .conf import settings, validate_seconds
-from .exceptions import LockBackendError
+from .exceptions import InvalidArgument, LockBackendError, LockUsageError
 from .locks import Lock
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class Leadership:
         on_loss: Callable[[Leadership], object] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
-            raise ValueError(
+            raise InvalidArgument(
                 f"a leadership needs a name (a non-empty str), not {name!r}"
             )
         self.name = name
@@ -128,7 +128,7 @@ class Leadership:
     def start(self) -> Leadership:
         """Start standing by (and leading, once the role is free)."""
         if self._thread is not None:
-            raise RuntimeError(f"leadership {self.name!r} was started already")
+            raise LockUsageError(f"leadership {self.name!r} was started already")
         refuse_per_process(
             [self.cache or settings.CACHE],
             f"Leadership {self.name!r} would let every process lead at once",

@@ -13,6 +13,7 @@ from .conf import (
     validate_expire,
     validate_seconds,
 )
+from .exceptions import InvalidArgumentType
 from .locks import ON_LOST_POLICIES, OnLost
 from .semaphores import validate_limit
 
@@ -79,7 +80,7 @@ class Options:
         if self.queue_expire is not None:
             validate_expire(self.queue_expire, name="queue_expire")
         if self.mode != "while_running" and self.limit not in (None, 1):
-            raise TypeError(
+            raise InvalidArgumentType(
                 f"limit= works with mode='while_running' only, not mode={self.mode!r}: "
                 "a call is pending under one lock id. Drop limit=, or the mode."
             )

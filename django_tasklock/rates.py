@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from .exceptions import InvalidArgument
+
 __all__ = ["MAX_WINDOW_COUNT", "Rate", "RateSpec", "parse_rate"]
 
 #: Seconds per unit in a rate's period.
@@ -57,7 +59,7 @@ def parse_rate(value: object, *, name: str = "rate") -> Rate:
     elif isinstance(value, str):
         match = _RATE.match(value)
         if match is None:
-            raise ValueError(f"{name} {value!r} is not a rate: write {forms}.")
+            raise InvalidArgument(f"{name} {value!r} is not a rate: write {forms}.")
         count = int(match.group(1))
         multiple = float(match.group(2)) if match.group(2) else 1.0
         period = multiple * UNITS[match.group(3)]
@@ -71,27 +73,36 @@ def parse_rate(value: object, *, name: str = "rate") -> Rate:
     ):
         count, period = value
         if count != int(count):
-            raise ValueError(f"{name} {value!r}: the count must be a whole number.")
+            raise InvalidArgument(
+                f"{name} {value!r}: the count must be a whole number."
+            )
         count = int(count)
     else:
-        raise ValueError(f"{name} {value!r} is not a rate: write {forms}.")
+        raise InvalidArgument(f"{name} {value!r} is not a rate: write {forms}.")
+    return _checked(count, period, value, name)
+
+
+def _checked(count: int, period: float, value: object, name: str) -> Rate:
+    """``count`` per ``period`` as a Rate, if a limit can keep it."""
     if count < 1:
-        raise ValueError(
+        raise InvalidArgument(
             f"{name} {value!r} admits nothing: the count must be at least 1. To stop "
             "a task for a while, use RateLimiter.pause(seconds)."
         )
     if not math.isfinite(period) or period <= 0:
-        raise ValueError(f"{name} {value!r}: the period must be more than 0 seconds.")
+        raise InvalidArgument(
+            f"{name} {value!r}: the period must be more than 0 seconds."
+        )
     if period < MIN_PERIOD:
         per_second = count / period
-        raise ValueError(
+        raise InvalidArgument(
             f"{name} {value!r}: the period must be at least 1 millisecond (0.001s): "
             "limits keep time in whole milliseconds, so a shorter one cannot be "
             f"enforced. For the same pace write it per second: "
             f'"{max(round(per_second), 1)}/s".'
         )
     if period > MAX_PERIOD:
-        raise ValueError(
+        raise InvalidArgument(
             f"{name} {value!r}: the period must be at most 30 days (memcached's "
             "longest relative expiry)."
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from .exceptions import LockNotAcquired
+from .exceptions import InvalidArgumentType, LockNotAcquired
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -149,7 +149,7 @@ class Host:
 
     def retry(self, run: Run, countdown: float) -> Any:
         """Retry this call in ``countdown`` seconds (raises, as Celery's does)."""
-        raise TypeError(retry_unbound(run.name))
+        raise InvalidArgumentType(retry_unbound(run.name))
 
     def in_canvas(self, run: Run) -> bool:
         """True if the call is part of a chain, group or chord."""

@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING, Any, Final
 from .aio import loop_backend
 from .backends import backend_for
 from .conf import settings
-from .exceptions import LockBackendError, LockUsageError
+from .exceptions import (
+    InvalidArgument,
+    InvalidArgumentType,
+    LockBackendError,
+    LockUsageError,
+)
 from .keys import SLOT_MARK, check_lock_id
 from .locks import POLL_MIN, Holding, Lock, OnLost, backoff
 from .locks.waiting import next_wait
@@ -49,11 +54,11 @@ def slot_id(name: str, slot: int) -> str:
 def validate_limit(limit: object) -> int:
     """``limit`` if it is an int from 1 to MAX_LIMIT, else a ValueError/TypeError."""
     if isinstance(limit, bool) or not isinstance(limit, int):
-        raise TypeError(
+        raise InvalidArgumentType(
             f"limit must be an int (how many may hold at once), not {limit!r}."
         )
     if not 1 <= limit <= MAX_LIMIT:
-        raise ValueError(f"limit must be from 1 to {MAX_LIMIT}, not {limit}.")
+        raise InvalidArgument(f"limit must be from 1 to {MAX_LIMIT}, not {limit}.")
     return limit
 
 

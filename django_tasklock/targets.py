@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .exceptions import InvalidArgumentType
+
 if TYPE_CHECKING:
     from .options import Options
 
@@ -50,7 +52,7 @@ def decorated(target: Callable[..., Any]) -> tuple[Any, str, bool]:
         if hasattr(function, "_tasklock_lock_id"):
             return function, target.name, inspect.ismethod(run)
     if not hasattr(target, "_tasklock_lock_id"):
-        raise TypeError(f"{target!r} is not decorated with @single_instance.")
+        raise InvalidArgumentType(f"{target!r} is not decorated with @single_instance.")
     return target, target._tasklock_name, False  # type: ignore[attr-defined]
 
 
@@ -65,7 +67,7 @@ def refuse_task_object(func: object, decorator: str) -> None:
         getattr(sys.modules.get(module), name, None) for module, name in _TASK_TYPES
     )
     if any(isinstance(cls, type) and issubclass(kind, cls) for cls in made):
-        raise TypeError(
+        raise InvalidArgumentType(
             f"@{decorator} is above a task decorator here ({func!r} is already a "
             f"task), so it would wrap the task object, not the function, and the "
             f"task's .delay() and .enqueue() would be lost. Put @{decorator} "

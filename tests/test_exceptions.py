@@ -1,15 +1,20 @@
 """Every public exception survives a result backend: pickle, and Celery's
-JSON result serializer, keep its type, its message and its attributes."""
+JSON result serializer, keep its type, its message and its attributes; and
+every error the package raises at its callers is one of them."""
 
 from __future__ import annotations
 
+import ast
 import pickle
+from pathlib import Path
 
 import pytest
 
 from django_tasklock import exceptions
 from django_tasklock.exceptions import (
     AlreadyQueued,
+    InvalidArgument,
+    InvalidArgumentType,
     InvalidLockExpire,
     LockBackendError,
     LockConfigurationError,
@@ -50,6 +55,8 @@ EXAMPLES = [
         },
     ),
     (LockConfigurationError("TASKLOCK must be a dict"), {}),
+    (InvalidArgument("rate '10/x' is not a rate: write ..."), {}),
+    (InvalidArgumentType("@single_instance must be under @shared_task"), {}),
     (InvalidLockExpire("expire must be ..."), {}),
     (LockUsageError("release() called on ..."), {}),
     (RateLimited("partner-api", 2.5), {"limit_id": "partner-api", "retry_after": 2.5}),
@@ -96,3 +103,62 @@ def test_celery_result_serializers_keep_type_message_and_attributes(
     stored = backend.encode(backend.prepare_exception(exc))
     rebuilt = backend.exception_to_python(backend.decode(stored))
     same(rebuilt, exc, attributes)
+
+
+#: Plain raises that never reach a caller: each is caught in the package
+#: (a reply or a stored state that is not what was asked, read as "another
+#: kind's" or "not this store's"), or marks a method a subclass must write.
+INTERNAL = {
+    ("backends/failover.py", "ValueError"),
+    ("backends/locmem.py", "ValueError"),
+    ("backends/memcached/meta.py", "ValueError"),
+    ("limits/kinds.py", "ValueError"),
+    ("backends/failover.py", "RuntimeError"),
+    ("backends/base.py", "NotImplementedError"),
+    ("limits/kinds.py", "NotImplementedError"),
+    ("aio/pipeline.py", "NotImplementedError"),
+    ("locks/reads.py", "NotImplementedError"),
+    ("locks/holding.py", "NotImplementedError"),
+}
+
+
+def test_the_package_raises_its_own_errors_at_its_callers():
+    """A wrong argument raises ``InvalidArgument`` or ``InvalidArgumentType``
+    (still a ValueError or a TypeError), never Python's bare errors, so
+    ``except TaskLockError`` catches every error of ours; the few plain raises
+    left are caught inside the package (``INTERNAL``)."""
+    package = Path(exceptions.__file__).parent
+    plain = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Raise) or node.exc is None:
+                continue
+            raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(raised, ast.Name) and raised.id in {
+                "ValueError",
+                "TypeError",
+                "RuntimeError",
+                "KeyError",
+                "NotImplementedError",
+            }:
+                plain.add((path.relative_to(package).as_posix(), raised.id))
+    assert plain <= INTERNAL, sorted(plain - INTERNAL)
+
+
+@pytest.mark.parametrize(
+    ("call", "kind"),
+    [
+        (lambda: __import__("django_tasklock").Lock("x", expire=-1), InvalidLockExpire),
+        (
+            lambda: __import__("django_tasklock").RateLimiter("x", "10/x"),
+            InvalidArgument,
+        ),
+        (lambda: __import__("django_tasklock").Lock(42), InvalidArgumentType),
+    ],
+    ids=["expire", "rate", "lock id"],
+)
+def test_a_wrong_argument_is_a_tasklock_error_and_the_builtin_one(call, kind):
+    with pytest.raises(kind) as raised:
+        call()
+    assert isinstance(raised.value, TaskLockError)
+    assert isinstance(raised.value, (ValueError, TypeError))

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from ..conf import settings
-from ..exceptions import LockConfigurationError
+from ..exceptions import InvalidArgument, LockConfigurationError
 from ..keys import (
     ROSTER_GROUP,
     ROSTER_PREFIX,
@@ -88,7 +88,7 @@ def slot_tag(key: str) -> str:
         if end > start + 1:
             return key[start : end + 1]
     if "}" in key:
-        raise ValueError(
+        raise InvalidArgument(
             f"The cache key {key!r} has braces that are no hash tag (an empty "
             "'{}', or a '}' with no '{' before it), so no other key can share "
             "its cluster hash slot: a lock's fencing counter and liveness "

@@ -21,6 +21,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from ..arguments import KeySpec, binder, call_digest, check_key
 from ..conf import LIMIT_POLICIES, settings
+from ..exceptions import InvalidArgument, InvalidArgumentType
 from ..integrations import sender_over_limit
 from ..policies.limits import ON_LIMIT, Over
 from ..rates import RateSpec, parse_rate
@@ -176,13 +177,13 @@ def _declare(
     )
     check_key(func, key, signature)
     if on_limit == "retry" and inspect.iscoroutinefunction(func):
-        raise TypeError(
+        raise InvalidArgumentType(
             f"on_limit='retry' on {func.__qualname__}, an async def function: "
             "nothing can send a call of it again (Celery runs sync tasks), so a "
             "call over the limit would be lost. Use 'raise', 'wait' or 'skip'."
         )
     if on_limit == "retry" and not takes_self:
-        raise TypeError(
+        raise InvalidArgumentType(
             f"on_limit='retry' needs a bound Celery task, but {func.__qualname__} "
             "takes no 'self', so a call over the limit could not be sent again "
             "and would be lost. Use @app.task(bind=True), or another on_limit."
@@ -218,7 +219,9 @@ def _check_options(
     a rate, kind, burst or count the limit cannot keep. A named limit's own
     entries are checked by ``manage.py check`` (E021) and at the first call."""
     if rate is None and name is None:
-        raise TypeError('rate_limited needs a rate ("10/m"), a name=, or both.')
+        raise InvalidArgumentType(
+            'rate_limited needs a rate ("10/m"), a name=, or both.'
+        )
     if rate is not None:
         parsed = parse_rate(rate)
         chosen = kind
@@ -229,7 +232,7 @@ def _check_options(
                 chosen = "smooth"
         make_kind(parsed, chosen, parsed.count if burst is None else burst)
     if on_limit is not None and on_limit not in LIMIT_POLICIES:
-        raise ValueError(
+        raise InvalidArgument(
             f"on_limit must be one of {', '.join(LIMIT_POLICIES)}, not {on_limit!r}."
         )
 
@@ -292,7 +295,7 @@ class _Limits:
         rate, kind, burst, cache = self.given
         named = settings.named_rate(self.base) if rate is None else {}
         if rate is None and not named:
-            raise ValueError(
+            raise InvalidArgument(
                 f'rate_limited(name={self.base!r}) has no rate: pass one ("10/m") '
                 f"or define TASKLOCK['RATE_LIMITS'][{self.base!r}]."
             )

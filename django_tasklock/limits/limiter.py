@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..aio import loop_backend
 from ..backends import backend_for
 from ..conf import settings, validate_seconds
-from ..exceptions import LockBackendError
+from ..exceptions import InvalidArgument, InvalidArgumentType, LockBackendError
 from ..rates import MAX_WINDOW_COUNT, Rate, RateSpec, parse_rate
 from ..signals import rate_limit_paused, rate_limit_refused
 from . import store
@@ -62,10 +62,12 @@ class RateLimiter:
         cache: str | None = None,
     ) -> None:
         if not isinstance(limit_id, str) or not limit_id:
-            raise TypeError(f"limit_id must be a non-empty str, not {limit_id!r}.")
+            raise InvalidArgumentType(
+                f"limit_id must be a non-empty str, not {limit_id!r}."
+            )
         named: dict[str, Any] = settings.named_rate(limit_id) if rate is None else {}
         if rate is None and not named:
-            raise ValueError(
+            raise InvalidArgument(
                 f'RateLimiter({limit_id!r}) has no rate: pass one ("10/m") or '
                 f"define TASKLOCK['RATE_LIMITS'][{limit_id!r}]."
             )
@@ -96,7 +98,7 @@ class RateLimiter:
         backend, key = self._store()
         try:
             return step(backend, key, self.kind, *args)
-        except backend.errors as exc:
+        except (*backend.errors, store.KeptChanging) as exc:
             raise self._failed(doing, backend, key, exc) from exc
 
     def _failed(
@@ -126,10 +128,14 @@ class RateLimiter:
         loop_store = await loop_backend(self.cache, settings.MEMCACHED_PROTOCOL)
         backend = loop_store.sync
         key = self._key(backend)
+        failures: tuple[type[BaseException], ...] = (
+            *loop_store.errors,
+            store.KeptChanging,
+        )
         while True:
             try:
                 verdict = await store.aadmit(loop_store, key, self.kind)
-            except loop_store.errors as exc:
+            except failures as exc:
                 doing = "admit under the rate limit"
                 raise self._failed(doing, backend, key, exc) from exc
             admission = self._admission(verdict)
@@ -186,7 +192,9 @@ class RateLimiter:
             or not isinstance(seconds, (int, float))
             or not 0 < seconds <= 30 * 86400
         ):
-            raise ValueError(f"pause() takes seconds in (0, 30 days], not {seconds!r}.")
+            raise InvalidArgument(
+                f"pause() takes seconds in (0, 30 days], not {seconds!r}."
+            )
         left: float = self._call("pause the rate limit", store.pause, seconds)
         logger.info(
             "Rate limit %r paused for %.1fs (admissions resume in %.1fs)",
@@ -233,11 +241,11 @@ def make_kind(rate: Rate, kind: object, burst: object) -> Kind:
     """The kind ``kind`` of limit at ``rate``; ValueError saying what to write
     for a kind, burst or count it cannot keep."""
     if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}.")
+        raise InvalidArgument(f"kind must be one of {', '.join(KINDS)}, not {kind!r}.")
     if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
-        raise ValueError(f"burst must be a whole number >= 1, not {burst!r}.")
+        raise InvalidArgument(f"burst must be a whole number >= 1, not {burst!r}.")
     if kind == "window" and rate.count > MAX_WINDOW_COUNT:
-        raise ValueError(
+        raise InvalidArgument(
             f"rate {rate}: the window kind keeps every admission of the last "
             f'period, at most {MAX_WINDOW_COUNT}; use kind="smooth" for higher '
             "counts."

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ..backends.base import LockBackend
     from .kinds import Kind
 
-__all__ = ["aadmit", "admit", "pause", "read", "reset"]
+__all__ = ["KeptChanging", "aadmit", "admit", "pause", "read", "reset"]
 
 #: Compare-and-swap rounds before an admission gives up: each lost round is
 #: another process's admission, so this many means a store that keeps changing
@@ -135,8 +135,14 @@ def _scripted(reply: Any) -> Verdict:
     return Verdict(bool(admitted), int(at), int(retry_ms) / 1000, None, 0, bool(paused))
 
 
-def _kept_changing(key: str) -> RuntimeError:
-    return RuntimeError(
+class KeptChanging(Exception):
+    """A rate limit's item changed under every one of ``MAX_ROUNDS`` tries in
+    a row (other writers' contention, or other code writing to it): the
+    limiter reports it as the store's failure, a ``LockBackendError``."""
+
+
+def _kept_changing(key: str) -> KeptChanging:
+    return KeptChanging(
         f"the rate limit's item {key!r} changed under {MAX_ROUNDS} admissions in a "
         "row without one going through"
     )
@@ -159,7 +165,7 @@ def pause(backend: LockBackend, key: str, kind: Kind, seconds: float) -> float:
             written = backend.replace(key, peek.hold, peek.value, state, ttl)
         if written is not None:
             return (kind.parse(state)[0] - now) / 1000
-    raise RuntimeError(f"the rate limit's item {key!r} kept changing under a pause")
+    raise KeptChanging(f"the rate limit's item {key!r} kept changing under a pause")
 
 
 def read(backend: LockBackend, key: str) -> tuple[object, int] | None:

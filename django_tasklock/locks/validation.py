@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING, Final, Literal
 
 from ..backends import fork_generation
-from ..exceptions import LockUsageError
+from ..exceptions import InvalidArgument, InvalidArgumentType, LockUsageError
 from ..tokens import token_owner
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ MAX_OID: Final = 200
 def check_oid(oid: object) -> str:
     """Return ``oid`` if it can be written into a stored token, else raise."""
     if not isinstance(oid, str):
-        raise TypeError(f"oid must be a str, not {type(oid).__name__}.")
+        raise InvalidArgumentType(f"oid must be a str, not {type(oid).__name__}.")
     problem = None
     if "#" in oid:
         problem = "'#' separates the task id in a token"
@@ -47,7 +47,7 @@ def check_oid(oid: object) -> str:
         except UnicodeEncodeError:
             problem = "it is not valid text (a lone surrogate): no store can keep it"
     if problem is not None:
-        raise ValueError(
+        raise InvalidArgument(
             f"oid {oid[:40]!r} cannot be stored in a lock's token: {problem}. Pass "
             "a short name of the holder (Celery's app.oid), or leave oid out."
         )
@@ -57,7 +57,9 @@ def check_oid(oid: object) -> str:
 def check_cache(cache: object) -> str:
     """Return ``cache`` if it can name a CACHES entry, else raise."""
     if not isinstance(cache, str) or not cache:
-        raise TypeError(f"cache must be the name of a CACHES entry, not {cache!r}.")
+        raise InvalidArgumentType(
+            f"cache must be the name of a CACHES entry, not {cache!r}."
+        )
     return cache
 
 
@@ -66,7 +68,7 @@ def owner_for(oid: object, host: str) -> str:
     ``host`` alone for an empty oid."""
     if not oid:
         if not isinstance(oid, str):
-            raise TypeError(f"oid must be a str, not {type(oid).__name__}.")
+            raise InvalidArgumentType(f"oid must be a str, not {type(oid).__name__}.")
         return host
     return f"{check_oid(oid)}@{host}"
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..calls import Marks
 from ..conf import settings
+from ..exceptions import InvalidArgumentType
 from ..keys import RUN_MARK
 from ..locks.roster import note_run
 from ..policies import CONTENTION
@@ -129,7 +130,7 @@ async def _body(run: Run, lock: Lock | Semaphore) -> Any:
 def refuse_async(name: str, options: Options) -> None:
     """A TypeError, at decoration, for what an ``async def`` cannot have."""
     if options.on_contention == "retry":
-        raise TypeError(
+        raise InvalidArgumentType(
             f"@single_instance(on_contention='retry') on {name}, an async def "
             "function: nothing can send a call of it again (Celery runs sync "
             "tasks), so a duplicate would be lost. Use 'skip', 'raise' or 'wait'."

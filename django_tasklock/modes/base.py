@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..calls import Marks, queued
 from ..conf import settings
-from ..exceptions import LockNotAcquired
+from ..exceptions import InvalidArgumentType, LockNotAcquired
 from ..locks import Lock
 from ..locks.recovery import judge
 from ..locks.roster import note_run
@@ -99,7 +99,7 @@ class Mode:
         if policy.bound_only and (run.task is None or not run.bound):
             # A duplicate that met the lock could no longer be retried, and
             # would be lost.
-            raise TypeError(retry_unbound(run.name))
+            raise InvalidArgumentType(retry_unbound(run.name))
         if self.call_policy is not None and run.call_id is not None:
             policy = CONTENTION[self.call_policy]
         if run.call_id is None and policy.waits and not held.get():

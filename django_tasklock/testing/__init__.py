@@ -25,6 +25,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from ..exceptions import InvalidArgument
+
 __all__ = ["Event", "Isolation", "TaskLockTestMixin"]
 
 
@@ -157,7 +159,7 @@ class Isolation:
         from ..limits import store
 
         if seconds < 0:
-            raise ValueError(f"the clock only moves forward, not by {seconds}s")
+            raise InvalidArgument(f"the clock only moves forward, not by {seconds}s")
         if self._shift_before is None:
             self._shift_before = store.shift_ms
         store.shift_ms += round(seconds * 1000)

@@ -49,10 +49,8 @@ class _EagerPublish(_Publish):
     ) -> None:
         args, kwargs, task_id, given = call
         app = task._get_app()
-        super().__init__(
-            original, app, spec, task, task.name, (args, kwargs, None, None, task_id),
-            options,
-        )  # fmt: skip
+        sent = (args, kwargs, None, None, task_id)
+        super().__init__(original, app, spec, task, task.name, sent, options)
         if not given:
             self.given_id = None
 
