@@ -12,8 +12,8 @@ store answers, and goes on looking for a short grace period after that, because 
 command still queued on the old connection may be carried out a moment after the
 store's first answer on a new one. A look that waits on a store that never
 answers (no socket timeout) holds back no other store's tokens for long: after
-``STUCK`` seconds the next token gets a new thread, and the old one ends when
-its look does.
+``STUCK`` seconds the next token gets a new thread, which goes on with every
+token but the one that look holds, and the old one ends when its look does.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ class _Watched:
     answered_at: float | None = None
     #: What the last look that could not tell raised (for diagnostics).
     failing: str = ""
+    #: Whether a thread is looking at it now: a thread started because that
+    #: look is stuck goes on with the other tokens, and leaves it to that look.
+    busy: bool = False
 
 
 _watched: list[_Watched] = []
@@ -188,8 +191,14 @@ def _run() -> None:
                     return
             done = []
             for item in items:
-                if _look_safely(item):
-                    done.append(item)
+                if item.busy:
+                    continue
+                item.busy = True
+                try:
+                    if _look_safely(item):
+                        done.append(item)
+                finally:
+                    item.busy = False
                 _progress[0] = time.monotonic()
             answered = any(item.answered_at is not None for item in items)
             with _mutex:

@@ -16,7 +16,7 @@ import redis
 from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, orphans
-from django_tasklock.backends.redis import _ACQUIRE, _RELEASE, _SHA
+from django_tasklock.backends.redis.backend import _ACQUIRE, _RELEASE, _SHA
 from tests.faultproxy import FaultProxy
 from tests.helpers import wait_until
 from tests.services import Memcached, Redis, stop_and_wait
@@ -218,7 +218,12 @@ def test_a_store_that_never_answers_holds_back_no_other_removal(
             "LOCATION": f"redis://127.0.0.1:{silent.getsockname()[1]}/0",
         },
     }
-    use_cache(settings, {"BACKEND": REDIS, "LOCATION": own_redis.url})
+    # Our reply timeout, 2 s by default, would end the silent look before a
+    # loaded machine got to the next token (its thread then took that token
+    # itself): ten minutes, "never" for this test.
+    use_cache(
+        settings, {"BACKEND": REDIS, "LOCATION": own_redis.url}, SOCKET_TIMEOUT=600
+    )
     try:
         orphans.watch("lost-there", "silent", "auto", ":1:lost-there", "a-token")
         stuck = orphans._thread[0]
