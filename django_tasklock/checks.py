@@ -29,8 +29,12 @@ from .backends import (
     unsafe_options,
     unsupported_reason,
 )
-from .backends.cluster import KEY_TAG_ADVICE, ValkeyClusterBackend, key_tag_problem
 from .backends.memcached import meta_support
+from .backends.redis.cluster import (
+    KEY_TAG_ADVICE,
+    ValkeyClusterBackend,
+    key_tag_problem,
+)
 from .backends.supported import recommended_paths, supported_for
 from .conf import DEFAULTS, setting_problems, suggested_key
 from .declared import import_task_modules, named_aliases

@@ -188,7 +188,7 @@ def failover(grace: float, locks: int = 20) -> Failover:
 
     from django_tasklock import Lock
     from django_tasklock.backends import backend_for
-    from django_tasklock.backends import failover as promotions
+    from django_tasklock.backends.redis import failover as promotions
 
     cluster = RedisCluster().start()
     try:

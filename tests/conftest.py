@@ -116,7 +116,7 @@ def _forget_liveness_records() -> Iterator[None]:
         restarts._refused.clear()
         restarts._unlearnable.clear()
     # Likewise what it learnt of cluster primaries' runs.
-    from django_tasklock.backends import failover
+    from django_tasklock.backends.redis import failover
 
     failover.forget()
 

@@ -339,8 +339,8 @@ import asyncio, importlib.abc, json, os, sys, threading
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 import django
 django.setup()
-WATCHED = {"redis", "redis.asyncio", "django_tasklock.aio.memcached",
-           "django_tasklock.aio.redis"}
+WATCHED = {"redis", "redis.asyncio", "django_tasklock.backends.memcached.aio",
+           "django_tasklock.backends.redis.aio"}
 before = sorted(name for name in WATCHED if name in sys.modules)
 where = {}
 
@@ -386,8 +386,8 @@ def test_a_store_first_used_from_a_loop_is_imported_off_the_loop():
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["before"] == []  # none was imported before the loop asked
     assert seen["imported"] == [
-        "django_tasklock.aio.memcached",
-        "django_tasklock.aio.redis",
+        "django_tasklock.backends.memcached.aio",
+        "django_tasklock.backends.redis.aio",
         "redis",
         "redis.asyncio",
     ]

@@ -20,7 +20,7 @@ import pytest
 
 from django_tasklock import Lock, LockBackendError
 from django_tasklock.backends import backend_for, close_thread_connections
-from django_tasklock.backends import failover as promotions
+from django_tasklock.backends.redis import failover as promotions
 from reliability.cluster import on_cluster
 from tests.helpers import wait_until
 from tests.services import RedisCluster

@@ -271,9 +271,9 @@ def test_a_lock_moved_again_between_its_check_and_its_write_stays_its_holders(
     """Moved once (the holder's CAS id is stale, so it reads the value), then
     moved again between that read and the owner-checked delete or rewrite:
     still its holder's, released and extended, nobody told it was lost."""
-    from django_tasklock.aio.memcached import AsyncMemcached
+    from django_tasklock.backends.memcached.aio import AsyncMemcached
     from django_tasklock.backends.memcached.wire import Wire
-    from django_tasklock.backends.pylibmc import PyLibMCBackend
+    from django_tasklock.backends.memcached.pylibmc import PyLibMCBackend
 
     memcached = own_memcached
     tasklock = {

@@ -2,24 +2,28 @@
 
 A loop's backend talks to the store over connections of that loop (an
 asyncio connection cannot serve two loops), made on first use and forgotten
-with the loop (or when CACHES changes, or in a forked child). Memcached
-(``PyMemcacheCache``, meta commands) and Redis (Django's ``RedisCache``,
-django-redis's default client) have clients of their own here; every other
-store is served by its sync backend on the loop's executor threads.
+with the loop (or when CACHES changes, or in a forked child). A store with a
+client of its own for loops names it (``LockBackend.async_client``: memcached
+with meta commands, Redis over one server); every other store is served by
+its sync backend on the loop's executor threads (``backends.aio.threaded``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import weakref
 from typing import TYPE_CHECKING
 
 from ..backends import _generation, backend_for
-from .finishing import finish_cancelled
+from ..backends.aio.finishing import finish_cancelled
+from ..backends.aio.threaded import ThreadedBackend
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from ..backends import LockBackend
-    from .base import AsyncBackend
+    from ..backends.aio.base import AsyncBackend
 
 __all__ = [
     "async_backend_for",
@@ -107,42 +111,18 @@ def warm_backend(alias: str, protocol: str) -> AsyncBackend | None:
     return backend
 
 
-def _native_kind(sync: LockBackend) -> str | None:
-    """Which client of this package serves ``sync``'s store from a loop
-    ("memcached", "redis"), its module imported; None for the threaded one."""
-    from ..backends.memcached.backend import MemcachedBackend
-    from ..backends.redis import DjangoRedisBackend, RedisBackend
-
-    kind = type(sync)
-    if kind is MemcachedBackend and sync.protocol != "classic":
-        from .memcached import AsyncMemcached  # noqa: F401
-
-        return "memcached"
-    if kind in (RedisBackend, DjangoRedisBackend):
-        import redis.asyncio  # noqa: F401
-
-        from .redis import AsyncRedis  # noqa: F401
-
-        return "redis"
-    return None
+def _native_kind(sync: LockBackend) -> ModuleType | None:
+    """The module of the store's own client for loops (imported), or None
+    for the threaded one."""
+    module = sync.async_client
+    return None if module is None else importlib.import_module(module)
 
 
 def _build(alias: str, protocol: str) -> AsyncBackend:
-    from .threaded import ThreadedBackend
-
     sync = backend_for(alias, protocol=protocol)
     native = _native_kind(sync)
-    if native == "memcached":
-        from .memcached import AsyncMemcached
-
-        return AsyncMemcached(sync)  # type: ignore[arg-type]
-    if native == "redis":
-        from .redis import AsyncRedis, async_pool_options
-
-        options = async_pool_options(sync._redis(""))  # type: ignore[attr-defined]
-        if options is not None:
-            return AsyncRedis(sync, options)  # type: ignore[arg-type]
-    return ThreadedBackend(sync)
+    made: AsyncBackend | None = None if native is None else native.build(sync)
+    return ThreadedBackend(sync) if made is None else made
 
 
 async def close_loop_connections() -> None:

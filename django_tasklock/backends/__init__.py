@@ -15,10 +15,8 @@ from django.dispatch import receiver
 
 from ..exceptions import LockConfigurationError
 from .base import FenceCounter, Hold, LockBackend, Peek
-from .cluster import ValkeyClusterBackend
-from .redis import DjangoRedisBackend
+from .redis import DjangoRedisBackend, ValkeyBackend, ValkeyClusterBackend
 from .supported import UNSUPPORTED, recommended_paths, supported_for, supported_names
-from .valkey import ValkeyBackend
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

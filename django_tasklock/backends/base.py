@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
 
 from ..keys import fence_id
@@ -11,7 +12,7 @@ from ..values import FenceCounter
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
 
-__all__ = ["ONE_PLACE", "FenceCounter", "Hold", "LockBackend", "Peek"]
+__all__ = ["ONE_PLACE", "FenceCounter", "Hold", "LockBackend", "Peek", "Supported"]
 
 #: How many lock ids' keys a backend remembers before it starts over.
 _KEYS_REMEMBERED = 4096
@@ -55,6 +56,10 @@ class LockBackend(abc.ABC):
     #: that promises it, and renewed beside every lock still held
     #: (``write_records_beside``).
     records_beside_locks: ClassVar[bool] = False
+    #: The module of the store's own client for event loops, whose
+    #: ``build(backend)`` makes one for a loop (or None where this alias's
+    #: settings rule it out); None: loops use this backend on executor threads.
+    async_client: ClassVar[str | None] = None
 
     def __init__(self, cache: BaseCache, alias: str, protocol: str = "auto") -> None:
         self.cache = cache
@@ -273,3 +278,25 @@ class LockBackend(abc.ABC):
     def last_fence(self, key: str, fence_key: str) -> int | None:
         """The last fencing token drawn for the lock at ``key``; None if none is
         known (never taken, or the counter expired, was evicted or flushed)."""
+
+
+@dataclass(frozen=True)
+class Supported:
+    """A Django cache class that can hold locks, and the lock backend for it:
+    a row of the supported-caches table, which each store package declares
+    (``SUPPORTED`` in its ``__init__``) and ``backends.supported`` gathers."""
+
+    #: The cache class's dotted path, as CACHES names it.
+    path: str
+    #: Its name in messages.
+    name: str
+    #: The lock backend speaking to it.
+    backend: type[LockBackend]
+    #: Whether a lock taken in one process is seen by the others.
+    shared: bool = True
+    #: Named in the hints of errors that ask for a shared cache.
+    recommended: bool = True
+    #: The package it needs beyond Django (the pip extra of django_tasklock).
+    needs: str = ""
+    #: What else to know, for the docs.
+    notes: str = ""

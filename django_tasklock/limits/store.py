@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .kinds import LUA_NOW, Verdict
 
 if TYPE_CHECKING:
-    from ..aio.base import AsyncBackend
+    from ..backends.aio.base import AsyncBackend
     from ..backends.base import LockBackend
     from .kinds import Kind
 

@@ -24,8 +24,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..aio import loop_backend, warm_backend
-from ..aio.finishing import carried_through
 from ..backends import _generation, backend_for, fork_generation
+from ..backends.aio.finishing import carried_through
 from ..conf import settings, validate_expire
 from ..exceptions import LockBackendError
 from ..signals import lock_acquired, lock_released
@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
     from django.dispatch import Signal
 
-    from ..aio.base import AsyncBackend, Cancel
     from ..backends import Hold, LockBackend
+    from ..backends.aio.base import AsyncBackend, Cancel
     from .heartbeat import Heartbeat as HeartbeatType
     from .liveness import Record
 
@@ -317,7 +317,7 @@ def _take_from_dead(
 
 class _LetGo:
     """What a take of ``token`` does if its caller is cancelled once it was
-    sent (``aio.base.Cancel``): release what it got; a take whose fate is
+    sent (``backends.aio.base.Cancel``): release what it got; a take whose fate is
     unknown, watched. One object per try, made before the take is sent."""
 
     __slots__ = ("key", "lock", "store", "token")

@@ -7,13 +7,13 @@ import asyncio
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ..backends import _generation, backend_for
+from .. import _generation, backend_for
 from .finishing import carried_through
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from ..backends import Hold, LockBackend, Peek
+    from ..base import Hold, LockBackend, Peek
 
 _T = TypeVar("_T")
 

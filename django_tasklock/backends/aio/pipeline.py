@@ -1,6 +1,6 @@
 """Commands of every coroutine of a loop pipelined on one connection, their
-replies handed out in order: what the memcached client (``aio.memcached``)
-and the Redis one (``aio.resp``) share.
+replies handed out in order: what the memcached client (``backends.memcached.aio``)
+and the Redis one (``backends.redis.resp``) share.
 
 A store answers a connection's commands in the order they came, so the n-th
 reply read is the n-th waiter's. A coroutine cancelled once its command is

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .base import AsyncBackend
 
 if TYPE_CHECKING:
-    from ..backends import Hold
+    from ..base import Hold
 
 __all__ = ["ThreadedBackend"]
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from typing import Protocol
 
     class Pipeline(Protocol):
-        """What the watch reads of a connection (``aio.pipeline.Pipeline``)."""
+        """What the watch reads of a connection (``pipeline.Pipeline``)."""
 
         pending: Any
         broken: bool

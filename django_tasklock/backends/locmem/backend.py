@@ -6,8 +6,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-from ..keys import portable_id
-from .base import FenceCounter, Hold, LockBackend, Peek
+from ...keys import portable_id
+from ..base import FenceCounter, Hold, LockBackend, Peek
 
 if TYPE_CHECKING:
     from django.core.cache.backends.locmem import LocMemCache

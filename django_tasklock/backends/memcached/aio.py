@@ -5,13 +5,13 @@ The hot path (take a lock: ``ms`` in add mode; release it: ``md`` with the CAS
 id) is one round trip, as in the sync backend, over the loop's one connection
 to the lock's server: commands of every coroutine are pipelined on it, their
 replies parsed in order as the bytes arrive (memcached answers a connection's
-commands in the order they came; ``aio.pipeline``), so a coroutine cancelled
+commands in the order they came; ``backends.aio.pipeline``), so a coroutine cancelled
 mid-command never leaves a reply unread. What a new connection needs first
 is done the sync backend's way, in a thread: which run of the server it
 reaches (a restarted memcached comes back empty, and new locks on it wait out
 ``RESTART_GRACE``, see ``backends.memcached.restarts``) and whether it speaks
 meta commands (one that does not is served by the sync backend in a thread,
-``aio.threaded``).
+``backends.aio.threaded``).
 
 A CAS id alone proves ownership only over the connection that took the lock,
 still open: a server restarted since hands its ids out again from 1. A new
@@ -30,29 +30,33 @@ from typing import TYPE_CHECKING, Any, cast
 from pymemcache.client.hash import HashClient
 from pymemcache.exceptions import MemcacheError
 
-from ..backends import Peek, backend_for
-from ..backends.memcached import meta
-from ..backends.memcached.restarts import _refused
-from ..backends.memcached.wire import (
+from ...conf import settings as tasklock_settings
+from .. import Peek, backend_for
+from ..aio.base import Cancel, PipelinedBackend
+from ..aio.finishing import carried_through, finish_later
+from ..aio.pipeline import Pipeline
+from ..aio.threaded import ThreadedBackend
+from . import meta
+from .restarts import _refused
+from .wire import (
     MemcachedHold,
     _clocks,
     _server_name,
     expiry_on,
     exptime,
 )
-from ..conf import settings as tasklock_settings
-from .base import Cancel, PipelinedBackend
-from .finishing import carried_through, finish_later
-from .pipeline import Pipeline
-from .threaded import ThreadedBackend
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from ..backends import Hold
-    from ..backends.memcached.backend import MemcachedBackend
+    from ..base import Hold
+    from .backend import MemcachedBackend
 
-__all__ = ["AsyncMemcached", "NoMetaCommands"]
+__all__ = [
+    "AsyncMemcached",
+    "NoMetaCommands",
+    "build",
+]
 
 #: Bytes waiting to be sent on a connection past which a command waits for
 #: them to go (the server is slow to read).
@@ -596,3 +600,10 @@ def _landed(conn: _Connection, cancel: Cancel | None, line: bytes | None) -> Non
     cas = meta.cas_of(line, b"HD")
     if cas:
         finish_later(cancel.taken(MemcachedHold(cas, conn)))
+
+
+def build(sync: MemcachedBackend) -> AsyncMemcached | None:
+    """A loop's client of ``sync``'s servers (meta commands); None for an
+    alias that speaks the classic ones: the sync backend on executor threads
+    serves it then."""
+    return None if sync.protocol == "classic" else AsyncMemcached(sync)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import socket
 from time import monotonic as _monotonic
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from pymemcache.exceptions import MemcacheError
 
@@ -95,6 +95,7 @@ class MemcachedBackend(MemcachedReads):
     """Locks on the memcached servers of a PyMemcacheCache alias."""
 
     kind = "memcached"
+    async_client: ClassVar[str | None] = "django_tasklock.backends.memcached.aio"
     errors = (OSError, MemcacheError)
     cache: PyMemcacheCache
 

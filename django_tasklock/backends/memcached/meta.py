@@ -2,7 +2,7 @@
 commands, how a run of bytes splits into replies, and what each reply means.
 
 The sync backend (on pymemcache's sockets, ``wire``) and the async one (on an
-event loop's connections, ``aio.memcached``) both build and read every meta
+event loop's connections, ``aio``) both build and read every meta
 command here; each adds only its own sending and reading. A reply is kept
 whole, as it came: its line with the CR LF, and for a ``VA`` reply the value
 after it with its own CR LF.

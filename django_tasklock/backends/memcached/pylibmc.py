@@ -20,20 +20,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pymemcache.exceptions import MemcacheError
 
-from ..conf import settings as tasklock_settings
-from ..keys import memcached_key
-from ..values import unique_value
-from .base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
-from .memcached import (
-    _PAST,
-    MOVES_IN_A_ROW,
-    _bad_counter,
-    _talk,
-    exptime,
-    kept_moving,
-    meta,
-    sure_life,
-)
+from ...conf import settings as tasklock_settings
+from ...keys import memcached_key
+from ...values import unique_value
+from ..base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
+from . import meta
+from .fencing import _bad_counter
+from .meta import MOVES_IN_A_ROW, kept_moving
+from .wire import _PAST, _talk, exptime, sure_life
 
 if TYPE_CHECKING:
     from django.core.cache.backends.memcached import PyLibMCCache

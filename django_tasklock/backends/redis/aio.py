@@ -2,7 +2,7 @@
 backend's scripts (taken by SHA, sent whole when the server lacks them), on
 the primary the sync backend talks to, over a connection of the loop's own
 built with the same address and options, every command of the loop's
-pipelined on it (``aio.resp``): takes and releases, rate limits' scripts and
+pipelined on it (``resp``): takes and releases, rate limits' scripts and
 semaphores' reads."""
 
 from __future__ import annotations
@@ -12,18 +12,23 @@ import functools
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..backends.redis import _ACQUIRE, _RELEASE, _SHA, known
-from .base import Cancel, PipelinedBackend
-from .finishing import carried_through, finish_later
+# Imported with this module, which a loop's first lock on Redis imports on an
+# executor thread (redis.asyncio costs a tenth of a second).
+import redis
+import redis.asyncio
+
+from ..aio.base import Cancel, PipelinedBackend
+from ..aio.finishing import carried_through, finish_later
+from .backend import _ACQUIRE, _RELEASE, _SHA, known
 from .resp import Pipe, pack
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..backends import Hold
-    from ..backends.redis import RedisBackend
+    from ..base import Hold
+    from .backend import RedisBackend
 
-__all__ = ["AsyncRedis", "async_pool_options"]
+__all__ = ["AsyncRedis", "async_pool_options", "build"]
 
 #: The connection options an asyncio connection takes as the sync one does.
 _PASSED = (
@@ -53,9 +58,6 @@ def async_pool_options(primary: Any) -> dict[str, Any] | None:
     """What ``redis.asyncio.ConnectionPool`` needs to reach the server the
     sync client ``primary`` reaches; None for a pool it cannot copy (Sentinel,
     which names its primary at connection time)."""
-    import redis
-    import redis.asyncio
-
     pool = primary.connection_pool
     if type(pool) is not redis.ConnectionPool:
         return None
@@ -221,3 +223,10 @@ class _Taken:
             cancel.failed(self.lost("Redis connection lost"))
         elif reply and not isinstance(reply, BaseException):
             finish_later(cancel.taken(self.value))
+
+
+def build(sync: RedisBackend) -> AsyncRedis | None:
+    """A loop's client of ``sync``'s server; None where the pool cannot be
+    copied (Sentinel): the sync backend on executor threads serves it then."""
+    options = async_pool_options(sync._redis(""))
+    return None if options is None else AsyncRedis(sync, options)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from ..keys import encodable_key
-from .base import FenceCounter, Hold, LockBackend, Peek
+from ...keys import encodable_key
+from ..base import FenceCounter, Hold, LockBackend, Peek
 from .sockets import close_own, own_client
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class RedisBackend(LockBackend):
     runs_scripts = True
 
     kind = "Redis"
+    async_client: ClassVar[str | None] = "django_tasklock.backends.redis.aio"
     cache: RedisCache
 
     #: The client package whose exceptions the cache raises (redis-py, or

@@ -19,9 +19,9 @@ import socket
 import time
 from typing import Any
 
-from ..conf import settings
-from ..exceptions import InvalidArgument, LockConfigurationError
-from ..keys import (
+from ...conf import settings
+from ...exceptions import InvalidArgument, LockConfigurationError
+from ...keys import (
     ROSTER_GROUP,
     ROSTER_PREFIX,
     ROSTER_SLOTS,
@@ -29,10 +29,10 @@ from ..keys import (
     lock_group,
     record_id,
 )
-from ..tokens import TOKENS, this_process
-from .base import Hold, LockBackend
+from ...tokens import TOKENS, this_process
+from ..base import Hold, LockBackend
+from .backend import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER
 from .failover import LEARNT, Promotions, relearn
-from .redis import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER
 from .valkey import ValkeyBackend
 
 __all__ = [

@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any
 
-from ..conf import settings
+from ...conf import settings
 
 __all__ = ["LEARNT", "MARK_PREFIX", "RUN_PREFIX", "Promotions", "relearn"]
 

@@ -1,19 +1,20 @@
 """One ``redis.asyncio`` connection of a loop's, its commands pipelined.
 
 The commands of every coroutine go out on it in order, and their replies are
-read in order by a task of its own, as memcached's (``aio.memcached``): a
-coroutine cancelled while its command is in flight leaves the reply to that
-task, never unread, so the connection stays in step, and a take's reply
-(whether the lock was taken) reaches the one who must release it. redis-py's
-own client reads a reply in the caller's task, so a cancel there drops the
-connection and the reply with it; this package ran each command in a task of
-its own to keep the reply, which cost more than the rest of a lock's Python.
+read in order by a task of its own, as memcached's
+(``backends.memcached.aio``): a coroutine cancelled while its command is in
+flight leaves the reply to that task, never unread, so the connection stays
+in step, and a take's reply (whether the lock was taken) reaches the one who
+must release it. redis-py's own client reads a reply in the caller's task, so
+a cancel there drops the connection and the reply with it; this package ran
+each command in a task of its own to keep the reply, which cost more than the
+rest of a lock's Python.
 
 What the two share, the line of waiters and what a cancel leaves, is
-``aio.pipeline``'s. The connection itself (address, password, database, TLS, client name) is
-redis-py's, made from the same options as the sync client's (``aio.redis``),
-and so is the reading of replies (its parser, its timeout: ``socket_timeout``).
-"""
+``backends.aio.pipeline``'s. The connection itself (address, password,
+database, TLS, client name) is redis-py's, made from the same options as the
+sync client's (``aio``), and so is the reading of replies (its parser, its
+timeout: ``socket_timeout``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from .pipeline import Pipeline
+from ..aio.pipeline import Pipeline
 
 __all__ = ["Pipe", "pack"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ..conf import settings
+from ...conf import settings
 
 if TYPE_CHECKING:
     from collections.abc import Callable

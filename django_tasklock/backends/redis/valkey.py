@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from .redis import DjangoRedisBackend
+from .backend import DjangoRedisBackend
 
 __all__ = ["ValkeyBackend"]
 
@@ -20,6 +20,7 @@ class ValkeyBackend(DjangoRedisBackend):
     ``get_client(write=True)``, the primary, with the client's serializer."""
 
     kind = "Valkey"
+    async_client = None  # (valkey-py's asyncio client: not yet)
     client_exceptions = "valkey.exceptions"
     client_error = "ValkeyError"
 
