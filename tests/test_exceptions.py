@@ -109,14 +109,14 @@ def test_celery_result_serializers_keep_type_message_and_attributes(
 #: (a reply or a stored state that is not what was asked, read as "another
 #: kind's" or "not this store's"), or marks a method a subclass must write.
 INTERNAL = {
-    ("backends/failover.py", "ValueError"),
-    ("backends/locmem.py", "ValueError"),
+    ("backends/redis/failover.py", "ValueError"),
+    ("backends/locmem/backend.py", "ValueError"),
     ("backends/memcached/meta.py", "ValueError"),
     ("limits/kinds.py", "ValueError"),
-    ("backends/failover.py", "RuntimeError"),
+    ("backends/redis/failover.py", "RuntimeError"),
     ("backends/base.py", "NotImplementedError"),
     ("limits/kinds.py", "NotImplementedError"),
-    ("aio/pipeline.py", "NotImplementedError"),
+    ("backends/aio/pipeline.py", "NotImplementedError"),
     ("locks/reads.py", "NotImplementedError"),
     ("locks/holding.py", "NotImplementedError"),
 }

@@ -272,8 +272,8 @@ def test_a_lock_moved_again_between_its_check_and_its_write_stays_its_holders(
     moved again between that read and the owner-checked delete or rewrite:
     still its holder's, released and extended, nobody told it was lost."""
     from django_tasklock.backends.memcached.aio import AsyncMemcached
-    from django_tasklock.backends.memcached.wire import Wire
     from django_tasklock.backends.memcached.pylibmc import PyLibMCBackend
+    from django_tasklock.backends.memcached.wire import Wire
 
     memcached = own_memcached
     tasklock = {

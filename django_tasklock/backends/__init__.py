@@ -9,13 +9,11 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from django.core.cache import InvalidCacheBackendError, caches
-from django.core.cache.backends.memcached import PyMemcacheCache
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from ..exceptions import LockConfigurationError
 from .base import FenceCounter, Hold, LockBackend, Peek
-from .redis import DjangoRedisBackend, ValkeyBackend, ValkeyClusterBackend
 from .supported import UNSUPPORTED, recommended_paths, supported_for, supported_names
 
 if TYPE_CHECKING:
@@ -34,52 +32,10 @@ __all__ = [
     "per_process_tests",
     "refuse_per_process",
     "thread_connections",
-    "unsafe_options",
     "unsupported_reason",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Per backend of a Redis-protocol package with pluggable clients: the clients
-#: (CLIENT_CLASS) that keep a lock and its fencing counter on one primary, and
-#: why another cannot hold locks, with what to write instead.
-_CLIENTS: dict[type[Any], tuple[tuple[str, ...], str]] = {
-    DjangoRedisBackend: (
-        (
-            "django_redis.client.DefaultClient",
-            "django_redis.client.default.DefaultClient",
-            "django_redis.client.SentinelClient",
-            "django_redis.client.sentinel.SentinelClient",
-        ),
-        "django-redis with CLIENT_CLASS {client!r}: only its DefaultClient (one "
-        "server, or a primary with replicas) and SentinelClient keep a lock and "
-        "its fencing counter on one primary (ShardClient spreads them over "
-        "servers; HerdClient rewrites stored values). Give locks an alias with "
-        "one of those two",
-    ),
-    ValkeyBackend: (
-        (
-            "django_valkey.client.DefaultClient",
-            "django_valkey.client.default.DefaultClient",
-            "django_valkey.client.SentinelClient",
-            "django_valkey.client.sentinel.SentinelClient",
-        ),
-        "django-valkey with CLIENT_CLASS {client!r}: only its DefaultClient (one "
-        "server, or a primary with replicas) and SentinelClient keep a lock and "
-        "its fencing counter on one primary (its sharded client spreads them "
-        "over servers; its herd client rewrites stored values). Give locks an "
-        "alias with one of those two",
-    ),
-    ValkeyClusterBackend: (
-        (
-            "django_valkey.cluster_cache.client.DefaultClusterClient",
-            "django_valkey.cluster_cache.client.default.DefaultClusterClient",
-        ),
-        "django-valkey's ClusterValkeyCache with CLIENT_CLASS {client!r}: only "
-        "its DefaultClusterClient is known to send each lock's commands to the "
-        "primary of its hash slot. Give locks an alias with that client",
-    ),
-}
 
 
 def unsupported_reason(
@@ -87,25 +43,8 @@ def unsupported_reason(
 ) -> str | None:
     """Why a cache backend class (with its OPTIONS) cannot hold locks, or None."""
     entry = supported_for(backend_class)
-    backend = None if entry is None else entry.backend
-    rule = None if backend is None else _CLIENTS.get(backend)
-    if rule is not None:
-        clients, refusal = rule
-        options = options or {}
-        client = options.get("CLIENT_CLASS", clients[0])
-        if client not in clients:
-            return refusal.format(client=client)
-        kwargs = options.get("BASE_CLIENT_KWARGS") or {}
-        if backend is ValkeyClusterBackend and kwargs.get("read_from_replicas"):
-            return (
-                "django-valkey's ClusterValkeyCache with BASE_CLIENT_KWARGS "
-                "{'read_from_replicas': True}: a replica lags behind its primary, "
-                "so a lock's owner check could read a value it no longer holds. "
-                "Remove read_from_replicas from that alias, or give locks an alias "
-                "without it"
-            )
     if entry is not None:
-        return None
+        return entry.backend.refusal(options or {})
     for base, reason in UNSUPPORTED:
         if issubclass(backend_class, base):
             return f"{reason}. Use {supported_names()}."
@@ -113,21 +52,6 @@ def unsupported_reason(
         f"{backend_class.__module__}.{backend_class.__qualname__} has no atomic "
         f"owner-checked operations django_tasklock knows. Use {supported_names()}."
     )
-
-
-_UNSAFE_OPTIONS = {
-    "default_noreply": "memcached sends no reply, so cache.add() cannot report that "
-    "a lock is already held",
-    "ignore_exc": "cache.add() returns False when memcached is down, so every task "
-    "looks locked and is silently skipped",
-}
-
-
-def unsafe_options(backend_class: type[Any], options: dict[str, Any]) -> dict[str, str]:
-    """Options of a memcached alias that break ``cache.add()`` locking, with why."""
-    if not issubclass(backend_class, PyMemcacheCache):
-        return {}
-    return {name: why for name, why in _UNSAFE_OPTIONS.items() if options.get(name)}
 
 
 # One backend per alias and thread, over that thread's Django cache object (so its
@@ -345,9 +269,9 @@ def _lookup(alias: str, protocol: str) -> LockBackend:
             f"({exc}). Add that alias to CACHES or name an existing one."
         ) from exc
     entry = supported_for(type(cache))
-    if entry is not None and entry.backend in _CLIENTS:
+    if entry is not None:
         params: dict[str, Any] = getattr(cache, "_params", {})
-        reason = unsupported_reason(type(cache), params.get("OPTIONS"))
+        reason = entry.backend.refusal(params.get("OPTIONS") or {})
         if reason is not None:
             raise LockConfigurationError(
                 f"CACHES[{alias!r}] cannot hold locks: {reason}. (Run 'manage.py "

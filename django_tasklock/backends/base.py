@@ -11,6 +11,7 @@ from ..values import FenceCounter
 
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
+    from django.core.checks import CheckMessage
 
 __all__ = ["ONE_PLACE", "FenceCounter", "Hold", "LockBackend", "Peek", "Supported"]
 
@@ -71,6 +72,23 @@ class LockBackend(abc.ABC):
         self.looks: dict[str, float] = {}
         #: expire -> ``shortest_life(expire)``, remembered (asked per acquire).
         self.lives: dict[float, float] = {}
+
+    @classmethod
+    def refusal(cls, options: dict[str, Any]) -> str | None:
+        """Why an alias of this store with these OPTIONS cannot hold locks (a
+        client that spreads a lock's keys over servers, say), with what to
+        write instead; None if it can."""
+        return None
+
+    @classmethod
+    def alias_checks(
+        cls, alias: str, config: dict[str, Any], protocol: object, hint: str
+    ) -> list[CheckMessage]:
+        """The system checks of this store's own for ``CACHES[alias]``
+        (``config``), one it can hold locks; ``protocol`` is
+        ``TASKLOCK['MEMCACHED_PROTOCOL']`` (None: another setting is wrong),
+        ``hint`` how to point locks at another alias."""
+        return []
 
     def keys_for(self, lock_id: str) -> tuple[str, str]:
         """The store keys of ``lock_id`` and of its fencing counter, remembered:

@@ -46,7 +46,7 @@ from pymemcache.exceptions import MemcacheError
 from ...conf import settings as tasklock_settings
 from ...keys import memcached_key
 from ...values import unique_value
-from . import meta
+from . import checks, meta
 from .fencing import draw
 from .reads import MemcachedReads
 from .restarts import NodeRestarted, Restarts, _refused
@@ -96,6 +96,8 @@ class MemcachedBackend(MemcachedReads):
 
     kind = "memcached"
     async_client: ClassVar[str | None] = "django_tasklock.backends.memcached.aio"
+    alias_checks = staticmethod(checks.alias_checks)
+
     errors = (OSError, MemcacheError)
     cache: PyMemcacheCache
 

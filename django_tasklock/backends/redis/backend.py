@@ -341,6 +341,27 @@ class DjangoRedisBackend(RedisBackend):
     the client's own serializer and compressor.
     """
 
+    #: The clients (CLIENT_CLASS, the default first) that keep a lock and its
+    #: fencing counter on one primary, and why another cannot hold locks.
+    clients: ClassVar[tuple[str, ...]] = (
+        "django_redis.client.DefaultClient",
+        "django_redis.client.default.DefaultClient",
+        "django_redis.client.SentinelClient",
+        "django_redis.client.sentinel.SentinelClient",
+    )
+    other_client: ClassVar[str] = (
+        "django-redis with CLIENT_CLASS {client!r}: only its DefaultClient (one "
+        "server, or a primary with replicas) and SentinelClient keep a lock and "
+        "its fencing counter on one primary (ShardClient spreads them over "
+        "servers; HerdClient rewrites stored values). Give locks an alias with "
+        "one of those two"
+    )
+
+    @classmethod
+    def refusal(cls, options: dict[str, Any]) -> str | None:
+        client = options.get("CLIENT_CLASS", cls.clients[0])
+        return None if client in cls.clients else cls.other_client.format(client=client)
+
     @staticmethod
     def _client_of(cache: Any) -> Any:
         return cache.client

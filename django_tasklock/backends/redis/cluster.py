@@ -17,8 +17,12 @@ import hashlib
 import math
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from django.core.cache import caches
+from django.core.checks import Error, Warning
+
+from ...check_ids import KEY_BRACES, ONE_SLOT
 from ...conf import settings
 from ...exceptions import InvalidArgument, LockConfigurationError
 from ...keys import (
@@ -34,6 +38,9 @@ from ..base import Hold, LockBackend
 from .backend import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER
 from .failover import LEARNT, Promotions, relearn
 from .valkey import ValkeyBackend
+
+if TYPE_CHECKING:
+    from django.core.checks import CheckMessage
 
 __all__ = [
     "KEY_TAG_ADVICE",
@@ -188,6 +195,43 @@ class ValkeyClusterBackend(ClusterKeys):
 
     kind = "Valkey cluster"
     records_beside_locks = True
+    clients = (
+        "django_valkey.cluster_cache.client.DefaultClusterClient",
+        "django_valkey.cluster_cache.client.default.DefaultClusterClient",
+    )
+    other_client = (
+        "django-valkey's ClusterValkeyCache with CLIENT_CLASS {client!r}: only "
+        "its DefaultClusterClient is known to send each lock's commands to the "
+        "primary of its hash slot. Give locks an alias with that client"
+    )
+
+    @classmethod
+    def refusal(cls, options: dict[str, Any]) -> str | None:
+        kwargs = options.get("BASE_CLIENT_KWARGS") or {}
+        if kwargs.get("read_from_replicas"):
+            return (
+                "django-valkey's ClusterValkeyCache with BASE_CLIENT_KWARGS "
+                "{'read_from_replicas': True}: a replica lags behind its primary, "
+                "so a lock's owner check could read a value it no longer holds. "
+                "Remove read_from_replicas from that alias, or give locks an alias "
+                "without it"
+            )
+        return super().refusal(options)
+
+    @classmethod
+    def alias_checks(
+        cls, alias: str, config: dict[str, Any], protocol: object, hint: str
+    ) -> list[CheckMessage]:
+        """E022/W004: the hash tags in the alias's keys."""
+        problem = key_tag_problem(caches[alias])
+        if problem is None:
+            return []
+        what, fatal = problem
+        message = f"CACHES[{alias!r}] is a cluster, and {what}."
+        advice = f"{KEY_TAG_ADVICE}. {hint}"
+        if fatal:
+            return [Error(message, hint=advice, id=KEY_BRACES)]
+        return [Warning(message, hint=advice, id=ONE_SLOT)]
 
     def __init__(self, cache: Any, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)

@@ -8,7 +8,7 @@ runs the same Lua. The cluster cache's backend is in ``cluster.py``.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, ClassVar
 
 from .backend import DjangoRedisBackend
 
@@ -23,6 +23,19 @@ class ValkeyBackend(DjangoRedisBackend):
     async_client = None  # (valkey-py's asyncio client: not yet)
     client_exceptions = "valkey.exceptions"
     client_error = "ValkeyError"
+    clients: ClassVar[tuple[str, ...]] = (
+        "django_valkey.client.DefaultClient",
+        "django_valkey.client.default.DefaultClient",
+        "django_valkey.client.SentinelClient",
+        "django_valkey.client.sentinel.SentinelClient",
+    )
+    other_client = (
+        "django-valkey with CLIENT_CLASS {client!r}: only its DefaultClient (one "
+        "server, or a primary with replicas) and SentinelClient keep a lock and "
+        "its fencing counter on one primary (its sharded client spreads them "
+        "over servers; its herd client rewrites stored values). Give locks an "
+        "alias with one of those two"
+    )
 
     def __init__(self, cache: Any, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
