@@ -16,7 +16,7 @@ import redis
 from django.core.cache import caches
 
 from django_tasklock import Lock, LockBackendError, orphans
-from django_tasklock.backends.redis.backend import _ACQUIRE, _RELEASE, _SHA
+from django_tasklock.backends.redis.scripts import ACQUIRE, RELEASE
 from tests.faultproxy import FaultProxy
 from tests.helpers import wait_until
 from tests.services import Memcached, Redis, stop_and_wait
@@ -113,8 +113,8 @@ def test_redis_replies_lost_until_the_caller_fails_leave_no_lock(own_redis, prox
     removed = orphans.removed_count()
     # Every acquire runs and loses its reply; every owner-checked removal is kept
     # from the store, so the orphan stays in place until the network heals.
-    proxy.drop_replies(_SHA[_ACQUIRE].encode(), times=1000)
-    proxy.refuse(_SHA[_RELEASE].encode())
+    proxy.drop_replies(ACQUIRE.sha.encode(), times=1000)
+    proxy.refuse(RELEASE.sha.encode())
     with pytest.raises(LockBackendError):
         Lock("unknown-fate").acquire()
     assert proxy.dropped >= 2

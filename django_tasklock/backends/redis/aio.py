@@ -19,8 +19,8 @@ import redis.asyncio
 
 from ..aio.base import Cancel, PipelinedBackend
 from ..aio.finishing import carried_through, finish_later
-from .backend import _ACQUIRE, _RELEASE, _SHA, known
 from .resp import Pipe, pack
+from .scripts import ACQUIRE, RELEASE, Script, script_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -120,27 +120,27 @@ class AsyncRedis(PipelinedBackend):
 
     async def _run(
         self,
-        script: str,
+        script: Script,
         args: tuple[Any, ...],
         late: Callable[[Any], object] | None = None,
     ) -> Any:
         """``script``'s reply on the loop's pipelined connection: by its SHA,
         sent whole if the server lacks it."""
         try:
-            return await self._sent(pack(b"EVALSHA", _SHA[script], *args), late)
+            return await self._sent(pack(b"EVALSHA", script.sha, *args), late)
         except self._no_script:
-            return await self._sent(pack(b"EVAL", script, *args), late)
+            return await self._sent(pack(b"EVAL", script.text, *args), late)
 
     async def script(self, text: str, keys: tuple[str, ...], *args: Any) -> Any:
         # A caller cancelled once it was sent leaves the reply to the
         # connection's reader: the script runs, its answer unread, as a sync
         # caller's whose reply timed out.
-        known(text)
+        script = script_of(text)
         args = (len(keys), *keys, *args)
         try:
-            return await self._run(text, args)
+            return await self._run(script, args)
         except self._dropped:  # (as redis-py's own client retries)
-            return await self._run(text, args)
+            return await self._run(script, args)
 
     async def take(
         self,
@@ -155,11 +155,11 @@ class AsyncRedis(PipelinedBackend):
         args = (1, key, value, math.ceil(expire * 1000))
         landed = _Taken(value, cancel, self._lost)
         try:
-            taken = await self._run(_ACQUIRE, args, landed)
+            taken = await self._run(ACQUIRE, args, landed)
         except self._dropped:
             # As in the sync backend: the script may have run with its reply
             # lost; once more with the same token finds the lock ours if so.
-            taken = await self._run(_ACQUIRE, args, landed)
+            taken = await self._run(ACQUIRE, args, landed)
         return value if taken else None
 
     async def drop(self, key: str, hold: Hold, token: object) -> bool:
@@ -167,17 +167,17 @@ class AsyncRedis(PipelinedBackend):
         if pipe is None or pipe.broken:
             # Not sent before a new connection: carried to its end through a
             # cancel, the connection made first.
-            return bool(await carried_through(self._run(_RELEASE, (1, key, hold))))
+            return bool(await carried_through(self._run(RELEASE, (1, key, hold))))
         # Once written, the release is carried out and its reply read, whether
         # or not the caller waits for it; a server that lacked the script is
         # sent it whole then too.
         late = functools.partial(self._released_late, key, hold)
-        return bool(await self._run(_RELEASE, (1, key, hold), late))
+        return bool(await self._run(RELEASE, (1, key, hold), late))
 
     def _released_late(self, key: str, hold: Hold, reply: Any) -> None:
         """The reply to a release whose caller was cancelled."""
         if isinstance(reply, self._no_script):
-            finish_later(self._run(_RELEASE, (1, key, hold)))
+            finish_later(self._run(RELEASE, (1, key, hold)))
 
     async def held_many(self, keys: list[str]) -> list[bool]:
         command = pack(b"MGET", *keys)

@@ -9,13 +9,22 @@ the owner back as a str.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import math
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from ...keys import encodable_key
 from ..base import FenceCounter, Hold, LockBackend, Peek
+from .scripts import (
+    ACQUIRE,
+    EXTEND,
+    FENCE,
+    RELEASE,
+    REPLACE,
+    TAKE_OVER,
+    Script,
+    script_of,
+)
 from .sockets import close_own, own_client
 
 if TYPE_CHECKING:
@@ -24,90 +33,6 @@ if TYPE_CHECKING:
     from django.core.cache.backends.redis import RedisCache
 
 __all__ = ["DjangoRedisBackend", "RedisBackend"]
-
-# Take the lock. One that already holds this very token was taken by an earlier
-# run of this script whose reply was lost (redis-py retries a command whose
-# connection dropped): it is ours, and is renewed rather than refused.
-_ACQUIRE = """
-local held = redis.call("get", KEYS[1])
-if held then
-    if held ~= ARGV[1] then
-        return 0
-    end
-    redis.call("pexpire", KEYS[1], ARGV[2])
-    return 1
-end
-redis.call("set", KEYS[1], ARGV[1], "PX", ARGV[2])
-return 1
-"""
-# Draw a fencing token, only while the lock still holds this token; a missing
-# counter starts again from the floor: the later of the client's clock when it
-# sent the call (ARGV[2], in microseconds) and the server's now, so a client
-# paused between reading its clock and sending cannot restart the counter
-# below a fence drawn meanwhile.
-_FENCE = """
-if redis.call("get", KEYS[1]) ~= ARGV[1] then
-    return false
-end
-local last = redis.call("get", KEYS[2])
-if last and not tonumber(last) then
-    return redis.error_reply("the fencing counter " .. KEYS[2] .. " holds something "
-        .. "that is not a number; some other code wrote to that key. Delete it (it "
-        .. "restarts from the clock); no fence was drawn, and the lock is still held")
-end
-local fence
-if last then
-    fence = redis.call("incr", KEYS[2])
-else
-    local clock = redis.call("time")
-    fence = math.max(tonumber(ARGV[2]), clock[1] * 1000000 + clock[2])
-    redis.call("set", KEYS[2], string.format("%d", fence))
-end
-redis.call("expire", KEYS[2], ARGV[3])
-return fence
-"""
-_RELEASE = """
-if redis.call("get", KEYS[1]) == ARGV[1] then
-    return redis.call("del", KEYS[1])
-end
-return 0
-"""
-_EXTEND = """
-if redis.call("get", KEYS[1]) == ARGV[1] then
-    return redis.call("pexpire", KEYS[1], ARGV[2])
-end
-return 0
-"""
-_REPLACE = """
-if redis.call("get", KEYS[1]) == ARGV[1] then
-    redis.call("set", KEYS[1], ARGV[2], "PX", ARGV[3])
-    return 1
-end
-return 0
-"""
-# Take the lock from the queued call whose mark is ARGV[1], or if free; one that
-# holds this very token already was taken by a run whose reply was lost.
-_TAKE_OVER = """
-local held = redis.call("get", KEYS[1])
-if held and held ~= ARGV[1] and held ~= ARGV[2] then
-    return 0
-end
-redis.call("set", KEYS[1], ARGV[2], "PX", ARGV[3])
-return 1
-"""
-_SHA = {
-    script: hashlib.sha1(script.encode()).hexdigest()
-    for script in (_ACQUIRE, _FENCE, _RELEASE, _EXTEND, _REPLACE, _TAKE_OVER)
-}
-
-
-def known(text: str) -> str:
-    """The SHA1 of the Lua script ``text``, remembered in ``_SHA`` (by which
-    the script is sent, whole only where the server lacks it)."""
-    sha = _SHA.get(text)
-    if sha is None:
-        sha = _SHA[text] = hashlib.sha1(text.encode()).hexdigest()
-    return sha
 
 
 class RedisBackend(LockBackend):
@@ -176,21 +101,14 @@ class RedisBackend(LockBackend):
         if primary is not None:
             close_own(primary)
 
-    def _script(self, script: str, keys: tuple[str, ...], *args: object) -> Any:
-        client = self._redis(keys[0])
-        try:
-            return client.evalsha(_SHA[script], len(keys), *keys, *args)
-        except self._no_script:
-            # Not (or no longer: a restart, a failover, SCRIPT FLUSH) on that
-            # server: sent whole, the same script runs, owner checks and all.
-            return client.eval(script, len(keys), *keys, *args)
+    def _script(self, script: Script, keys: tuple[str, ...], *args: object) -> Any:
+        return script.run(self._redis(keys[0]), keys, args, self._no_script)
 
     def script(self, text: str, keys: tuple[str, ...], *args: object) -> Any:
         """Run the Lua script ``text`` (by its SHA once Redis has it) on the
         primary: how other parts of the package (rate limits) run their own
         atomic steps."""
-        known(text)
-        return self._script(text, keys, *args)
+        return self._script(script_of(text), keys, *args)
 
     def raw(self, key: str) -> bytes | None:
         """The bytes stored at ``key``, as a script wrote them (no serializer)."""
@@ -260,28 +178,28 @@ class RedisBackend(LockBackend):
         value = self._encode(token)
         milliseconds = math.ceil(expire * 1000)
         try:
-            taken = self._script(_ACQUIRE, (key,), value, milliseconds)
+            taken = self._script(ACQUIRE, (key,), value, milliseconds)
         except self._dropped:
             # The script may have run with its reply lost; once more, with the
             # same token, finds the lock ours if it did. A second failure is an
             # outage (and the token is removed once the store answers).
-            taken = self._script(_ACQUIRE, (key,), value, milliseconds)
+            taken = self._script(ACQUIRE, (key,), value, milliseconds)
         return value if taken else None
 
     def draw_fence(
         self, key: str, hold: Hold, token: str, fence: FenceCounter
     ) -> int | None:
-        drawn = self._script(_FENCE, (key, fence.key), hold, fence.floor, fence.ttl)
+        drawn = self._script(FENCE, (key, fence.key), hold, fence.floor, fence.ttl)
         return None if drawn is None else int(drawn)
 
     def release(self, key: str, hold: Hold, token: object) -> bool:
-        return bool(self._script(_RELEASE, (key,), hold))
+        return bool(self._script(RELEASE, (key,), hold))
 
     def discard(self, key: str, token: str) -> bool:
-        return bool(self._script(_RELEASE, (key,), self._encode(token)))
+        return bool(self._script(RELEASE, (key,), self._encode(token)))
 
     def extend(self, key: str, hold: Hold, token: str, expire: float) -> Hold | None:
-        if self._script(_EXTEND, (key,), hold, math.ceil(expire * 1000)):
+        if self._script(EXTEND, (key,), hold, math.ceil(expire * 1000)):
             return hold
         return None
 
@@ -289,7 +207,7 @@ class RedisBackend(LockBackend):
         self, key: str, hold: Hold, old: object, new: str, expire: float
     ) -> Hold | None:
         value = self._encode(new)
-        if self._script(_REPLACE, (key,), hold, value, math.ceil(expire * 1000)):
+        if self._script(REPLACE, (key,), hold, value, math.ceil(expire * 1000)):
             return value
         return None
 
@@ -302,7 +220,7 @@ class RedisBackend(LockBackend):
         value = self._encode(token)
         milliseconds = math.ceil(expire * 1000)
         arguments = (self._encode(expected), value, milliseconds)
-        if self._script(_TAKE_OVER, (key,), *arguments):
+        if self._script(TAKE_OVER, (key,), *arguments):
             return value
         return super().take_over(key, expected, token, expire)
 

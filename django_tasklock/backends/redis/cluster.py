@@ -13,7 +13,6 @@ beside locks.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import socket
 import time
@@ -35,8 +34,8 @@ from ...keys import (
 )
 from ...tokens import TOKENS, this_process
 from ..base import Hold, LockBackend
-from .backend import _ACQUIRE, _REPLACE, _SHA, _TAKE_OVER
 from .failover import LEARNT, Promotions, relearn
+from .scripts import ACQUIRE, REPLACE, TAKE_OVER, Script
 from .valkey import ValkeyBackend
 
 if TYPE_CHECKING:
@@ -72,12 +71,8 @@ def cluster_key(cache: Any, lock_id: str) -> str:
 # it from the same step on.
 _RECORD_FIRST = 'redis.call("set", KEYS[2], ARGV[#ARGV - 1], "EX", ARGV[#ARGV])\n'
 _WITH_RECORD = {
-    script: _RECORD_FIRST + script for script in (_ACQUIRE, _REPLACE, _TAKE_OVER)
+    script: script.after(_RECORD_FIRST) for script in (ACQUIRE, REPLACE, TAKE_OVER)
 }
-_SHA.update(
-    (script, hashlib.sha1(script.encode()).hexdigest())
-    for script in _WITH_RECORD.values()
-)
 
 
 #: The one place of a cluster's records, as warnings name it.
@@ -261,9 +256,9 @@ class ValkeyClusterBackend(ClusterKeys):
         value = self._encode(token)
         arguments = (value, math.ceil(expire * 1000))
         try:
-            taken = self._run(_ACQUIRE, key, token, arguments)
+            taken = self._run(ACQUIRE, key, token, arguments)
         except self._dropped:
-            taken = self._run(_ACQUIRE, key, token, arguments)
+            taken = self._run(ACQUIRE, key, token, arguments)
         if not taken:
             return None
         self._keep_unless_promoted(key, token)
@@ -271,12 +266,12 @@ class ValkeyClusterBackend(ClusterKeys):
 
     def reassert(self, key: str, token: str, expire: float) -> Hold | None:
         # A lock the failover lost, put back by its live holder: never refused.
-        return self._take(_ACQUIRE, key, None, token, expire)
+        return self._take(ACQUIRE, key, None, token, expire)
 
     def take_over(
         self, key: str, expected: str, token: str, expire: float
     ) -> Hold | None:
-        hold = self._take(_TAKE_OVER, key, expected, token, expire)
+        hold = self._take(TAKE_OVER, key, expected, token, expire)
         if hold is None:  # a mark another serializer wrote: compared decoded
             hold = LockBackend.take_over(self, key, expected, token, expire)
         if hold is not None:
@@ -288,14 +283,14 @@ class ValkeyClusterBackend(ClusterKeys):
     ) -> Hold | None:
         value = self._encode(new)
         arguments = (hold, value, math.ceil(expire * 1000))
-        if self._run(_REPLACE, key, new, arguments):
+        if self._run(REPLACE, key, new, arguments):
             return value
         return None
 
     def _take(
-        self, script: str, key: str, expected: str | None, token: str, expire: float
+        self, script: Script, key: str, expected: str | None, token: str, expire: float
     ) -> Hold | None:
-        """Run ``_ACQUIRE`` or ``_TAKE_OVER`` (``expected``: the queued mark)
+        """Run ``ACQUIRE`` or ``TAKE_OVER`` (``expected``: the queued mark)
         for ``token``, once more if the reply was lost (as the Redis backend's
         acquire)."""
         value = self._encode(token)
@@ -310,7 +305,7 @@ class ValkeyClusterBackend(ClusterKeys):
         return value if taken else None
 
     def _run(
-        self, script: str, key: str, token: str, arguments: tuple[object, ...]
+        self, script: Script, key: str, token: str, arguments: tuple[object, ...]
     ) -> Any:
         """Run ``script`` on the lock at ``key`` for ``token``: with this
         process's liveness record written first, beside the lock, in the same
