@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: soak demo demo-django6 lock-demo bench bench-cpu bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix matrix-envs pytest pytest-run coverage package services venv clean
+.PHONY: test-quick soak demo demo-django6 lock-demo bench bench-cpu bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix matrix-envs pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -78,6 +78,12 @@ SOURCES := django_tasklock tests example_project benchmarks reliability
 # failure repeats. PYTEST_SEED=default draws a new order; the seed is printed.
 PYTEST_SEED ?= $(or $(shell git rev-parse HEAD 2>/dev/null | cut -c1-8 | sed 's/^/0x/' | xargs -r printf '%d'),default)
 pytest: pytest-run
+
+# For development: the tests that take seconds, not minutes, in parallel: no
+# module marked long (fault groups, benchmarks' smoke runs, worker storms) and
+# no slow test (multi-process contention, expiry waits). make test runs them all.
+test-quick: services $(STAMP)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not long and not slow" $(PYTEST_ARGS)
 
 pytest-run: services $(STAMP)
 	$(BIN)/python -m compileall -q -j0 $(SOURCES)

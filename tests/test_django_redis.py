@@ -100,7 +100,10 @@ def test_client_classes_that_cannot_lock_are_refused(settings, redis_server, cli
 def sentinel():
     primary = Redis().start()
     replica = Redis(args=["--replicaof", "127.0.0.1", str(primary.port)]).start()
-    watcher = Sentinel(primary=primary).start()
+    # The failover is asked for (SENTINEL FAILOVER): a primary starved of CPU
+    # for a second on a loaded machine must not be judged down meanwhile, which
+    # left Sentinel naming no primary at all (MasterNotFoundError).
+    watcher = Sentinel(primary=primary, down_after=10_000).start()
     yield watcher, primary, replica
     close_connections()
     watcher.stop()
