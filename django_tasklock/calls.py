@@ -76,7 +76,7 @@ def store(cache: str | None) -> tuple[LockBackend, str]:
     """This thread's backend for ``cache`` (None: ``TASKLOCK['CACHE']``), and the
     alias."""
     alias = cache or settings.CACHE
-    return backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL), alias
+    return backend_for(alias), alias
 
 
 def store_error(

@@ -227,9 +227,7 @@ class Semaphore(Holding):
         and their keys there."""
         ids = self.slot_ids()
         if backend is None:
-            backend = backend_for(
-                self._cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL
-            )
+            backend = backend_for(self._cache or settings.CACHE)
         return ids, backend, [backend.keys_for(lock_id)[0] for lock_id in ids]
 
     def _unread(

@@ -141,7 +141,7 @@ class LockChanged(LockBackendError):
 
 
 def _backend(lock_id: str, cache: str | None) -> tuple[LockBackend, str]:
-    backend = backend_for(cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL)
+    backend = backend_for(cache or settings.CACHE)
     return backend, backend.keys_for(check_lock_id(lock_id))[0]
 
 

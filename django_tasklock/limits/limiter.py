@@ -88,7 +88,7 @@ class RateLimiter:
         return self._cache or settings.CACHE
 
     def _store(self) -> tuple[Any, str]:
-        backend = backend_for(self.cache, protocol=settings.MEMCACHED_PROTOCOL)
+        backend = backend_for(self.cache)
         return backend, self._key(backend)
 
     def _key(self, backend: LockBackend) -> str:

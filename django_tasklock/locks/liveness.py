@@ -168,7 +168,7 @@ class Records:
             lister.join(timeout=5)
         if not delete:
             return
-        backend = backend_for(self.alias, protocol=settings.MEMCACHED_PROTOCOL)
+        backend = backend_for(self.alias)
         for record in records:
             try:
                 backend.delete_record(record.place, self.id)
@@ -359,7 +359,7 @@ def record_for(alias: str, bound: float, backend: LockBackend | None = None) -> 
             if backend is None:
                 # (The protocol as the settings say: this thread's backend
                 # serves its next lock too.)
-                backend = backend_for(alias, protocol=settings.MEMCACHED_PROTOCOL)
+                backend = backend_for(alias)
             places = backend.record_places()
             records = _records[alias] = Records(alias, bound, places)
     return records

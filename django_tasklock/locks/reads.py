@@ -38,10 +38,8 @@ class StoreReads:
         if acq is not None:
             if acq.thread == threading.get_ident() and acq.fork == fork_generation[0]:
                 return acq.backend, acq.key
-            return backend_for(acq.alias, protocol=settings.MEMCACHED_PROTOCOL), acq.key
-        backend = backend_for(
-            self._cache or settings.CACHE, protocol=settings.MEMCACHED_PROTOCOL
-        )
+            return backend_for(acq.alias), acq.key
+        backend = backend_for(self._cache or settings.CACHE)
         return backend, backend.key_for(self.lock_id)
 
     def _send(self, signal: Signal, owner: object, **details: object) -> None:
