@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings as django_settings
-from django.core.cache.backends.locmem import LocMemCache
 from django.core.checks import CheckMessage, Error, Warning
 from django.utils.module_loading import import_string
 
@@ -277,10 +276,11 @@ def _check_cache(alias: str, protocol: object, named_by: str) -> list[CheckMessa
     entry = supported_for(backend_class)
     assert entry is not None  # (else unsupported_reason said why)
     messages = entry.backend.alias_checks(alias, config, protocol, _HINT_ALIAS)
-    if issubclass(backend_class, LocMemCache) and not caches_implicit():
+    if not entry.shared and not caches_implicit():
         messages.append(
             Warning(
-                f"CACHES[{alias!r}] ({named_by}) is LocMemCache: each process has "
+                f"CACHES[{alias!r}] ({named_by}) is {backend_class.__name__}: "
+                "each process has "
                 "its own, so a lock taken in one worker process is invisible to "
                 "the others.",
                 hint="Use it for single-process tests only (workers, beats and "

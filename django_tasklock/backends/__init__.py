@@ -222,12 +222,12 @@ per_process_tests = [0]
 
 def refuse_per_process(aliases: Iterable[str], where: str) -> None:
     """Raise ``LockConfigurationError`` if one of ``aliases`` is a store each
-    process has its own of (LocMemCache: check W001), where the system checks
+    process has its own of (a row of the table that is not ``shared``:
+    LocMemCache; check W001), where the system checks
     do not run (a worker, a beat, a leadership): ``where`` says which, and what
     it would do. Allowed by ``TASKLOCK['ALLOW_PER_PROCESS']`` and in a test
     isolation."""
     from django.conf import settings as django_settings
-    from django.core.cache.backends.locmem import LocMemCache
     from django.utils.module_loading import import_string
 
     from ..conf import settings
@@ -240,9 +240,13 @@ def refuse_per_process(aliases: Iterable[str], where: str) -> None:
             backend_class = import_string((configured.get(alias) or {})["BACKEND"])
         except (ImportError, KeyError):
             continue  # the lock itself reports an alias that cannot work
-        if isinstance(backend_class, type) and issubclass(backend_class, LocMemCache):
+        entry = (
+            supported_for(backend_class) if isinstance(backend_class, type) else None
+        )
+        if entry is not None and not entry.shared:
             raise LockConfigurationError(
-                f"{where}, but CACHES[{alias!r}], its lock store, is LocMemCache: "
+                f"{where}, but CACHES[{alias!r}], its lock store, is "
+                f"{backend_class.__name__}: "
                 "each process has its own, so a lock taken in one process is "
                 "invisible to the others (check W001). Point TASKLOCK['CACHE'] (or "
                 f"the cache= alias) at a shared store, {recommended_paths()}; in "
