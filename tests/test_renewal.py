@@ -156,6 +156,22 @@ def test_renew_setting_is_the_default(settings, store):
 
 
 def test_lost_lock_reported_within_one_heartbeat(store, caplog):
+    """The first beat that begins after a theft finds it and tells, once.
+
+    A heartbeat starved past the lock's sure life (two CPU hogs beside the
+    suite) leaves the loss to the holder's clock instead, which tells it at
+    its next check, before any beat: the safe direction, and the theft is
+    tried again on a new lock, three times at most."""
+    for attempt in range(3):
+        if _stolen_and_told(store, caplog, f"stolen-{attempt}"):
+            return
+        caplog.clear()
+    raise AssertionError("the heartbeat was starved past the sure life three times")
+
+
+def _stolen_and_told(store, caplog, lock_id: str) -> bool:
+    """A renewed lock stolen from its holder: True once its first beat after
+    the theft told it (asserted whole), False if its clock told it first."""
     lost_events: list[dict[str, object]] = []
 
     def on_lost(sender, **kwargs):
@@ -165,7 +181,7 @@ def test_lost_lock_reported_within_one_heartbeat(store, caplog):
     try:
         # 3 * EXPIRE: a heartbeat starved past a 3 s lock's sure life (a CI
         # run beside the matrix) finds it lapsed by the clock, not stolen.
-        lock = Lock("stolen", expire=3 * EXPIRE, renew=True, on_lost="raise")
+        lock = Lock(lock_id, expire=3 * EXPIRE, renew=True, on_lost="raise")
         assert lock.acquire()
         fence = lock.fence
         heartbeat = lock._heartbeat
@@ -183,27 +199,32 @@ def test_lost_lock_reported_within_one_heartbeat(store, caplog):
         heartbeat.beat = observed  # type: ignore[method-assign]
         assert lock.check() is True
         stolen_at = time.monotonic()
-        caches[store.alias].delete("stolen")  # flushed, evicted, forced...
-        thief = Lock("stolen")
+        caches[store.alias].delete(lock_id)  # flushed, evicted, forced...
+        thief = Lock(lock_id)
         assert thief.acquire()
         with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
             wait_for(lambda: lock.lost, timeout=beat * 3 + 3)
             # (Lost at once; told just after, in the heartbeat's thread.)
             wait_for(lambda: lost_events, timeout=30)
+        assert len(lost_events) == 1, "reported more than once"
+        event = lost_events[0]
+        if event["during"] == "check":  # its sure life ran out, no beat had renewed it
+            assert "no extension reached the store" in caplog.text, caplog.text
+            assert thief.release()
+            return False
         after = [t - stolen_at for t in began if t >= stolen_at]
         # (None: a beat that began just before the theft found it.)
         assert len(after) <= 1, f"beats after the theft: {after}, beat {beat}s"
         assert "no longer held" in caplog.text
-        with pytest.raises(LockLost, match="stolen"):
+        with pytest.raises(LockLost, match=lock_id):
             lock.check()
         assert lock.release() is False
-        assert len(lost_events) == 1, "reported more than once"
-        event = lost_events[0]
-        assert event["lock_id"] == "stolen" and event["during"] == "renew"
+        assert event["lock_id"] == lock_id and event["during"] == "renew"
         assert event["owner"] == lock.token and event["fence"] == fence == lock.fence
         assert thief.fence > fence  # type: ignore[operator]
         assert thief.owned(), "the lost holder touched the new holder's lock"
         assert thief.release()
+        return True
     finally:
         lock_lost.disconnect(on_lost)
 
