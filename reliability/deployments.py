@@ -52,6 +52,9 @@ class Outcome:
     figures: dict[str, float] = field(default_factory=dict)
     #: The holder's longest stall (its process starved or stopped), seconds.
     stall: float = 0.0
+    #: How long the server of its lock and record stood still (SIGSTOPped by
+    #: the scenario), seconds: its renewals could not land meanwhile.
+    server_stall: float = 0.0
 
 
 @dataclass
@@ -297,6 +300,7 @@ def client_timed_out() -> Outcome:
                   "OPTIONS": {"timeout": 0.5, "retry_timeout": 3}}  # fmt: skip
         alias = deployed.alias("timing-out", config)
         holder = deployed.holder(alias, "timed-out", "tasklock-timeout-host")
+        stopped = time.monotonic()
         stop_and_wait(server.process.pid)  # type: ignore[union-attr]
         try:
             with contextlib.suppress(TimeoutError):
@@ -304,6 +308,7 @@ def client_timed_out() -> Outcome:
                 raise AssertionError("the read did not time out")
         finally:
             os.kill(server.process.pid, signal.SIGCONT)  # type: ignore[union-attr]
+            outcome.server_stall = time.monotonic() - stopped
         started = time.monotonic()
         assert caches[alias].get("anything-else") is None  # not asked
         outcome.verdict = verdict("timed-out", alias)
@@ -554,11 +559,13 @@ def _held(alias: str) -> bool:
 
 
 def starved(outcome: Outcome) -> bool:
-    """A holder told it lost its lock that nobody took, having stood still
-    long enough (half ``LIVENESS``) for its liveness record or heartbeat to
-    lapse: the safe direction, judged by what must hold (no second holder,
-    the holder told), not by the lock it was meant to keep."""
-    return outcome.kept is False and not outcome.taken and outcome.stall >= LIVENESS / 2
+    """A holder told it lost its lock that nobody took, having stood still, or
+    its server having stood still, long enough (half ``LIVENESS``) for its
+    liveness record or heartbeat to lapse: the safe direction, judged by what
+    must hold (no second holder, the holder told), not by the lock it was
+    meant to keep."""
+    stood = max(outcome.stall, outcome.server_stall)
+    return outcome.kept is False and not outcome.taken and stood >= LIVENESS / 2
 
 
 def _row(case: str, runs: list[Outcome], *, least_tries: int = 1) -> Row:
@@ -579,11 +586,11 @@ def _row(case: str, runs: list[Outcome], *, least_tries: int = 1) -> Row:
     row = Row(case, len(runs), sum(o.taken for o in runs), wrong)
     tries = sum(o.tries for o in runs)
     row.figures.append(f"{tries} tries, {row.overlaps} took the live holder's lock")
-    hungry = [o.stall for o in runs if starved(o)]
+    hungry = [max(o.stall, o.server_stall) for o in runs if starved(o)]
     if hungry:
         row.figures.append(
             f"holder starved and told it lost its lock {len(hungry)} "
-            f"(stood still up to {max(hungry):.1f}s; nobody took it)"
+            f"(it or its server stood still up to {max(hungry):.1f}s; nobody took it)"
         )
     said = [o.verdict[0] for o in runs if o.verdict is not None]
     if said:

@@ -189,7 +189,16 @@ class Memcached(Server):
         """Every key the server holds (``lru_crawler metadump all``)."""
         from urllib.parse import unquote
 
-        data = self._ask(b"lru_crawler metadump all", (b"END\r\n",), timeout=30)[0]
+        # The crawler may be busy with a crawl of its own (memcached's LRU
+        # crawler runs by itself too): asked again until it takes the dump.
+        busy = b"BUSY currently processing crawler request\r\n"
+        for _ in range(100):
+            data = self._ask(b"lru_crawler metadump all", (b"END\r\n", busy), 30)[0]
+            if not data.endswith(busy):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("memcached's LRU crawler stayed busy for 10 s")
         return {
             unquote(line.split(" ", 1)[0].removeprefix("key="))
             for line in data.decode().splitlines()

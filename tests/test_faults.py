@@ -93,6 +93,12 @@ def test_a_starved_holder_told_of_its_loss_is_said_so_and_not_wrong():
     assert _row("40. case", [fine, told_unstarved]).wrong == 1
     second = _row("40. case", [taken])
     assert second.overlaps == 1 and second.wrong == 1
+    # Its server stood still as long (row 37's SIGSTOP, stretched by a loaded
+    # machine): told, nobody took it, the same safe direction.
+    server = Outcome(tries=5, kept=False, released=True, server_stall=LIVENESS)
+    assert _row("37. case", [fine, server]).wrong == 0
+    server.server_stall = 0.2
+    assert _row("37. case", [fine, server]).wrong == 1
 
 
 def test_the_groups_run_every_part_once_and_the_parts_every_row_once():

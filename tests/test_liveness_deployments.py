@@ -24,9 +24,14 @@ pytestmark = pytest.mark.long(seconds=90)
 
 
 def assert_never_robbed(outcome: deployments.Outcome, least_tries: int) -> None:
+    """Nobody took the live holder's lock, and it still holds it: unless it,
+    or the server of its lock, stood still for half LIVENESS or more and it
+    was told (``deployments.starved``: the safe direction, as the fault
+    table's rows judge it)."""
     assert outcome.taken == 0, outcome
     assert outcome.tries >= least_tries, outcome
-    assert outcome.kept is True, outcome  # its own check(): still held
+    if not deployments.starved(outcome):
+        assert outcome.kept is True, outcome  # its own check(): still held
     assert outcome.released is True, outcome
 
 
