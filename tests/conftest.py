@@ -13,7 +13,7 @@ from tests.helpers import (
     Store,
     close_connections,
 )
-from tests.services import Memcached, Redis, RedisCluster
+from tests.services import Memcached, Redis, RedisCluster, session_port
 
 pytest_plugins = ["tests.fixtures"]
 
@@ -25,14 +25,15 @@ collect_ignore = ["newproject"]
 
 @pytest.fixture(scope="session")
 def memcached() -> Iterator[Memcached]:
-    server = Memcached().start()
+    server = Memcached(port=session_port()).start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def memcached_pair() -> Iterator[tuple[Memcached, Memcached]]:
-    first, second = Memcached().start(), Memcached().start()
+    first = Memcached(port=session_port()).start()
+    second = Memcached(port=session_port()).start()
     yield first, second
     first.stop()
     second.stop()
@@ -40,7 +41,7 @@ def memcached_pair() -> Iterator[tuple[Memcached, Memcached]]:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[Redis]:
-    server = Redis().start()
+    server = Redis(port=session_port()).start()
     yield server
     server.stop()
 

@@ -311,18 +311,35 @@ def _cluster_port() -> int:
     """A free port whose cluster bus port (10000 above) is free too; both below
     the kernel's range of ephemeral ports (32768 on), where an outgoing
     connection could take one between this check and the server's bind."""
+    # Client ports 10000-19999, bus ports 20000-29999: no node's client port
+    # is another node's bus port.
+    return _free_below_ephemeral(10000, 20000, (0, 10000))
+
+
+def session_port() -> int:
+    """A free port for a server of the whole session, which tests stop and
+    start again on the same port: below the kernel's range of ephemeral ports
+    and apart from the clusters' (30000-32767), so no other worker's server
+    (bind to port 0) nor outgoing connection takes it while it is stopped.
+    (Beside two CPU hogs, a session memcached a test had stopped left its
+    port accepting connections for 10 s after its process exited, and every
+    later test of that worker met a server that was not its own.)"""
+    return _free_below_ephemeral(30000, 32768, (0,))
+
+
+def _free_below_ephemeral(low: int, high: int, offsets: tuple[int, ...]) -> int:
+    """A port in [low, high) such that it and each port ``offsets`` above it
+    are free now."""
     # Not the random module: pytest-randomly seeds it with the commit's seed in
     # every worker of the main run and of the matrix, which then drew the very
     # same ports at the same moment and raced for them (a matrix session's
     # cluster "would not start on 5 port pairs").
     draw = secrets.SystemRandom()
     for _ in range(200):
-        # Client ports 10000-19999, bus ports 20000-29999: no node's client port
-        # is another node's bus port.
-        port = draw.randrange(10000, 20000)
+        port = draw.randrange(low, high)
         sockets = []
         try:
-            for candidate in (port, port + 10000):
+            for candidate in (port + offset for offset in offsets):
                 sock = socket.socket()
                 sockets.append(sock)
                 sock.bind(("127.0.0.1", candidate))
@@ -332,7 +349,7 @@ def _cluster_port() -> int:
             for sock in sockets:
                 sock.close()
         return port
-    raise RuntimeError("no free port pair for a cluster node")
+    raise RuntimeError(f"no free port in {low}-{high - 1}")
 
 
 class RedisCluster:
