@@ -117,7 +117,23 @@ class Server:
             stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port, process=self.process)
+        serving = self.serving_pid()
+        if serving is not None and serving != self.process.pid:
+            # (It took the port while this one was stopped, or between our
+            # check that the port was free and our server's bind.)
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+            raise RuntimeError(
+                f"{self.address} is served by process {serving}, not by the "
+                f"{self.binary} just started: another server has its port"
+            )
         return self
+
+    def serving_pid(self) -> int | None:
+        """The pid of the process that answers on the port, where the server
+        says (None: it does not, or runs under a wrapper)."""
+        return None
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -135,6 +151,10 @@ class Server:
 class Memcached(Server):
     binary: str = "memcached"
     args: list[str] = field(default_factory=list)
+
+    def serving_pid(self) -> int | None:
+        # (Under a wrapper, unshare --pid, memcached's pid is another.)
+        return int(self.stats()["pid"]) if self.binary == "memcached" else None
 
     def command(self) -> list[str]:
         user = ["-u", "root"] if os.geteuid() == 0 else []
@@ -227,6 +247,13 @@ class Redis(Server):
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def serving_pid(self) -> int | None:
+        import redis
+
+        # (LOADING: a replica that syncs, or a node that loads, still says.)
+        with redis.Redis(port=self.port, socket_timeout=10) as client:
+            return int(client.execute_command("INFO", "server")["process_id"])
 
     def command(self) -> list[str]:
         import tempfile
