@@ -117,7 +117,7 @@ class Server:
             stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port, process=self.process)
-        serving = self.serving_pid()
+        serving = self._serving_pid_soon()
         if serving is not None and serving != self.process.pid:
             # (It took the port while this one was stopped, or between our
             # check that the port was free and our server's bind.)
@@ -134,6 +134,19 @@ class Server:
         """The pid of the process that answers on the port, where the server
         says (None: it does not, or runs under a wrapper)."""
         return None
+
+    def _serving_pid_soon(self, timeout: float = 10.0) -> int | None:
+        """``serving_pid``, asked again while the connection fails: the first
+        to connect may have met whatever had the port a moment before (a test's
+        listener that closes connections, in tests/test_never_robbed.py)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.serving_pid()
+            except (OSError, redis_errors()):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process is not None and self.process.poll() is None:
