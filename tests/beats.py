@@ -95,8 +95,9 @@ class Beat:
         return said[last] if last >= 0 else None
 
     def tail(self, lines: int = 30) -> str:
-        """The end of this beat's log."""
-        self.log.flush()
+        """The end of this beat's log (stopped or not)."""
+        if not self.log.closed:
+            self.log.flush()
         text = Path(self.log.name).read_text(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
