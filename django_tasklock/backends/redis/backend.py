@@ -102,7 +102,13 @@ class RedisBackend(LockBackend):
             close_own(primary)
 
     def _script(self, script: Script, keys: tuple[str, ...], *args: object) -> Any:
-        return script.run(self._redis(keys[0]), keys, args, self._no_script)
+        client = self._redis(keys[0])
+        try:
+            return client.evalsha(script.sha, len(keys), *keys, *args)
+        except self._no_script:
+            # Not (or no longer: a restart, a failover, SCRIPT FLUSH) on that
+            # server: sent whole, the same script runs, owner checks and all.
+            return client.eval(script.text, len(keys), *keys, *args)
 
     def script(self, text: str, keys: tuple[str, ...], *args: object) -> Any:
         """Run the Lua script ``text`` (by its SHA once Redis has it) on the

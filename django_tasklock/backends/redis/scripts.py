@@ -1,13 +1,13 @@
 """The Lua scripts of the Redis stores, as ``Script`` objects: each one's
-text and SHA1, run by its SHA and sent whole where the server lacks it (a
-restart, a failover, SCRIPT FLUSH). The sync backends run them through their
-client (redis-py's or valkey-py's), the client for loops writes the same
-commands on its pipelined connection (``resp.pack``)."""
+text and SHA1. A backend runs one by its SHA and sends it whole where the
+server lacks it (a restart, a failover, SCRIPT FLUSH): the sync backends
+through their client (redis-py's or valkey-py's, ``RedisBackend._script``),
+the client for loops with the same commands on its pipelined connection
+(``AsyncRedis._run``)."""
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 __all__ = [
     "ACQUIRE",
@@ -29,20 +29,6 @@ class Script:
     def __init__(self, text: str) -> None:
         self.text = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()
-
-    def run(
-        self,
-        client: Any,
-        keys: tuple[str, ...],
-        args: tuple[object, ...],
-        no_script: type[BaseException],
-    ) -> Any:
-        """Its reply, run on ``client`` (by SHA; whole once the server said
-        ``no_script``: the same script runs, owner checks and all)."""
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except no_script:
-            return client.eval(self.text, len(keys), *keys, *args)
 
     def after(self, first: str) -> Script:
         """This script with the Lua ``first`` run before it, in the same step."""
