@@ -52,11 +52,26 @@ def unmeasured() -> Iterator[None]:
         os.environ.update(saved)
 
 
+#: Ports below 10000 that machines like this one give their own services
+#: (PostgreSQL, MariaDB, Redis, RabbitMQ, pgbouncer...): never drawn.
+WELL_KNOWN = frozenset(
+    {1433, 1521, 2375, 2376, 2379, 2380, 3000, 3306, 4369, 5000, 5432, 5433,
+     5555, 5672, 5984, 6379, 6380, 6432, 8000, 8080, 8443, 8888, 9000, 9042,
+     9090, 9092, 9200, 9300}
+)  # fmt: skip
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A free port for a server a test starts: drawn from 1024-9999, below the
+    kernel's range of ephemeral ports (32768 on) and apart from the clusters'
+    and the session's, so no outgoing connection and no other worker's bind
+    to port 0 takes it between this draw and the server's own bind. (A bind
+    to port 0 handed two workers' servers the same port: a Sentinel whose
+    port another server had was found listening and never asked who it was;
+    MasterNotFoundError in CI.)"""
+    while (port := _free_below_ephemeral(1024, 10000, (0,))) in WELL_KNOWN:
+        pass
+    return port
 
 
 def wait_for_port(
@@ -90,6 +105,10 @@ def wait_for_closed(port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"127.0.0.1:{port} still accepts connections")
 
 
+class PortTaken(RuntimeError):
+    """What answers on a server's port is not the server just started."""
+
+
 @dataclass
 class Server:
     """One server process; ``stop()``/``start()`` keep the same port."""
@@ -118,13 +137,15 @@ class Server:
         )
         wait_for_port(self.port, process=self.process)
         serving = self._serving_pid_soon()
-        if serving is not None and serving != self.process.pid:
+        if self.process.poll() is not None or (
+            serving is not None and serving != self.process.pid
+        ):
             # (It took the port while this one was stopped, or between our
             # check that the port was free and our server's bind.)
             self.process.kill()
             self.process.wait()
             self.process = None
-            raise RuntimeError(
+            raise PortTaken(
                 f"{self.address} is served by process {serving}, not by the "
                 f"{self.binary} just started: another server has its port"
             )
@@ -144,6 +165,8 @@ class Server:
             try:
                 return self.serving_pid()
             except (OSError, redis_errors()):
+                if self.process is not None and self.process.poll() is not None:
+                    return None  # ours exited: what answered was another's
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
@@ -262,11 +285,7 @@ class Redis(Server):
         return f"redis://127.0.0.1:{self.port}/0"
 
     def serving_pid(self) -> int | None:
-        import redis
-
-        # (LOADING: a replica that syncs, or a node that loads, still says.)
-        with redis.Redis(port=self.port, socket_timeout=10) as client:
-            return int(client.execute_command("INFO", "server")["process_id"])
+        return redis_process_id(self.port)
 
     def command(self) -> list[str]:
         import tempfile
@@ -336,9 +355,21 @@ class Sentinel(Server):
             for replica in replicas
         )
 
+    def serving_pid(self) -> int | None:
+        return redis_process_id(self.port)
+
     def primary_port(self) -> int:
         host_port = self.ask("SENTINEL", "get-master-addr-by-name", "mymaster")
         return int(host_port[1])  # type: ignore[index]
+
+
+def redis_process_id(port: int) -> int:
+    """The pid a Redis (or a Sentinel) on ``port`` gives in ``INFO server``."""
+    import redis
+
+    # (LOADING: a replica that syncs, or a node that loads, still says.)
+    with redis.Redis(port=port, socket_timeout=10) as client:
+        return int(client.execute_command("INFO", "server")["process_id"])
 
 
 def redis_errors() -> type[Exception]:

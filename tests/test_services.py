@@ -4,9 +4,11 @@ a test and started again once met another worker's in its place)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.services import Memcached, Redis
+from tests.services import Memcached, Redis, Sentinel, free_port
 
 
 @pytest.mark.parametrize("kind", [Memcached, Redis], ids=["memcached", "redis"])
@@ -21,3 +23,25 @@ def test_a_server_whose_port_another_has_is_refused_at_start(kind):
         assert first.serving_pid() == first.process.pid  # still the first's
     finally:
         first.stop()
+
+
+def test_a_sentinel_whose_port_another_has_is_refused_at_start():
+    primary = Redis().start()
+    try:
+        watcher = Sentinel(primary=primary, port=primary.port)
+        with pytest.raises(RuntimeError):
+            watcher.start()
+        assert watcher.process is None or watcher.process.poll() is not None
+        first = Sentinel(primary=primary).start()
+        try:
+            assert first.serving_pid() == first.process.pid
+        finally:
+            first.stop()
+    finally:
+        primary.stop()
+
+
+def test_drawn_ports_are_below_the_ephemeral_range():
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+    low = int(ephemeral.split()[0])
+    assert all(1024 <= free_port() < min(low, 10000) for _ in range(200))
