@@ -33,7 +33,7 @@ import nox
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["tests", "oldest"]
 
 ROOT = Path(__file__).resolve().parent
 #: (Python, Django): every supported Django release once. The oldest pair;
@@ -153,3 +153,23 @@ def tests(session: nox.Session, django: str) -> None:
         *session.posargs,
         env=env,
     )
+
+
+@nox.session(python=PAIRS[0][0])
+def oldest(session: nox.Session) -> None:
+    """What ``django_tasklock.foreign`` reads of other packages, on the oldest
+    releases setup.cfg allows (uv's lowest-direct resolution: Django 5.2.0,
+    Celery 5.3.0, redis-py 4.5.0, django-redis 5.4.0, django-valkey 0.4.0,
+    pymemcache 4.0.0, pylibmc 1.6.0); the matrix's other sessions have the
+    newest. Without the suite's conftest: its helpers need newer clients."""
+    session.install(
+        "--resolution",
+        "lowest-direct",
+        "-e",
+        ".[test]",
+        f"Django~={PAIRS[0][1]}",
+        env={"UV_COMPILE_BYTECODE": "1"},
+    )
+    pytest = ["python", "-m", "pytest", "-q", "-p", "no:randomly"]
+    pytest += ["-p", "no:cacheprovider", "--noconftest"]
+    session.run(*pytest, "tests/test_foreign.py", *session.posargs)

@@ -70,5 +70,7 @@ def module_logger(name: str, legacy: str | None = None) -> logging.Logger:
         manager.loggerClass = previous
     if isinstance(logger, _Moved):
         logger.legacy = logging.getLogger(legacy)
-        manager._clear_cache()  # type: ignore[attr-defined]
+        # (Its level set again: what makes the manager forget the levels
+        # it cached for every logger, the old name's children too.)
+        logger.setLevel(logger.level)
     return logger

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .exceptions import InvalidArgumentType
+from .foreign import celery_original_run
 
 if TYPE_CHECKING:
     from .options import Options
@@ -45,8 +46,8 @@ def decorated(target: Callable[..., Any]) -> tuple[Any, str, bool]:
     if hasattr(target, "module_path") and hasattr(func, "_tasklock_lock_id"):
         return func, target.module_path, getattr(target, "takes_context", False)
     # autoretry_for replaces a task's run with a plain function over the
-    # original bound method, kept as _orig_run.
-    run = getattr(target, "_orig_run", None) or getattr(target, "run", None)
+    # original bound method.
+    run = celery_original_run(target) or getattr(target, "run", None)
     if run is not None and hasattr(target, "name"):  # a Celery task
         function = getattr(run, "__func__", run)
         if hasattr(function, "_tasklock_lock_id"):

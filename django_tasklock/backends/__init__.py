@@ -8,6 +8,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings as django_settings
 from django.core.cache import InvalidCacheBackendError, caches
 from django.core.signals import setting_changed
 from django.dispatch import receiver
@@ -274,8 +275,9 @@ def _lookup(alias: str, protocol: str) -> LockBackend:
         ) from exc
     entry = supported_for(type(cache))
     if entry is not None:
-        params: dict[str, Any] = getattr(cache, "_params", {})
-        reason = entry.backend.refusal(params.get("OPTIONS") or {})
+        caches_setting: dict[str, Any] = django_settings.CACHES
+        options = caches_setting[alias].get("OPTIONS") or {}
+        reason = entry.backend.refusal(options)
         if reason is not None:
             raise LockConfigurationError(
                 f"CACHES[{alias!r}] cannot hold locks: {reason}. (Run 'manage.py "

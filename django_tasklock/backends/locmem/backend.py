@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
+from ...foreign import locmem_deadline
 from ...keys import portable_id
 from ..base import FenceCounter, Hold, LockBackend, Peek
 
@@ -96,7 +97,7 @@ class LocMemBackend(LockBackend):
         if not self.cache.has_key(key):
             return None
         # LocMemCache keeps wall-clock deadlines (None: never) beside the values.
-        deadline = cast(Any, self.cache)._expire_info.get(self.cache.make_key(key))
+        deadline = locmem_deadline(self.cache, self.cache.make_key(key))
         return float("inf") if deadline is None else max(0.0, deadline - time.time())
 
     def peek(self, key: str) -> Peek | None:

@@ -31,6 +31,7 @@ from pymemcache.client.hash import HashClient
 from pymemcache.exceptions import MemcacheError
 
 from ...conf import settings as tasklock_settings
+from ...foreign import memcached_client_of
 from .. import Peek, backend_for
 from ..aio.base import Cancel, PipelinedBackend
 from ..aio.finishing import carried_through, finish_later
@@ -278,7 +279,8 @@ class _Servers(PipelinedBackend):
         # Built as Django builds its own (same servers, options, hashing), never
         # sent a command: its hashing alone picks each key's server, and it
         # never marks one dead (a lock goes nowhere but its own server).
-        self._hash: Any = cache._class(cache.client_servers, **cache._options)
+        client_class, options = memcached_client_of(cache)
+        self._hash: Any = client_class(cache.client_servers, **options)
         self._prefix: bytes = getattr(self._hash, "key_prefix", b"") or b""
         self._servers: dict[Any, _Server] = {}
         #: key -> its server, remembered (hashing a key costs more than the

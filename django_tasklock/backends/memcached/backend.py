@@ -39,11 +39,12 @@ from __future__ import annotations
 import math
 import socket
 from time import monotonic as _monotonic
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pymemcache.exceptions import MemcacheError
 
 from ...conf import settings as tasklock_settings
+from ...foreign import memcached_client_of, memcached_server_picker
 from ...keys import memcached_key
 from ...values import unique_value
 from . import checks, meta
@@ -110,11 +111,12 @@ class MemcachedBackend(MemcachedReads):
         # and hashing: the same server for a key; own_options), which
         # close_caches() leaves alone: Celery's Django fixup closes every cache
         # connection after every task, too costly to reconnect for each lock.
-        django_cache = cast(Any, cache)
-        self._hash_client: Any = django_cache._class(
-            django_cache.client_servers, **own_options(django_cache._options)
+        client_class, options = memcached_client_of(cache)
+        self._hash_client: Any = client_class(
+            cache.client_servers, **own_options(options)
         )
         hash_client = self._hash_client
+        self._pick = memcached_server_picker(hash_client)
         self._only_client: Any = only_client(hash_client)
         self.restarts = Restarts(hash_client, self.errors)
         # Per server client, the connection whose server run was learnt.

@@ -16,11 +16,12 @@ miss as the answer, which would make a holder's own lock look lost.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from pymemcache.exceptions import MemcacheError
 
 from ...conf import settings as tasklock_settings
+from ...foreign import memcached_client_of
 from ...keys import memcached_key
 from ...values import unique_value
 from ..base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
@@ -57,8 +58,7 @@ class PyLibMCBackend(LockBackend):
         self.errors = (pylibmc.Error, OSError, MemcacheError)
         self._not_found = pylibmc.NotFound
         self._client_error = pylibmc.ClientError
-        django_cache: Any = cache
-        options = dict(django_cache._options)
+        options = memcached_client_of(cache)[1]
         behaviors = {**options.pop("behaviors", {}), "cas": True}
         # A lock must stay on its server: never let libmemcached move a failing
         # server's keys to another one.
@@ -69,7 +69,7 @@ class PyLibMCBackend(LockBackend):
         for name in ("connect_timeout", "_poll_timeout"):
             behaviors[name] = min(behaviors.get(name) or ours, ours)
         self._mc: Any = pylibmc.Client(
-            django_cache.client_servers, behaviors=behaviors, **options
+            cache.client_servers, behaviors=behaviors, **options
         )
         self._pid = os.getpid()
 
@@ -80,7 +80,7 @@ class PyLibMCBackend(LockBackend):
             self._mc.disconnect_all()
 
     def describe(self, key: str) -> str:
-        servers = ", ".join(cast(Any, self.cache)._servers)
+        servers = ", ".join(self.cache.client_servers)
         return f"memcached cache {self.alias!r} (pylibmc) at {servers}"
 
     def shortest_life(self, expire: float) -> float:

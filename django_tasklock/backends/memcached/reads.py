@@ -32,6 +32,8 @@ class MemcachedReads(LockBackend):
     wire: Wire
     _hash_client: Any
     _only_client: Any
+    #: The hash client's server picker (``foreign.memcached_server_picker``).
+    _pick: Any
 
     def describe(self, key: str) -> str:
         try:
@@ -44,7 +46,7 @@ class MemcachedReads(LockBackend):
         """The server Django's own ``cache.add(key)`` talks to."""
         if self._only_client is not None:
             return self._only_client
-        client = self._hash_client._get_client(key)
+        client = self._pick(key)
         if client is None:  # HashClient with ignore_exc=True and every server dead
             raise MemcacheError("All memcached servers are marked dead")
         return client

@@ -25,6 +25,7 @@ from pymemcache.exceptions import (
     MemcacheUnknownCommandError,
 )
 
+from ...foreign import memcached_connect
 from . import meta
 
 if TYPE_CHECKING:
@@ -273,7 +274,7 @@ def _read_stats(client: Any) -> dict[bytes, bytes]:
     memcached's connection limit) the refusal itself.
     """
     if client.sock is None:
-        client._connect()
+        memcached_connect(client)
     sock: Any = client.sock
     buffer = b""
     try:
@@ -391,7 +392,7 @@ class Wire:
         sock: Any = client.sock
         fresh = sock is None
         if fresh:
-            client._connect()
+            memcached_connect(client)
             sock = client.sock
         try:
             sock.sendall(commands)

@@ -9,10 +9,15 @@ the owner back as a str.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+import re
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from django.conf import settings as django_settings
+
+from ...foreign import django_cache_client, redis_serializer
 from ...keys import encodable_key
 from ..base import FenceCounter, Hold, LockBackend, Peek
 from .scripts import (
@@ -32,7 +37,18 @@ if TYPE_CHECKING:
 
     from django.core.cache.backends.redis import RedisCache
 
-__all__ = ["DjangoRedisBackend", "RedisBackend"]
+__all__ = ["DjangoRedisBackend", "RedisBackend", "first_location"]
+
+
+def first_location(alias: str) -> str:
+    """The first server of ``alias``'s LOCATION (a list, or a string of them
+    split at ``,`` or ``;`` as Django's and django-redis's caches split it),
+    for messages."""
+    caches_setting: dict[str, Any] = django_settings.CACHES
+    location: str | list[str] = caches_setting[alias].get("LOCATION", "")
+    if isinstance(location, str):
+        return re.split("[;,]", location)[0]
+    return str(next(iter(location), ""))
 
 
 class RedisBackend(LockBackend):
@@ -61,7 +77,7 @@ class RedisBackend(LockBackend):
     @staticmethod
     def _client_of(cache: Any) -> Any:
         """The cache's client object: connections, serializer."""
-        return cache._cache
+        return django_cache_client(cache)
 
     def key_for(self, lock_id: str) -> str:
         return encodable_key(self.cache, lock_id)
@@ -84,14 +100,18 @@ class RedisBackend(LockBackend):
     _connected: Callable[[Any], object] | None = None
 
     def _encode(self, token: str) -> bytes:
-        encoded: bytes = self._cache_client._serializer.dumps(token)
+        encoded: bytes = self._serializer.dumps(token)
         return encoded
 
     def _decode(self, raw: bytes) -> object:
-        return self._cache_client._serializer.loads(raw)
+        return self._serializer.loads(raw)
+
+    @functools.cached_property
+    def _serializer(self) -> Any:
+        return redis_serializer(self._cache_client)
 
     def _server(self) -> str:
-        return str(cast(Any, self.cache)._servers[0])
+        return first_location(self.alias)
 
     def describe(self, key: str) -> str:
         return f"{self.kind} cache {self.alias!r} at {self._server()}"
@@ -299,6 +319,3 @@ class DjangoRedisBackend(RedisBackend):
 
     def _decode(self, raw: bytes) -> object:
         return self._cache_client.decode(raw)
-
-    def _server(self) -> str:
-        return str(self._cache_client._server[0])

@@ -149,9 +149,6 @@ class ClusterKeys(ValkeyBackend):
             values = client.mget_nonatomic(keys)
         return values
 
-    def _server(self) -> str:
-        return str(self._cache_client._server[0])
-
     def uptimes(self) -> dict[str, float]:
         # What the console asks, to tell whether its listing may be missing
         # locks: the primaries that serve the roster's hash slots (at most

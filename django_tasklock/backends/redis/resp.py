@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from ...foreign import stream_writer
 from ..aio.pipeline import Pipeline
 
 __all__ = ["Pipe", "pack"]
@@ -90,7 +91,7 @@ class Pipe(Pipeline):
         # The connection's stream writer, written to at once: redis-py's
         # ``send_packed_command`` starts a task per write under a timeout and
         # drops the whole connection when its caller is cancelled mid-write.
-        writer = self.conn._writer
+        writer = stream_writer(self.conn)
         if writer is None:  # redis-py closed it, failing
             self.pending.pop()
             raise self.lost("Redis connection lost")
@@ -104,7 +105,7 @@ class Pipe(Pipeline):
             idle.set_result(None)
 
     def _close_transport(self) -> None:
-        writer = getattr(self.conn, "_writer", None)
+        writer = stream_writer(self.conn)
         if writer is not None:
             writer.close()
 

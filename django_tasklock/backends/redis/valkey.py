@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, ClassVar
 
+from ...foreign import valkey_pickle_version
 from .backend import DjangoRedisBackend
 
 __all__ = ["ValkeyBackend"]
@@ -42,12 +43,7 @@ class ValkeyBackend(DjangoRedisBackend):
         # The client's default serializer and no compressor (most settings):
         # a token is pickled here directly, the same bytes the client's
         # encode() would make, without its two calls and type tests.
-        client = self._cache_client
-        plain = (
-            type(client._serializer).__name__ == "PickleSerializer"
-            and type(client._compressor).__name__ == "IdentityCompressor"
-        )
-        self._pickled = client._serializer._pickle_version if plain else None
+        self._pickled = valkey_pickle_version(self._cache_client)
 
     def _encode(self, token: str) -> bytes:
         if self._pickled is not None:

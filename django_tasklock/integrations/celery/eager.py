@@ -48,7 +48,7 @@ class _EagerPublish(_Publish):
         options: dict[str, Any],
     ) -> None:
         args, kwargs, task_id, given = call
-        app = task._get_app()
+        app = task.app
         sent = (args, kwargs, None, None, task_id)
         super().__init__(original, app, spec, task, task.name, sent, options)
         if not given:
@@ -87,7 +87,7 @@ def install_eager() -> None:
     def apply(
         self: Any, args: Any = None, kwargs: Any = None, *more: Any, **options: Any
     ) -> Any:
-        spec = None if more else _spec_for(self._get_app(), self.name, self)[0]
+        spec = None if more else _spec_for(self.app, self.name, self)[0]
         if spec is None:
             return original_apply(self, args, kwargs, *more, **options)
         given = _given.get()

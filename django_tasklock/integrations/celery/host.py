@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ...calls import queue_life, queued
 from ...exceptions import LockBackendError, LockNotAcquired
+from ...foreign import CELERY_STATE, celery_task_stack
 from ...locks import Lock
 from ...logs import module_logger
 from ...modes import MODES
@@ -57,17 +58,16 @@ def _tasks_here(state: Any) -> bool:
     """
     if _stack:
         return _stack[1]() in _stack[0]
-    local = getattr(getattr(state, "_task_stack", None), "_local", None)
-    storage = getattr(local, "__storage__", None)
-    if type(storage) is not dict:
+    found = celery_task_stack(state)
+    if found is None:
         return True
-    _stack[:] = [storage, local.__ident_func__]  # type: ignore[union-attr]
-    return local.__ident_func__() in storage  # type: ignore[union-attr]
+    _stack[:] = found
+    return found[1]() in found[0]
 
 
 def current_task(wrapper: Callable[..., Any]) -> Any:
     """The Celery task whose run() is ``wrapper``, if one is executing it."""
-    state = sys.modules.get("celery._state")
+    state = sys.modules.get(CELERY_STATE)
     if state is None:
         return None
     if _stack:  # _tasks_here(), its answer once the stack is known, inlined

@@ -15,9 +15,8 @@ def registered_task(name: str) -> Any:
         from celery import current_app
     except ImportError:  # Celery is optional
         return None
-    app = current_app._get_current_object()
-    app.loader.import_default_modules()
-    return app.tasks.get(name)
+    current_app.loader.import_default_modules()
+    return current_app.tasks.get(name)
 
 
 def registered_tasks() -> list[tuple[str, Any]]:
