@@ -10,13 +10,19 @@ sent, counted apart from the scheduler that decides it.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import time
 
 import django
+
+# Every thread's stack to the log on SIGUSR1 (``Beat.stacks``): where a beat
+# that should have sent was stuck, for a failed test's message.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 if os.environ.get("BEAT_DATABASE"):
     os.environ["DJANGO_SETTINGS_MODULE"] = "tests.beat_settings"

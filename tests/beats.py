@@ -101,6 +101,22 @@ class Beat:
         text = Path(self.log.name).read_text(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
+    def stacks(self) -> str:
+        """Every thread's stack, as this beat's process dumps it to its log
+        on SIGUSR1 (tests/beat_app.py), and the lines logged since: where it
+        is stuck. Nothing if it has exited."""
+        before = Path(self.log.name).stat().st_size
+        self.signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # (a dump ends with no marker)
+            time.sleep(0.5)
+            if Path(self.log.name).stat().st_size > before:
+                break
+        time.sleep(0.5)
+        with open(self.log.name, errors="replace") as log:
+            log.seek(before)
+            return log.read()
+
     def owns(self, pid: int) -> bool:
         """Whether process ``pid`` is one of this beat's (its group's)."""
         try:

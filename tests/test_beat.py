@@ -87,7 +87,10 @@ def test_two_beats_send_each_run_once_through_a_change_of_leader(
     took_over = wait_for_sends(
         client, standby.host, timeout=LIVENESS + 30, after=faulted
     )
-    assert took_over is not None, f"the standby never sent:\n{standby.tail()}"
+    assert took_over is not None, (
+        f"the standby never sent:\n{standby.tail()}\nits threads now:\n"
+        f"{standby.stacks()}\nthe stopped leader's log:\n{leader.tail()}"
+    )
     if fault == "pause":
         os.kill(leader.process.pid, signal.SIGCONT)  # wakes, and must not send
     time.sleep(4)
