@@ -60,6 +60,9 @@ def _record(sender=None, headers=None, **_):
     record = {
         "entry": entry.strip("[]()', "),
         "run": None if run is None else run / 1000,
+        # The sending leader's fence (LeaderScheduler's): a later term of
+        # the leadership has a larger one.
+        "fence": headers.get("tasklock_beat_fence"),
         "at": time.time(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
