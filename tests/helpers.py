@@ -269,11 +269,18 @@ def close_result_backends() -> None:
             client.connection_pool.disconnect()
 
 
-def use_redis_broker(celery_app, redis_url: str) -> dict[str, str]:
+def use_redis_broker(
+    celery_app, redis_url: str, databases: tuple[int, int] = (3, 4)
+) -> dict[str, str]:
     """Point ``celery_app`` (and worker processes started after, through the
-    environment) at a private Redis: broker db 3, results db 4."""
+    environment) at a private Redis: broker and results in ``databases``
+    (db 3 and db 4; the docs' examples have their own)."""
     base = redis_url[:-2]
-    env = {"TASKLOCK_TEST_BROKER": f"{base}/3", "TASKLOCK_TEST_RESULTS": f"{base}/4"}
+    broker_db, results_db = databases
+    env = {
+        "TASKLOCK_TEST_BROKER": f"{base}/{broker_db}",
+        "TASKLOCK_TEST_RESULTS": f"{base}/{results_db}",
+    }
     os.environ.update(env)
     celery_app.conf.update(
         broker_url=env["TASKLOCK_TEST_BROKER"],

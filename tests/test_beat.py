@@ -125,9 +125,9 @@ def test_two_beats_send_each_run_once_through_a_change_of_leader(
             f"(fences up to {standby_fence}); late sends {wrong}\nthe woken "
             f"beat's log:\n{leader.tail(60)}\nthe standby's log:\n{standby.tail(60)}"
         )
-        relead = [s for s in late if (s["fence"] or 0) > standby_fence]
-        if relead:
-            print(f"the woken beat led again (fence {relead[0]['fence']})")
+        led_again = [s for s in late if (s["fence"] or 0) > standby_fence]
+        if led_again:
+            print(f"the woken beat led again (fence {led_again[0]['fence']})")
     print(
         f"{scheduler.rsplit(':')[1]}, {cache}, {fault}: the standby sent "
         f"{took_over - faulted:.2f}s after the "

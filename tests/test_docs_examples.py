@@ -27,6 +27,10 @@ EXAMPLES = [
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
+#: The Redis databases of the examples' broker and results: not the worker
+#: modules' (3 and 4).
+EXAMPLES_BROKER = (5, 6)
+
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_python_example_is_collected(page):
@@ -90,13 +94,24 @@ def namespace(redis_server, memcached):
 
     def use_the_broker():
         """Point the app at the session's Redis (once: again would close the
-        result backends of calls already sent)."""
+        result backends of calls already sent), in databases of the examples'
+        own, emptied first: a worker another module left running (or an
+        example's that failed) consumes none of their calls, nor they its."""
         if not broker:
-            broker.append(use_redis_broker(app, redis_server.url))
+            import redis
+
+            for database in EXAMPLES_BROKER:
+                with redis.Redis.from_url(f"{redis_server.url[:-2]}/{database}") as db:
+                    db.flushdb()
+            broker.append(use_redis_broker(app, redis_server.url, EXAMPLES_BROKER))
 
     def before_a_worker():
         """What a worker an example starts needs: the broker, and its pool's
-        threads' lock connections closed as they end."""
+        threads' lock connections closed as they end; no worker of an earlier
+        example left running (one that failed before stopping it), which
+        would take this page's calls and know none of its tasks."""
+        for left in list(running):
+            stop_the_worker(left)
         task_postrun.connect(close_in_worker_thread, weak=False)
         use_the_broker()
 
@@ -153,6 +168,8 @@ def namespace(redis_server, memcached):
     root.handlers[:] = logging_before[1]
     previous.set_current()
     reset_publisher(app)
+    if broker:  # worker processes started later go to the usual databases
+        use_redis_broker(app, redis_server.url)
 
 
 @pytest.mark.parametrize(
