@@ -27,9 +27,10 @@ EXAMPLES = [
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-#: The Redis databases of the examples' broker and results: not the worker
-#: modules' (3 and 4).
-EXAMPLES_BROKER = (5, 6)
+#: The Redis databases of the examples' broker and results: none another
+#: module's (3 and 4 the worker modules', 5 and 6 the example project's, 7
+#: and 8 the new project's, 9 and 10 the beats').
+EXAMPLES_BROKER = (11, 12)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
