@@ -11,8 +11,11 @@ in a lock. ``tests/test_foreign.py`` reads every one on the versions installed
 (the newest, in ``make test``) and on the oldest this package supports (the
 ``oldest`` nox session).
 
-The functions are called where a backend is built, once: what the hot paths
-use (a bound method, an object) is handed back and kept there.
+Where a hot path needs a part (the memcached server picker, the Redis
+serializer), it is read once, when the backend is built, and what it gives (a
+bound method, an object) is kept there; ``stream_writer`` is read on each
+write of the client for loops (an attribute read behind one call), the
+others where a connection opens or an item's deadline is asked.
 """
 
 from __future__ import annotations
