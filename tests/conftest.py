@@ -25,15 +25,15 @@ collect_ignore = ["newproject"]
 
 @pytest.fixture(scope="session")
 def memcached() -> Iterator[Memcached]:
-    server = Memcached(port=session_port()).start()
+    server = Memcached(port=session_port()).start(redraw=session_port)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def memcached_pair() -> Iterator[tuple[Memcached, Memcached]]:
-    first = Memcached(port=session_port()).start()
-    second = Memcached(port=session_port()).start()
+    first = Memcached(port=session_port()).start(redraw=session_port)
+    second = Memcached(port=session_port()).start(redraw=session_port)
     yield first, second
     first.stop()
     second.stop()
@@ -41,7 +41,7 @@ def memcached_pair() -> Iterator[tuple[Memcached, Memcached]]:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[Redis]:
-    server = Redis(port=session_port()).start()
+    server = Redis(port=session_port()).start(redraw=session_port)
     yield server
     server.stop()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 INSTALL_HINT = (
     "is not installed. Run the README's test command (make test), which installs it "
@@ -115,8 +115,15 @@ class Server:
 
     binary: str
     args: list[str]
-    port: int = field(default_factory=free_port)
+    #: 0: a port drawn here (``free_port``), drawn again if another process
+    #: takes it before the server binds it.
+    port: int = 0
     process: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self._redraw: Callable[[], int] | None = None
+        if self.port == 0:
+            self.port, self._redraw = free_port(), free_port
 
     @property
     def address(self) -> str:
@@ -125,7 +132,25 @@ class Server:
     def command(self) -> list[str]:
         raise NotImplementedError
 
-    def start(self) -> Server:
+    def start(self, redraw: Callable[[], int] | None = None) -> Server:
+        """Start it; on a port drawn again (``redraw``, or the one that drew
+        it) when another process had its port, four times at most: on its
+        first start only (eight workers' session servers, drawing at once,
+        met one another's port). Started again after a stop, it keeps its
+        port: the test stopped that server."""
+        redraw = redraw or self._redraw
+        for tries_left in range(4, -1, -1):
+            try:
+                self._start_once()
+                self._redraw = None  # from now on, started again on this port
+                return self
+            except PortTaken:
+                if redraw is None or not tries_left:
+                    raise
+                self.port = redraw()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> Server:
         # Debian puts nutcracker in /usr/sbin, which a user's PATH may lack.
         path = shutil.which(self.binary) or shutil.which(self.binary, path="/usr/sbin")
         if path is None:
@@ -135,7 +160,13 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_for_port(self.port, process=self.process)
+        try:
+            wait_for_port(self.port, process=self.process)
+        except RuntimeError as exc:
+            if self.process.poll() is None:
+                raise
+            self.process = None  # it exited: its port may be another's
+            raise PortTaken(f"{exc}: its port may be another process's") from exc
         serving = self._serving_pid_soon()
         if self.process.poll() is not None or (
             serving is not None and serving != self.process.pid
@@ -180,7 +211,7 @@ class Server:
 
     def restart(self) -> None:
         self.stop()
-        self.start()
+        self._start_once()
 
 
 @dataclass

@@ -45,3 +45,26 @@ def test_drawn_ports_are_below_the_ephemeral_range():
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
     low = int(ephemeral.split()[0])
     assert all(1024 <= free_port() < min(low, 10000) for _ in range(200))
+
+
+@pytest.mark.parametrize("kind", [Memcached, Redis], ids=["memcached", "redis"])
+def test_a_drawn_port_another_process_took_is_drawn_again_at_first_start(kind):
+    server = kind()
+    taken = server.port
+    other = kind(port=taken).start()  # takes it between the draw and the bind
+    try:
+        server.start()
+        try:
+            assert server.port != taken
+            assert server.serving_pid() == server.process.pid
+        finally:
+            server.stop()
+        assert other.serving_pid() == other.process.pid  # left alone
+    finally:
+        other.stop()
+    # Started again after a stop, it keeps its port (none is drawn again).
+    server.start()
+    try:
+        assert server.serving_pid() == server.process.pid
+    finally:
+        server.stop()
