@@ -47,7 +47,7 @@ PAIRS = [("3.10", "5.2"), ("3.12", "6.0"), ("3.13", "6.1")]
 #: oldest Python (the main run has them on 3.11; every pair installs them and
 #: runs their own tests, in test_django_redis.py and test_slab_moves.py). The memcached classic
 #: protocol and the Redis Cluster are this package's code and the servers',
-#: run on every store by the main run; ``tests/test_cluster.py`` runs here too,
+#: run on every store by the main run; ``tests/backends/redis/test_cluster.py`` runs here too,
 #: on django-valkey. Every store on every pair was 30 % more tests here, paid
 #: for by the time ``make test`` takes; two stores each keep the sessions,
 #: which run side by side, of one length.
@@ -172,4 +172,4 @@ def oldest(session: nox.Session) -> None:
     )
     pytest = ["python", "-m", "pytest", "-q", "-p", "no:randomly"]
     pytest += ["-p", "no:cacheprovider", "--noconftest"]
-    session.run(*pytest, "tests/test_foreign.py", *session.posargs)
+    session.run(*pytest, "tests/project/test_foreign.py", *session.posargs)

@@ -7,7 +7,7 @@ pymemcache, redis-py and django-valkey under a leading underscore. Each is read
 through a function below, which raises ``LockConfigurationError`` naming the
 package, the part and the installed version when a release no longer has it:
 a clear refusal when the lock is first used, never an ``AttributeError`` deep
-in a lock. ``tests/test_foreign.py`` reads every one on the versions installed
+in a lock. ``tests/project/test_foreign.py`` reads every one on the versions installed
 (the newest, in ``make test``) and on the oldest this package supports (the
 ``oldest`` nox session).
 

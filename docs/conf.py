@@ -1,7 +1,7 @@
 """Sphinx configuration of django_tasklock's documentation.
 
 Built by ``make docs`` (and by ``make test``, with warnings as errors); the
-examples in the pages run in the test suite (``tests/test_docs_examples.py``).
+examples in the pages run in the test suite (``tests/project/test_docs_examples.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ autodoc_default_options = {"members": True, "show-inheritance": False}
 nitpicky = False
 exclude_patterns = ["_build"]
 html_theme = "furo"
-# The lock console's screenshot, taken by tests/test_console_browser.py.
+# The lock console's screenshot, taken by tests/console/test_console_browser.py.
 html_static_path = ["_static"]
 html_title = f"django_tasklock {release}"
 templates_path: list[str] = []

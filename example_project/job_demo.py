@@ -90,7 +90,7 @@ def run(urls: list[str], per_feed: int) -> bool:
     if not HAS_TASKS:
         say(
             f"   not run: Django {django.get_version()} has no django.tasks (6.0 "
-            "and later; tests/test_django_tasks.py runs this step on 6.0 and 6.1)"
+            "and later; tests/integrations/test_django_tasks.py runs this step on 6.0 and 6.1)"
         )
         return True
     # Each skipped run is logged at INFO; the report counts them instead.

@@ -1,6 +1,6 @@
 """Fault cases 44-46: locks on a real Redis Cluster (three primaries, a replica
 each) through django-valkey's ClusterValkeyCache. Shared with
-``tests/test_cluster.py``, which asserts on the same scenarios.
+``tests/backends/redis/test_cluster.py``, which asserts on the same scenarios.
 
 44. many processes, one lock id: at most one holder at a time;
 45. a primary SIGKILLed holding twenty locks it never replicated (its replica cut

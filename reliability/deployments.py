@@ -4,7 +4,7 @@ servers, memcached as a container's pid 1, Redis with a replica, django-redis
 told to ignore errors), starts a holder on "another host" (a ``tests.holder``
 process with a hostname of its own, so only its liveness record tells that it
 lives), breaks the deployment as the case says, and has a contender here try
-for the lock every 50 ms. ``tests/test_liveness_deployments.py`` runs each
+for the lock every 50 ms. ``tests/backends/test_liveness_deployments.py`` runs each
 scenario once and asserts on its outcome; ``run`` makes the table's rows.
 """
 

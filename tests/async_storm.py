@@ -1,6 +1,6 @@
 """Many coroutines in one event loop contending for a few lock ids with the
 async API, run in the test process and in spawned processes beside it (for
-tests/test_async_lock.py and benchmarks/asyncio_locks.py)."""
+tests/aio/test_async_lock.py and benchmarks/asyncio_locks.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Celery app of the highly available beat tests (tests/test_beat.py):
+"""The Celery app of the highly available beat tests (tests/integrations/test_beat.py):
 ``celery -A tests.beat_app beat`` (with ``BEAT_DATABASE``, on
 django-celery-beat's tables in that SQLite file). Its schedule: ``BEAT_ENTRIES`` entries,
 each every second. Every message a beat publishes is recorded, with the time,

@@ -1,6 +1,6 @@
 """The test settings with django-celery-beat, on the SQLite file
 ``BEAT_DATABASE`` that every beat process of a test shares
-(tests/test_beat.py)."""
+(tests/integrations/test_beat.py)."""
 
 from __future__ import annotations
 

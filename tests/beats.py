@@ -1,6 +1,6 @@
 """Real ``celery beat`` processes on hosts of their own (``unshare --uts``),
 with the app of tests/beat_app.py, and what they published: for the highly
-available beat's tests (tests/test_beat.py) and benchmark (benchmarks/beat.py)."""
+available beat's tests (tests/integrations/test_beat.py) and benchmark (benchmarks/beat.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from tests.services import Memcached, Redis, RedisCluster, session_port
 pytest_plugins = ["tests.fixtures"]
 
 
-# A project of its own, run by tests/test_new_project.py in its own
+# A project of its own, run by tests/project/test_new_project.py in its own
 # environment: its tests are not this suite's.
 collect_ignore = ["newproject"]
 
@@ -180,7 +180,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         i
         for i, item in enumerate(items)
         if getattr(item, "originalname", "") == "test_example"
-        and item.nodeid.startswith("tests/test_docs_examples.py::")
+        and item.nodeid.startswith("tests/project/test_docs_examples.py::")
     ]
     ordered = sorted(
         (items[i] for i in places),

@@ -3,9 +3,11 @@ Celery apps. Fixtures and hooks stay in conftest.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from django.core.cache import caches, close_caches
 
@@ -15,7 +17,19 @@ from django.core.cache import caches, close_caches
 #: than sooner.
 LONGER = 3
 
+#: The repository's root (the tests are in folders below ``tests/``).
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The stores whose take and release are the event loop's own round trips.
+NATIVE = {"memcached-meta", "redis", "django-redis"}
+
+#: Django's memcached backend of pymemcache.
+MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"
+
 __all__ = [
+    "MEMCACHED",
+    "NATIVE",
+    "ROOT",
     "SHARED_STORES",
     "Store",
     "background",
@@ -24,9 +38,14 @@ __all__ = [
     "counted_cache",
     "forget_backend",
     "in_thread",
+    "intervals",
     "reset_publisher",
+    "run",
+    "send_storm",
+    "use_memcached",
     "use_redis_broker",
     "wait_until",
+    "waited_until",
 ]
 
 
@@ -43,6 +62,65 @@ def wait_until(
             raise AssertionError(f"not within {limit}s{shown}")
         time.sleep(every)
     return time.monotonic() - started
+
+
+def run(coroutine_function, *args, loop="asyncio"):
+    """Run ``coroutine_function(*args)`` in a new event loop (asyncio's, or
+    uvloop's), its connections closed at the end."""
+    from django_tasklock.aio import close_loop_connections
+
+    async def main():
+        try:
+            return await coroutine_function(*args)
+        finally:
+            await close_loop_connections()
+
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main())
+    return asyncio.run(main())
+
+
+async def waited_until(condition, within: float = 30.0) -> None:
+    """``wait_until`` on an event loop: ``condition()`` polled every 10 ms."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "never came"
+        await asyncio.sleep(0.01)
+
+
+def use_memcached(settings, address, protocol="auto", alias="own") -> None:
+    """Locks on the memcached at ``address``, as the cache ``alias``."""
+    config = {"BACKEND": MEMCACHED, "LOCATION": address}
+    settings.CACHES = {**settings.CACHES, alias: config}
+    settings.TASKLOCK = {"CACHE": alias, "MEMCACHED_PROTOCOL": protocol}
+
+
+def send_storm(calls, producers: int = 4) -> list:
+    """Send every (task, args, kwargs) from several producer threads at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django_tasklock.backends import close_thread_connections
+
+    def send(call):
+        task, args, kwargs = call
+        try:
+            return task.apply_async(args=args, kwargs=kwargs)
+        finally:
+            # A call with an enqueue-time mode talked to the lock store from
+            # this producer thread, which ends without closing anything.
+            close_thread_connections()
+
+    with ThreadPoolExecutor(producers) as pool:
+        return list(pool.map(send, calls))
+
+
+def intervals(run_key) -> list[tuple[float, float]]:
+    """The (start, end) of every run ``tests.tasks`` recorded under ``run_key``."""
+    from tests import tasks
+
+    return [(run["start"], run["end"]) for run in tasks.runs(run_key)]
 
 
 def close_connections() -> None:

@@ -1,5 +1,5 @@
 """A function whose lock is in an alias of its own (``cache="pair"``), not
-TASKLOCK's: the isolation must cover it (tests/test_testing.py)."""
+TASKLOCK's: the isolation must cover it (tests/testing/test_testing.py)."""
 
 from __future__ import annotations
 

@@ -190,7 +190,7 @@ class Server:
     def _serving_pid_soon(self, timeout: float = 10.0) -> int | None:
         """``serving_pid``, asked again while the connection fails: the first
         to connect may have met whatever had the port a moment before (a test's
-        listener that closes connections, in tests/test_never_robbed.py)."""
+        listener that closes connections, in tests/backends/test_never_robbed.py)."""
         deadline = time.monotonic() + timeout
         while True:
             try:

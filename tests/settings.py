@@ -70,7 +70,7 @@ CACHES = {
         "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
         "LOCATION": MEMCACHED_PAIR,
     },
-    # twemproxy in front of the memcached pair (tests/test_proxies.py starts it).
+    # twemproxy in front of the memcached pair (tests/backends/memcached/test_proxies.py starts it).
     "twemproxy": {
         "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
         "LOCATION": TWEMPROXY,
@@ -100,7 +100,7 @@ CACHES = {
     },
 }
 
-# Stores a test builds for one deployment (tests/test_liveness_deployments.py),
+# Stores a test builds for one deployment (tests/backends/test_liveness_deployments.py),
 # as JSON, so the holder processes it starts see them too.
 if os.environ.get("TASKLOCK_TEST_EXTRA_CACHES"):
     import json
@@ -112,6 +112,6 @@ TASKLOCK: dict[str, object] = {"LOCK_EXPIRE": 60}
 # in another alias.
 if os.environ.get("TASKLOCK_TEST_CACHE"):
     TASKLOCK["CACHE"] = os.environ["TASKLOCK_TEST_CACHE"]
-# Worker processes of the metrics tests (tests/test_metrics.py) export them.
+# Worker processes of the metrics tests (tests/console/test_metrics.py) export them.
 if os.environ.get("TASKLOCK_TEST_METRICS"):
     TASKLOCK["METRICS"] = "prometheus"

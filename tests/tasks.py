@@ -232,7 +232,7 @@ def export_for(self, tenant, call, seconds=0.3):
     return call
 
 
-# -- enqueue-time modes (tests/test_calls.py) ---------------------------------------
+# -- enqueue-time modes (tests/integrations/test_calls.py) ---------------------------------------
 
 
 def _ran(self, key: str, started: float, **details: object) -> str:
@@ -393,7 +393,7 @@ def skip_when_told(self, key):
     return _run_until_told(self, key)
 
 
-# Crash recovery (tests/test_recovery_workers.py): locks that would last ten
+# Crash recovery (tests/locks/test_recovery_workers.py): locks that would last ten
 # minutes, held by runs a test SIGKILLs.
 
 
@@ -425,7 +425,7 @@ def wait_long_when_told(self, key):
     return _run_until_told(self, key)
 
 
-# Rate limits (tests/test_limits_workers.py): every call runs once, at the
+# Rate limits (tests/limits/test_limits_workers.py): every call runs once, at the
 # limit's pace, though each task allows no retries of its own.
 
 

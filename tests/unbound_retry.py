@@ -1,5 +1,5 @@
 """A task that asks to retry on contention but is not bound: the worker of
-tests/test_startup_refusals.py refuses to start with it registered (imported
+tests/project/test_startup_refusals.py refuses to start with it registered (imported
 by tests/celery_app.py only when TASKLOCK_TEST_UNBOUND_RETRY is set)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A project's test module as a user would write it with the plugin: run
-twice in one pytest run in random order by ``tests/test_testing.py``. Each test
+twice in one pytest run in random order by ``tests/testing/test_testing.py``. Each test
 leaves state behind that would break another (or its own second run) if it
 leaked: a held lock, a used-up rate limit, a full semaphore, a pending call."""
 

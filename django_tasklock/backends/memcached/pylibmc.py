@@ -16,7 +16,7 @@ miss as the answer, which would make a holder's own lock look lost.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pymemcache.exceptions import MemcacheError
 
@@ -27,7 +27,6 @@ from ...values import unique_value
 from ..base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
 from . import meta
 from .fencing import _bad_counter
-from .meta import MOVES_IN_A_ROW, kept_moving
 from .wire import _PAST, _talk, exptime, sure_life
 
 if TYPE_CHECKING:
@@ -39,6 +38,16 @@ __all__ = ["PyLibMCBackend"]
 # the socket it shares with the parent, which cuts the parent's connection: the
 # child keeps them, unused, for good.
 _inherited: list[Any] = []
+
+
+class _Cas:
+    """A hold of this backend (its CAS id) as ``meta.while_ours`` reads it,
+    and learns a moved item's new id into; never proven by a connection."""
+
+    __slots__ = ("cas", "sock")
+
+    def __init__(self, cas: int) -> None:
+        self.cas, self.sock = cas, None
 
 
 def _text(value: str | bytes) -> str:
@@ -89,12 +98,15 @@ class PyLibMCBackend(LockBackend):
     def key_for(self, lock_id: str) -> str:
         return memcached_key(self.cache, lock_id)
 
+    def _read_item(self, key: str) -> tuple[object, int] | None:
+        """The item at ``key``: its value and CAS id; None if it is gone."""
+        value, cas = self._mc.gets(key.encode())
+        return None if cas is None else (value, int(cas))
+
     def _ours(self, key: str, token: object) -> int | None:
         """The CAS id of the item at ``key`` if it stores ``token``, else None."""
-        value, cas = self._mc.gets(key.encode())
-        if cas is None or value != token:
-            return None
-        return int(cas)
+        found = self._read_item(key)
+        return found[1] if found is not None and found[0] == token else None
 
     def _write(self, key: str, token: object, cas: int, expire: int) -> bool:
         """``cas``: write only while the item's CAS id is still ``cas``."""
@@ -137,18 +149,13 @@ class PyLibMCBackend(LockBackend):
         self, key: str, hold: Hold, token: object, value: object, expire: int
     ) -> bool:
         """Write ``value`` for ``expire`` while the item is still the one
-        ``hold`` took; whether it was written. A unique token read back under
-        yet another CAS id (the slab rebalancer moved it again between the
-        read and the write) is written again, ``MOVES_IN_A_ROW`` times at most."""
-        for _ in range(MOVES_IN_A_ROW):
-            cas = self._still(key, hold, token)
-            if cas is None:
-                return False
-            if self._write(key, value, cas, expire):
-                return True
-            if not unique_value(token):
-                return False
-        raise kept_moving(key)
+        ``hold`` took (``meta.while_ours``'s owner check); whether it was."""
+
+        def write(cas: int) -> bool | None:
+            return True if self._write(key, value, cas, expire) else None
+
+        steps = meta.while_ours(key, _Cas(cast("int", hold)), token)
+        return meta.drive(steps, lambda: self._read_item(key), write) is not None
 
     def release(self, key: str, hold: Hold, token: object) -> bool:
         return self._while_still(key, hold, token, token, _PAST)

@@ -146,7 +146,7 @@ def sure_life(expire: float) -> float:
     server) moves the phase of that timer against the seconds it counts, and a
     phase that wraps past a second makes an item stored just before it go
     almost a second sooner: ``n - 2`` seconds for ``n``, not ``n - 1``
-    (``tests/test_memcached_clock.py`` measures it with the server paused at
+    (``tests/backends/memcached/test_memcached_clock.py`` measures it with the server paused at
     random). Where the server's clock was read (``expiry_on``), the item's
     end is a time on that clock, which a pause can only make later, and the
     read's own error stays within the same two seconds (``observe_clock``).

@@ -1,0 +1,1 @@
+"""The asyncio API (``django_tasklock.aio`` and the locks' async twins)."""

@@ -1,0 +1,1 @@
+"""The memcached store (``django_tasklock.backends.memcached``)."""

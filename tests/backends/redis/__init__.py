@@ -1,0 +1,1 @@
+"""The Redis stores: Redis Cluster, django-redis (``django_tasklock.backends.redis``)."""

@@ -1,0 +1,1 @@
+"""Short runs of the benchmarks (``benchmarks/``): that they run and report."""

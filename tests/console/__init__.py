@@ -1,0 +1,1 @@
+"""The command, the lock console, metrics and logs."""

@@ -1,0 +1,1 @@
+"""The fault suite and the randomized checker (``reliability/``)."""

@@ -1,0 +1,1 @@
+"""Celery and Django tasks: the decorators, calls stopped at ``.delay()``, beat, leadership."""

@@ -1,0 +1,1 @@
+"""Locks: take, renew, release, recover, fence (``django_tasklock.locks``)."""

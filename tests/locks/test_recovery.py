@@ -1,0 +1,319 @@
+"""A dead holder's lock is free at once on its own host, and within the
+liveness bound from another host; a live or paused holder keeps it."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+from django.core.cache import caches
+
+from django_tasklock import Lock, Semaphore
+from django_tasklock.backends import backend_for
+from django_tasklock.locks.liveness import record_id
+from django_tasklock.semaphores import slot_id
+from django_tasklock.tokens import (
+    holder_alive,
+    local_verdict,
+    process_identity,
+    token_process,
+)
+from reliability.recovery import SLACK
+from tests.helpers import background, record_beside, wait_until
+from tests.services import stop_and_wait
+
+pytestmark = pytest.mark.long(seconds=240)
+
+LIVENESS = 3.0
+
+
+def taken_within(lock: Lock, seconds: float) -> float | None:
+    """How long ``lock`` took to acquire, polling; None if not within ``seconds``."""
+    started = time.monotonic()
+    if lock.acquire(blocking=True, timeout=seconds):
+        return time.monotonic() - started
+    return None
+
+
+# -- this host --------------------------------------------------------------------
+
+
+def test_a_killed_holders_lock_is_free_at_once_even_unreaped(
+    store, holders, caplog, settings
+):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
+    holder = holders(store.alias, "killed-here")
+    # Alive: kept. (Asked from another thread: a thread looks at the holder of
+    # one lock id at most every LOOK_EVERY seconds.)
+    thread, outcome = background(Lock("killed-here").acquire)
+    thread.join()
+    assert outcome == {"result": False}
+    holder.kill(reap=False)  # a zombie until its parent (this test) reaps it
+    wait_until(lambda: holder_alive(holder.token) is False)  # SIGKILL is asynchronous
+    assert token_process(holder.token) is not None
+    with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
+        lock = Lock("killed-here", expire=30)
+        assert lock.acquire()  # one try: no wait for expiry or reaping
+    assert "exited (not yet reaped by its parent)" in caplog.text
+    assert lock.release()
+
+
+def test_a_reused_pid_is_not_its_old_holder():
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        identity = process_identity(sleeper.pid)
+        pid, start, space = identity.split("-")
+        host = socket.gethostname()
+        assert local_verdict(host, identity) == (True, f"process {pid} runs")
+        forged = f"{pid}-{int(start) - 1}-{space}"
+        alive, why = local_verdict(host, forged)
+        assert alive is False and "now names another process" in why
+        assert local_verdict(host, f"{pid}-{start}-0000beef")[0] is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_live_holder_on_this_host_keeps_its_lock(store, holders, settings):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
+    holder = holders(store.alias, "alive-here")
+    assert taken_within(Lock("alive-here"), 1.5) is None
+    assert holder.ask("check") == "check True False"
+    assert holder.ask("release") == "released True"
+
+
+def test_a_dead_holders_semaphore_slot_is_free(store, holders, settings):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
+    first = holders(store.alias, "slots", limit=2)
+    second = holders(store.alias, "slots", limit=2)
+    assert Semaphore("slots", 2).acquire() is False
+    second.kill()
+    taker = Semaphore("slots", 2, expire=30)
+    assert taker.acquire(blocking=True, timeout=5)
+    assert taker.lock is not None and taker.lock.lock_id in {
+        slot_id("slots", 0),
+        slot_id("slots", 1),
+    }
+    assert first.ask("check") == "check True False"
+    assert taker.release()
+
+
+# -- another host ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_dead_holder_on_another_host_is_free_within_the_bound(
+    store, holders, settings, caplog, request
+):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
+    holder = holders(store.alias, "elsewhere", host="tasklock-other-host")
+    assert "@tasklock-other-host:" not in holder.token  # no oid: host only
+    assert holder.token.startswith("tasklock-other-host:")
+    taken = taken_within(Lock("elsewhere"), LIVENESS / 2)
+    assert taken is None, (  # alive: kept
+        f"a live holder robbed {taken:.2f}s in (it {holder.ask('check')}, "
+        f"{holder.ask('record')}){evidence(store, request)}"
+    )
+    killed = holder.kill()
+    with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
+        lock = Lock("elsewhere", expire=30)
+        assert lock.acquire(blocking=True, timeout=LIVENESS + 10)
+    free_after = time.monotonic() - killed
+    assert free_after <= LIVENESS + 2, f"free {free_after:.1f}s after the kill"
+    assert "has shown no sign of life" in caplog.text
+    assert lock.release()
+
+
+@pytest.mark.slow
+def test_a_holder_keeping_no_record_is_never_judged_from_another_host(
+    store, holders, settings
+):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
+    holder = holders(store.alias, "no-record", host="tasklock-old", liveness="none")
+    holder.kill()
+    assert taken_within(Lock("no-record"), 2 * LIVENESS) is None
+
+
+@pytest.mark.slow
+def test_a_paused_holder_keeps_its_lock_for_half_the_bound(
+    store, holders, settings, request
+):
+    """The bound: LIVENESS less one renewal period and less the time the store
+    may drop a record early (two seconds on memcached), here 6 s; a holder
+    paused for half of it keeps its lock, and knows it.
+
+    A take within it is a robbery only while the holder, resumed, still
+    believes it holds: one starved of CPU just before the pause (its last
+    renewal long past) was told, which is the safe direction, and the pause
+    is tried again with a new holder, three times at most."""
+    liveness = 2 * LIVENESS
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": liveness}
+    bound = backend_for(store.alias).shortest_life(liveness) - min(1, liveness / 10)
+    for attempt in range(3):
+        lock_id = f"paused-{attempt}"
+        holder = holders(
+            store.alias, lock_id, host="tasklock-paused", liveness=liveness
+        )
+        stop_and_wait(holder.process.pid)
+        try:
+            taken = taken_within(Lock(lock_id), bound / 2)
+        finally:
+            os.kill(holder.process.pid, signal.SIGCONT)
+        believed = holder.ask("check")
+        if taken is None:
+            assert believed == "check True False"
+            assert holder.ask("release") == "released True"
+            return
+        assert believed.startswith("check False"), (
+            f"a paused holder robbed {taken:.2f}s into a pause of {bound / 2:.2f}s "
+            f"(it {holder.ask('record')}){evidence(store, request)}"
+        )
+    raise AssertionError("the holder starved before each of three pauses")
+
+
+def evidence(store, request) -> str:
+    """What a cluster's nodes hold, for a failure message; nothing for a store
+    that is no cluster."""
+    if store.alias != "cluster":
+        return ""
+    return "; the nodes:\n" + request.getfixturevalue("redis_cluster").evidence()
+
+
+@pytest.mark.slow
+def test_a_holder_paused_past_the_bound_loses_its_lock_and_is_told(
+    store, holders, settings
+):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
+    holder = holders(store.alias, "frozen", host="tasklock-frozen")
+    stop_and_wait(holder.process.pid)
+    stopped = time.monotonic()
+    # Its last beat (the record holds the time it was written): the store is
+    # sure to keep the record for its shortest life from then, and the lock
+    # is its holder's until then. (Counted from the stop instead, a holder
+    # starved of CPU just before it, its last beat long past, lost its lock
+    # "too soon" on a busy machine.)
+    process = token_process(holder.token)[1].removesuffix("-s")
+    beat = record_beside(store.alias, "frozen", record_id("tasklock-frozen", process))
+    sure = backend_for(store.alias).shortest_life(math.ceil(LIVENESS))
+    try:
+        taker = Lock("frozen", expire=30)
+        assert taker.acquire(blocking=True, timeout=2 * LIVENESS + 10)
+        if beat is not None:  # (else it had lapsed already: free at once)
+            assert time.time() >= float(beat) + sure, (beat, sure)
+        new_fence = taker.fence
+        while time.monotonic() - stopped < 2 * LIVENESS:
+            time.sleep(0.05)
+    finally:
+        os.kill(holder.process.pid, signal.SIGCONT)
+    # Told at once, with no round trip: its record lapsed while it was stopped.
+    assert holder.ask("check") == "check False True"
+    assert holder.fence < new_fence  # its fenced writes are refused
+    assert holder.ask("release") == "released False"
+    assert taker.owned() and taker.release()
+
+
+def test_a_liveness_record_is_written_before_the_first_lock(store, settings):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
+    lock = Lock("recorded", expire=30)
+    assert lock.acquire()
+    parsed = token_process(lock.token)
+    assert parsed is not None and parsed[1].endswith("-s")
+    key = record_id(socket.gethostname(), parsed[1].removesuffix("-s"))
+    assert record_beside(store.alias, "recorded", key) is not None
+    assert any(t.name.startswith("tasklock-liveness") for t in threading.enumerate())
+    assert lock.release()
+
+
+def test_no_record_and_no_flag_with_liveness_off(store, settings):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": None}
+    lock = Lock("unrecorded", expire=30)
+    assert lock.acquire()
+    parsed = token_process(lock.token)
+    assert parsed is not None and not parsed[1].endswith("-s")
+    assert lock.release()
+
+
+@pytest.mark.slow
+def test_a_restart_refuses_new_locks_for_seconds_and_live_holders_keep_theirs(
+    settings,
+):
+    """Default settings (LOCK_EXPIRE 600): a pool node restarted empty under 20
+    holders. Their process puts its locks back, so new locks there are refused
+    for LIVENESS (10 s), not ten minutes, and nobody takes a live holder's lock."""
+    from tests.services import Memcached
+    from tests.workers import restart_under_holders
+
+    servers = [Memcached().start() for _ in range(3)]
+    caches_setting = {
+        **settings.CACHES,
+        "pool": {
+            "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+            "LOCATION": [server.address for server in servers],
+        },
+    }
+    settings.CACHES = caches_setting
+    settings.TASKLOCK = {"CACHE": "pool"}
+    try:
+        outcome = restart_under_holders(
+            servers, "pool", [f"restart-held-{n}" for n in range(20)], caches_setting
+        )
+    finally:
+        from django_tasklock.backends import close_thread_connections
+        from django_tasklock.locks.liveness import forget_records
+
+        forget_records()
+        close_thread_connections()
+        caches["pool"].close()
+        for server in servers:
+            server.stop()
+    assert outcome["on_victim"], outcome
+    refused_for = outcome["refused_for"]
+    # RESTART_GRACE defaults to LIVENESS (10 s): refused that long (less the
+    # whole second of the server's uptime), not ten minutes (LOCK_EXPIRE). The
+    # figure runs until a fresh process took its lock: its start and its tries
+    # on a machine running the whole suite at once (15.7 s and 19.9 s in two
+    # fresh-clone runs) count too.
+    assert refused_for is not None and 8 <= refused_for <= 10 + 3 * SLACK, outcome
+    assert outcome["stolen"] == [], outcome
+    assert all(outcome["owned"]), outcome
+
+
+def test_a_process_on_its_way_out_releases_what_it_holds(store, holders, settings):
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
+    holder = holders(store.alias, "leaving", host="tasklock-leaving")
+    parsed = token_process(holder.token)
+    assert parsed is not None
+    record = record_id("tasklock-leaving", parsed[1].removesuffix("-s"))
+    # Written with the lock; on a machine loaded enough to starve the holder's
+    # record thread past LIVENESS it lapses and its next beat writes it again.
+    wait_until(lambda: record_beside(store.alias, "leaving", record) is not None, 10)
+    assert Lock("leaving").acquire() is False
+    holder.process.stdin.write("exit\n")  # type: ignore[union-attr]
+    holder.process.stdin.flush()  # type: ignore[union-attr]
+    assert holder.process.wait(30) == 0
+    # Free at once (no liveness bound to wait for), and its record gone. On
+    # a cluster a record lives beside each lock and is left to expire within
+    # LIVENESS (no lock of the process is left for it to vouch for), so
+    # whether it is still there depends on the clock, not on the exit.
+    assert Lock("leaving", expire=30).acquire()
+    if store.alias != "cluster":
+        assert record_beside(store.alias, "leaving", record) is None
+
+
+def test_celery_workers_leave_through_their_shutdown_signals():
+    from celery import signals
+
+    from django_tasklock.integrations import install
+    from django_tasklock.integrations.celery.worker import on_shutdown
+
+    install()
+    for signal_ in (signals.worker_process_shutdown, signals.worker_shutdown):
+        # Connected with weak=False: the receiver itself, not a weak reference.
+        assert on_shutdown in [receiver for _, receiver in signal_.receivers]

@@ -1,0 +1,1 @@
+"""The app as a project meets it: checks, refusals, docs, the example, packaging."""

@@ -1,0 +1,1 @@
+"""The suite's own machinery: its servers, processes and scheduling."""

@@ -1,0 +1,1 @@
+"""The testing helpers (``django_tasklock.testing``)."""
