@@ -26,19 +26,24 @@ from typing import TYPE_CHECKING, Any
 from ..aio import loop_backend, warm_backend
 from ..backends import _generation, backend_for, fork_generation
 from ..backends.aio.finishing import carried_through
-from ..conf import settings, validate_expire
+from ..conf import validate_expire
 from ..exceptions import LockBackendError
-from ..signals import lock_acquired, lock_released
+from ..signals import lock_released
 from ..tokens import new_live_token, new_token
 from .acquisition import Acquisition
 from .fencing import draw_fence
-from .heartbeat import Heartbeat
 from .holds import extend_hold
 from .liveness import record_beside
-from .loss import release_failed, report_lost, take_failed, taken_too_late
+from .loss import report_lost, take_failed
 from .recovery import LOOK_EVERY, take_from_dead
-from .validation import beat_for, misuse, require_hold
-from .waiting import POLL_MIN, next_wait
+from .taking import (
+    after_refusal,
+    hold_taken,
+    release_error,
+    take_settings,
+)
+from .validation import beat_for, require_hold
+from .waiting import POLL_MIN
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -87,6 +92,10 @@ class AsyncLocking:
             self, backend: LockBackend, key: str, waited: float
         ) -> None: ...
 
+        def _store_error(
+            self, backend: LockBackend, key: str, doing: str, exc: BaseException
+        ) -> LockBackendError: ...
+
         def _stop_heartbeat(self) -> None: ...
 
         def _backend(self) -> tuple[LockBackend, str]: ...
@@ -95,39 +104,30 @@ class AsyncLocking:
 
         def check(self) -> bool: ...
 
-        def _store_error(
-            self, backend: LockBackend, key: str, doing: str, exc: BaseException
-        ) -> LockBackendError: ...
-
     async def aacquire(
         self, *, blocking: bool = False, timeout: float | None = None
     ) -> bool:
-        """``acquire()``, awaited; cancelled, it releases what a take in flight got."""
-        if ((acq := self._acq) is not None and acq.hold is not None) or (
-            timeout is not None and not blocking
-        ):
-            raise misuse(self.lock_id, self.held)
-        defaults = settings.lock_defaults()
-        expire = self._expire if self._expire is not None else defaults[0]
-        expire = expire if self.max_hold is None else min(expire, self.max_hold)
-        renew = self._renew_option if self._renew_option is not None else defaults[3]
-        alias, protocol = self._cache or defaults[1], defaults[2]
+        """``acquire()``, awaited; cancelled, it releases what a take in flight
+        got. Its decisions are ``taking``'s, shared with ``acquire``."""
+        expire, alias, protocol, renew, bound = take_settings(self, blocking, timeout)
         store = warm_backend(alias, protocol) or await loop_backend(alias, protocol)
         key = (backend := store.sync).keys_for(self.lock_id)[0]
-        beat = beat_for(backend, expire) if renew else 0.0
-        record = record_beside(alias, defaults[4], backend, key)
+        beat = beat_for(backend, expire) if renew else None
+        record = record_beside(alias, bound, backend, key)
         tried_at = started = time.monotonic()
         if record is not None and started >= record.due:
             record = await _kept(alias, backend, record)
             tried_at = started = time.monotonic()  # (after the record's trip)
-        deadline, pause = None if timeout is None else started + timeout, POLL_MIN
+        make_token = new_token if record is None else new_live_token
+        deadline = None if timeout is None else started + timeout
+        pause = POLL_MIN if blocking else None
         take = store.take if self._take_over is None else self._taking_over(store)
         while True:
-            token = (new_token if record is None else new_live_token)(self.owner)
-            cancel = _LetGo(self, store, key, token)
+            token = make_token(self.owner)
+            cancel = _LetGo((self, store, key, token))
             try:
                 hold = await take(key, token, expire, cancel)
-                if hold is None and store.looks.get(key, 0.0) <= time.monotonic():
+                if hold is None and store.looks.get(key, 0.0) <= tried_at:
                     hold = await self._from_dead(store, key, token, expire, cancel)
             except store.errors as exc:
                 raise take_failed(self, alias, backend, key, token, exc) from exc
@@ -135,37 +135,19 @@ class AsyncLocking:
                 acq = Acquisition(
                     self, backend, alias, key, token, hold, expire, tried_at, record
                 )
-                if not acq.late or not taken_too_late(acq):
-                    self._start_holding(acq, store, beat if renew else None, started)
+                if hold_taken(self, acq, beat, started):
+                    self._store = store  # (its release reuses it)
                     return True
-                with contextlib.suppress(*store.errors):  # and refused
+                with contextlib.suppress(*store.errors):  # refused
                     await store.release(key, hold, token)
                 if tried_at == started:  # the first take late: again at once
                     tried_at = time.monotonic()
                     continue
-            now = time.monotonic()
-            wait = next_wait(pause, deadline, now) if blocking else None
+            wait = after_refusal(self, backend, key, pause, deadline, started)
             if wait is None:
-                self._send_contended(backend, key, now - started)  # if listened to
                 return False
             await asyncio.sleep(wait[0])
             pause, tried_at = wait[1], time.monotonic()
-
-    def _start_holding(
-        self,
-        acq: Acquisition,
-        store: AsyncBackend,
-        beat: float | None,
-        started: float,
-    ) -> None:
-        """Hold ``acq``, taken through ``store`` (its release reuses it):
-        renewed every ``beat`` seconds (None: not renewed)."""
-        self._acq, self._store = acq, store
-        if beat is not None:
-            self._heartbeat = Heartbeat(acq, beat).start()
-        if lock_acquired.receivers:
-            waited = acq.acquired_at - started
-            self._send(lock_acquired, acq.token, fence=None, waited=waited)
 
     def _taking_over(
         self, store: AsyncBackend
@@ -241,16 +223,13 @@ class AsyncLocking:
             try:
                 released = await store.drop(acq.key, hold, token)
             except store.errors as exc:
-                acq.hold = None
-                backend, key = acq.backend, acq.key
-                raise self._store_error(
-                    backend, key, release_failed(acq, backend, key, exc), exc
-                ) from exc
+                error = release_error(self, acq, acq.backend, acq.key, exc)
+                raise error from exc
             if not released:
                 report_lost(acq, "release")
                 return False
-            acq.hold = acq.lock = None
-            if acq.record is not None:
+            acq.hold = acq.lock = None  # no cycle left (see Acquisition.lock)
+            if acq.record is not None:  # forgotten now, not at the next beat
                 acq.record.held.pop(id(self), None)
         finally:
             acq.guard.release()
@@ -315,25 +294,22 @@ def _take_from_dead(
     return take_from_dead(lock_id, backend, key, token, expire)
 
 
-class _LetGo:
-    """What a take of ``token`` does if its caller is cancelled once it was
-    sent (``backends.aio.base.Cancel``): release what it got; a take whose fate is
-    unknown, watched. One object per try, made before the take is sent."""
+class _LetGo(tuple[Any, ...]):
+    """What a take of a token does if its caller is cancelled once it was
+    sent (``backends.aio.base.Cancel``): release what it got; a take whose
+    fate is unknown, watched. One per try, made before the take is sent:
+    ``(lock, store, key, token)``, a tuple: made in C, where an object with an
+    ``__init__`` runs Python code on every try."""
 
-    __slots__ = ("key", "lock", "store", "token")
-
-    def __init__(
-        self, lock: AsyncLocking, store: AsyncBackend, key: str, token: str
-    ) -> None:
-        self.lock, self.store, self.key, self.token = lock, store, key, token
+    __slots__ = ()
 
     async def taken(self, hold: Hold | None) -> None:
         """Release what the take got."""
         if hold is None:
             return
-        store = self.store
+        _lock, store, key, token = self
         try:
-            await store.release(self.key, hold, self.token)
+            await store.release(key, hold, token)
         except store.errors:
             logger.warning(
                 "A lock taken for a cancelled acquire could not be released; it "
@@ -344,7 +320,6 @@ class _LetGo:
     def failed(self, exc: BaseException) -> None:
         """The take failed: its token, perhaps stored, is removed once the
         store answers (``orphans``)."""
-        store = self.store
+        lock, store, key, token = self
         if isinstance(exc, store.errors):
-            lock: Any = self.lock
-            take_failed(lock, store.alias, store.sync, self.key, self.token, exc)
+            take_failed(lock, store.alias, store.sync, key, token, exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import contextlib
 import logging
 import socket
 import time
@@ -19,38 +20,37 @@ from ..conf import (
 )
 from ..exceptions import LockBackendError, LockLost
 from ..keys import FENCE_PREFIX, check_lock_id
-from ..signals import lock_acquired, lock_contended, lock_released
+from ..signals import lock_released
+from ..tokens import new_live_token, new_token
 from .acquisition import Acquisition
 from .asynchronous import AsyncLocking
 from .fencing import draw_fence
-from .heartbeat import Heartbeat
 from .holding import Holding
 from .holds import extend_hold, hand_over_hold
-from .liveness import kept_record
-from .loss import (
-    held_time,
-    lapsed,
-    lapsed_why,
-    release_failed,
-    released_too_late,
-    report_lost,
-    take_failed,
-)
+from .liveness import record_beside
+from .loss import held_time, lapsed, lapsed_why, report_lost, take_failed
 from .reads import StoreReads
 from .recovery import take_from_dead
+from .taking import (
+    after_refusal,
+    hold_taken,
+    release_error,
+    take_settings,
+)
 from .validation import (
     ON_LOST_POLICIES,
     OnLost,
     beat_for,
     check_cache,
-    misuse,
     owner_for,
     require_hold,
 )
-from .waiting import POLL_MIN, backoff
+from .waiting import POLL_MIN
 
 if TYPE_CHECKING:
     from django.dispatch import Signal
+
+    from .heartbeat import Heartbeat
 
 
 __all__ = ["Lock"]
@@ -269,23 +269,23 @@ class Lock(StoreReads, Holding, AsyncLocking):
         """Take the lock: True if this call took it, False if someone else holds
         it; ``blocking=True`` tries again, with growing pauses, until it is taken
         or ``timeout`` seconds (None: no limit) have passed. Raises
-        ``LockBackendError`` if the store cannot be reached: do not run then."""
-        if ((acq := self._acq) is not None and acq.hold is not None) or (
-            timeout is not None and not blocking
-        ):
-            raise misuse(self.lock_id, self.held)
-        defaults = settings.lock_defaults()  # EXPIRE, CACHE, PROTOCOL, RENEW, LIVENESS
-        expire = self._expire if self._expire is not None else defaults[0]
-        if self.max_hold is not None:
-            expire = min(expire, self.max_hold)
-        renew = self._renew_option if self._renew_option is not None else defaults[3]
-        alias = self._cache or defaults[1]
-        backend = backend_for(alias, protocol=defaults[2])
+        ``LockBackendError`` if the store cannot be reached: do not run then.
+
+        Its decisions are ``taking``'s, shared with ``aacquire``."""
+        expire, alias, protocol, renew, bound = take_settings(self, blocking, timeout)
+        backend = backend_for(alias, protocol=protocol)
         key = backend.keys_for(self.lock_id)[0]
-        beat = beat_for(backend, expire) if renew else 0.0
+        beat = beat_for(backend, expire) if renew else None
         tried_at = started = time.monotonic()
-        record, make_token = kept_record(alias, defaults[4], backend, started, key)
-        deadline, pause = None if timeout is None else started + timeout, POLL_MIN
+        # This process's liveness record beside the lock, written first when
+        # it is due (a record the server would not take: none, and tokens
+        # that promise none; see liveness.kept_record).
+        record = record_beside(alias, bound, backend, key)
+        if record is not None and started >= record.due and not record.ensure(backend):
+            record = None
+        make_token = new_token if record is None else new_live_token
+        deadline = None if timeout is None else started + timeout
+        pause = POLL_MIN if blocking else None
         while True:
             token = make_token(self.owner)
             try:
@@ -301,24 +301,18 @@ class Lock(StoreReads, Holding, AsyncLocking):
                 taken = Acquisition(
                     self, backend, alias, key, token, hold, expire, tried_at, record
                 )
-                if not taken.late or not released_too_late(taken):
-                    self._acq = taken
-                    if renew:
-                        self._heartbeat = Heartbeat(taken, beat).start()
-                    if lock_acquired.receivers:
-                        waited = taken.acquired_at - started
-                        self._send(lock_acquired, token, fence=None, waited=waited)
-                    return True  # (else released, if still its own: refused)
+                if hold_taken(self, taken, beat, started):
+                    return True
+                with contextlib.suppress(*backend.errors):  # refused
+                    backend.release(key, hold, token)
                 if tried_at == started:  # the first take late: again at once
                     tried_at = time.monotonic()
                     continue
-            now = time.monotonic()
-            next_pause = backoff(pause, deadline, now) if blocking else None
-            if next_pause is None:
-                if lock_contended.receivers:
-                    self._send_contended(backend, key, now - started)
+            wait = after_refusal(self, backend, key, pause, deadline, started)
+            if wait is None:
                 return False
-            pause, tried_at = next_pause, time.monotonic()
+            time.sleep(wait[0])
+            pause, tried_at = wait[1], time.monotonic()
 
     def hand_over(self, value: str, expire: float) -> bool:
         """Store ``value`` in place of this holder's token, in one conditional
@@ -356,10 +350,6 @@ class Lock(StoreReads, Holding, AsyncLocking):
         acq = self._acq
         if acq is None or acq.hold is None or acq.fork != fork_generation[0]:
             acq = require_hold(self.lock_id, acq, "release()")
-        return self._release(acq)
-
-    def _release(self, acq: Acquisition) -> bool:
-        """``release()`` of ``acq``, this object's hold, checked by the caller."""
         if self._heartbeat is not None:
             self._stop_heartbeat()
         with acq.guard:
@@ -371,10 +361,7 @@ class Lock(StoreReads, Holding, AsyncLocking):
             try:
                 released = backend.release(key, hold, token)
             except backend.errors as exc:
-                acq.hold = None
-                raise self._store_error(
-                    backend, key, release_failed(acq, backend, key, exc), exc
-                ) from exc
+                raise release_error(self, acq, backend, key, exc) from exc
             if not released:
                 report_lost(acq, "release")
                 return False
@@ -435,6 +422,6 @@ class Lock(StoreReads, Holding, AsyncLocking):
             )
             return
         try:
-            self._release(acq)
+            self.release()
         except LockBackendError:
             logger.exception("Could not release lock %r", self.lock_id)

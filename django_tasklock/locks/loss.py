@@ -9,7 +9,6 @@ the others find it reported.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -102,16 +101,6 @@ def taken_too_late(acq: Acquisition) -> bool:
         acq.acquired_at - (acq.valid_until - acq.life),
         acq.life,
     )
-    return True
-
-
-def released_too_late(acq: Acquisition) -> bool:
-    """``taken_too_late``, and then released if still its taker's."""
-    if not taken_too_late(acq):
-        return False
-    backend = acq.backend
-    with contextlib.suppress(*backend.errors):
-        backend.release(acq.key, acq.hold, acq.token)
     return True
 
 
