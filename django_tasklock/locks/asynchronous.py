@@ -277,7 +277,7 @@ class AsyncLocking:
 
 
 async def _kept(alias: str, backend: LockBackend, record: Record) -> Record | None:
-    """``record`` written (it is due: ``liveness.kept_record``), on an executor
+    """``record`` written (it is due, as in ``Lock.acquire``), on an executor
     thread; None if it could not be."""
     protocol = backend.protocol
     written = await asyncio.to_thread(

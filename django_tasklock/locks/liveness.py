@@ -41,13 +41,11 @@ from django.core.signals import setting_changed
 from ..backends import backend_for, close_thread_connections
 from ..conf import settings
 from ..keys import RECORD_PREFIX, record_id
-from ..tokens import new_live_token, new_token, this_process
+from ..tokens import this_process
 from .loss import report_lost
 from .roster import Entry, Roster
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ..backends import LockBackend
     from .acquisition import Acquisition
 
@@ -56,7 +54,6 @@ __all__ = [
     "Record",
     "Records",
     "forget_records",
-    "kept_record",
     "leave",
     "note_queued",
     "record_beside",
@@ -415,28 +412,13 @@ def reassert(record: Record, backend: LockBackend) -> None:
 _RUN_SLACK: Final = 4.0
 
 
-def kept_record(
-    alias: str, bound: float | None, backend: LockBackend, now: float, key: str
-) -> tuple[Record | None, Callable[[str], str]]:
-    """For an acquire of the lock at ``key`` in ``alias``'s store at ``now``:
-    this process's record beside it (None if ``bound``,
-    ``TASKLOCK['LIVENESS']``, is None, or the store cannot keep one there) and
-    how to make its tokens. Contenders on other hosts judge a holder by its
-    record, so it is written before the lock is taken when it is overdue; a
-    record the server would not take leaves the lock to its expiry (no record,
-    and a token that promises none)."""
-    record = record_beside(alias, bound, backend, key)
-    if record is None or (now >= record.due and not record.ensure(backend)):
-        return None, new_token
-    return record, new_live_token
-
-
 def record_beside(
     alias: str, bound: float | None, backend: LockBackend, key: str
 ) -> Record | None:
-    """``kept_record``'s record, found with no round trip: None if ``bound``
-    is None or the store cannot keep one beside the lock at ``key``. Written
-    (``Record.ensure``) before a lock is taken when ``now >= record.due``."""
+    """This process's record beside the lock at ``key`` in ``alias``'s store,
+    found with no round trip: None if ``bound`` (``TASKLOCK['LIVENESS']``)
+    is None or the store cannot keep one there. Written (``Record.ensure``)
+    before a lock is taken when ``now >= record.due``."""
     if bound is None:
         return None
     records = _records.get(alias)

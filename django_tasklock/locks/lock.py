@@ -278,8 +278,9 @@ class Lock(StoreReads, Holding, AsyncLocking):
         beat = beat_for(backend, expire) if renew else None
         tried_at = started = time.monotonic()
         # This process's liveness record beside the lock, written first when
-        # it is due (a record the server would not take: none, and tokens
-        # that promise none; see liveness.kept_record).
+        # it is due: contenders on other hosts judge a holder by it. One the
+        # server would not take leaves the lock to its expiry (no record, and
+        # tokens that promise none).
         record = record_beside(alias, bound, backend, key)
         if record is not None and started >= record.due and not record.ensure(backend):
             record = None
