@@ -88,6 +88,8 @@ class Options:
             "expire": self.expire,
             "cache": self.cache,
             "renew": self.renew,
-            "on_lost": self.on_lost,
+            # A Lock's own default ("warn") is left out: a run's lock made with
+            # no options is a call without ``**`` (see Mode.lock_for).
+            "on_lost": None if self.on_lost == "warn" else self.on_lost,
         }
         self.lock_options.update((k, v) for k, v in given.items() if v is not None)
