@@ -194,6 +194,7 @@ def _decorate(func: F, options: Options) -> F:
     wrapper._tasklock_lock_id = lock_id  # type: ignore[attr-defined]
     wrapper._tasklock_name = plain_name  # type: ignore[attr-defined]
     wrapper._tasklock_options = options  # type: ignore[attr-defined]
+    wrapper._tasklock_mode = mode  # type: ignore[attr-defined]
     return cast(F, wrapper)
 
 

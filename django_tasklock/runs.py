@@ -162,8 +162,9 @@ class Host:
         """True if the framework retries the call for ``exc`` by itself."""
         return False
 
-    def hand_to_retry(self, run: Run, lock: Lock) -> None:
-        """Keep the call's lock across the retry the framework sends next."""
+    def hand_to_retry(self, run: Run, lock: Lock, left: tuple[str, ...]) -> None:
+        """Keep the call's lock across the retry the framework sends next;
+        ``left``: the lock ids to free if that retry is not sent after all."""
 
 
 #: The host of a plain function call.

@@ -13,6 +13,7 @@ from .exceptions import InvalidArgumentType
 from .foreign import celery_original_run
 
 if TYPE_CHECKING:
+    from .modes import Mode
     from .options import Options
 
 __all__ = [
@@ -36,6 +37,7 @@ class Spec(NamedTuple):
     name: str
     bound: bool
     options: Options
+    mode: Mode
 
 
 def decorated(target: Callable[..., Any]) -> tuple[Any, str, bool]:
@@ -96,10 +98,12 @@ def spec_of(task: Any, *, any_mode: bool = False) -> Spec | None:
         function, name, bound = decorated(task)
     except TypeError:
         return None
-    options: Options = function._tasklock_options
-    if options.mode == "while_running" and not any_mode:
+    mode: Mode = function._tasklock_mode
+    if not (mode.publishes or any_mode):
         return None
-    return Spec(function._tasklock_lock_id, name, bound, options)
+    return Spec(
+        function._tasklock_lock_id, name, bound, function._tasklock_options, mode
+    )
 
 
 def lock_id_for(target: Callable[..., Any], /, *args: Any, **kwargs: Any) -> str:
@@ -122,8 +126,8 @@ def lock_cache_for(target: Callable[..., Any], /) -> str | None:
     return cache
 
 
-def lock_mode_for(target: Callable[..., Any], /) -> str:
-    """The ``mode=`` of ``target``'s ``@single_instance``."""
+def lock_mode_for(target: Callable[..., Any], /) -> Mode:
+    """The mode ``target``'s ``@single_instance`` chose."""
     function, _name, _bound = decorated(target)
-    mode: str = function._tasklock_options.mode
+    mode: Mode = function._tasklock_mode
     return mode

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Final
 from ..calls import queue_life, queued, store
 from ..exceptions import AlreadyQueued, LockUsageError
 from ..logs import module_logger
-from ..modes import MODES
 from ..modes.publishing import WAIT, claim
 from ..policies import DUPLICATES
 from ..runs import Host
@@ -138,7 +137,7 @@ class _Enqueue:
         self.original, self.task, self.spec = original, task, spec
         self.args, self.kwargs = args, kwargs
         self.on_duplicate: str = options.on_duplicate
-        self.mode = MODES[options.mode]
+        self.mode = spec.mode
         lock_id = spec.lock_id(spec.name, spec.bound, args, kwargs)
         self.queue_id = self.mode.on_publish(lock_id)
         self.backend, self.alias = store(options.cache)
@@ -204,7 +203,7 @@ class _Enqueue:
         raise AssertionError("refused before the enqueue")  # pragma: no cover
 
     def _announce(self, holder_id: str | None, action: str) -> None:
-        mode = self.spec.options.mode
+        mode = self.spec.mode.name
         logger.info(
             "Not enqueued %s as a call of its own: call %s is pending or running "
             "under lock %r (mode %s); %s.",

@@ -133,7 +133,8 @@ class Mode:
             return run.func(*run.args, **run.kwargs)
         except BaseException as exc:
             if run.hands_over and run.host.will_retry(run, exc):
-                run.host.hand_to_retry(run, lock)  # type: ignore[arg-type]
+                left = self.left_by(lock.lock_id, running=False)
+                run.host.hand_to_retry(run, lock, left)  # type: ignore[arg-type]
             raise
         finally:
             held.reset(reset)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..calls import QUEUE_SUFFIX, Marks, queued
+from ..exceptions import LockNotAcquired
 from ..logs import module_logger
 from ..policies.contention import retry_countdown
 from .base import Mode
@@ -48,7 +49,13 @@ class Coalesce(Mode):
             lock.lock_id,
             countdown,
         )
-        return run.host.send_back(run, lock, countdown)
+        try:
+            return run.host.send_back(run, lock, countdown)
+        except LockNotAcquired:
+            # A call run in place cannot be sent back: it fails, and leaves no
+            # mark for later calls to join.
+            self.forget_pending(run)
+            raise
 
     takes = True
 

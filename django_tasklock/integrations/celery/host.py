@@ -16,7 +16,6 @@ from ...exceptions import LockBackendError, LockNotAcquired
 from ...foreign import CELERY_STATE, celery_task_stack
 from ...locks import Lock
 from ...logs import module_logger
-from ...modes import MODES
 from ...runs import Host, held
 from ..redelivery import defer_for, verdict
 from .worker import handed_to_autoretry
@@ -134,8 +133,7 @@ class CeleryHost(Host):
     def send_back(self, run: Run, lock: Lock | Semaphore, countdown: float) -> NoReturn:
         if getattr(run.task.request, "is_eager", False):
             # Sent back, an eager call would run again at once, in place, and
-            # wait again: it fails instead, visibly, and leaves no mark.
-            MODES[run.options.mode].forget_pending(run)
+            # wait again: it fails instead, visibly (its mode clears its mark).
             raise LockNotAcquired(
                 lock.lock_id,
                 f"{run.name}[{run.call_id}] waited for it in vain, and a call run "
@@ -183,7 +181,7 @@ class CeleryHost(Host):
         max_retries = retry_kwargs.get("max_retries", task.max_retries)
         return max_retries is None or task.request.retries < max_retries
 
-    def hand_to_retry(self, run: Run, lock: Lock) -> None:
+    def hand_to_retry(self, run: Run, lock: Lock, left: tuple[str, ...]) -> None:
         """Keep the call's lock across the retry ``autoretry_for`` sends next."""
         task = run.task
         retry_kwargs = getattr(task, "retry_kwargs", None) or {}
@@ -200,7 +198,7 @@ class CeleryHost(Host):
             if lock.hand_over(
                 queued(lock.call_id), queue_life(options.queue_expire, delay)
             ):
-                handed_to_autoretry(lock.call_id, lock.lock_id, options)
+                handed_to_autoretry(lock.call_id, left, options.cache)
         except LockBackendError:
             logger.exception("Could not keep lock %r for the retry", lock.lock_id)
 

@@ -21,7 +21,6 @@ from ...locks import Lock
 from ...locks.liveness import note_queued
 from ...locks.roster import Entry, describe_call
 from ...logs import module_logger
-from ...modes import MODES
 from ...modes.publishing import AGAIN, claim, unknown_fate
 from ...runs import held
 from ...signals import call_deduplicated
@@ -74,12 +73,12 @@ class _Publish:
         self.name = name
         self.args, self.kwargs, self.countdown, self.eta, self.given_id = call
         self.options = options
-        self.mode: str = spec.options.mode
+        self.mode = spec.mode
         self.on_duplicate: str = spec.options.on_duplicate
         self.lock_id = spec.lock_id(
             spec.name, spec.bound, tuple(self.args or ()), dict(self.kwargs or {})
         )
-        self.queue_id = MODES[self.mode].on_publish(self.lock_id)
+        self.queue_id = self.mode.on_publish(self.lock_id)
         self.backend, self.alias = store(spec.options.cache)
         self.key = self.backend.keys_for(self.queue_id)[0]
         self.task_id: str = self.given_id or str(uuid.uuid4())
@@ -89,7 +88,7 @@ class _Publish:
         )
 
     def send(self) -> Any:
-        return claim(MODES[self.mode], self)
+        return claim(self.mode, self)
 
     # -- what the claim loop asks of a Celery call (modes.publishing) -----------------
 
@@ -256,7 +255,7 @@ class _Publish:
             self.task_id,
             holder_id,
             self.queue_id,
-            self.mode,
+            self.mode.name,
             {
                 "joined": "the caller got that call's result",
                 "raised": "AlreadyQueued raised",
@@ -269,7 +268,7 @@ class _Publish:
                 lock_id=self.queue_id,
                 task_id=holder_id,
                 new_id=self.task_id,
-                mode=self.mode,
+                mode=self.mode.name,
                 action=action,
             )
 

@@ -4,7 +4,7 @@ call whose pool process died)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 
@@ -12,12 +12,8 @@ from ...calls import call_of, store
 from ...locks.liveness import leave
 from ...locks.recovery import judge
 from ...logs import module_logger
-from ...modes import MODES
 from ...semaphores import slot_id
 from ...targets import spec_of
-
-if TYPE_CHECKING:
-    from ...options import Options
 
 __all__ = [
     "free_call",
@@ -33,13 +29,14 @@ logger = module_logger(__name__, "django_tasklock.calls")
 
 
 # Calls whose lock a failing run handed over to the retry Celery's autoretry_for
-# is about to send: task id -> (lock id, options). A call whose retry is not sent
-# after all (its state is not RETRY) frees the lock at task_postrun.
-_handed: dict[str, tuple[str, Options]] = {}
+# is about to send: task id -> (the lock ids to free, their cache alias). A
+# call whose retry is not sent after all (its state is not RETRY) frees them at
+# task_postrun.
+_handed: dict[str, tuple[tuple[str, ...], str | None]] = {}
 
 
-def handed_to_autoretry(task_id: str, lock_id: str, options: Options) -> None:
-    _handed[task_id] = (lock_id, options)
+def handed_to_autoretry(task_id: str, left: tuple[str, ...], cache: str | None) -> None:
+    _handed[task_id] = (left, cache)
 
 
 def on_postrun(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
@@ -48,8 +45,8 @@ def on_postrun(task_id: str | None = None, state: str | None = None, **_: Any) -
     entry = _handed.pop(task_id, None)
     if entry is None or state == "RETRY":
         return
-    lock_id, options = entry
-    free_call(lock_id, options, task_id, running=False)
+    left, cache = entry
+    free_call(left, cache, task_id, running=False)
 
 
 def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
@@ -66,14 +63,18 @@ def on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         )
     except (TypeError, ValueError):
         return
-    free_call(lock_id, spec.options, request.id, running=True)
+    left = spec.mode.left_by(lock_id, running=True)
+    free_call(left, spec.options.cache, request.id, running=True)
 
 
-def free_call(lock_id: str, options: Options, task_id: str, *, running: bool) -> None:
-    """Remove the locks that still name call ``task_id``: the pending one, and
-    with ``running`` the run's (its process is gone, a terminated revoke)."""
-    backend, _alias = store(options.cache)
-    for the_id in MODES[options.mode].left_by(lock_id, running=running):
+def free_call(
+    left: tuple[str, ...], cache: str | None, task_id: str, *, running: bool
+) -> None:
+    """Remove the locks of ``left`` (the mode's ``left_by``) that still name
+    call ``task_id``; a running call's only with ``running`` (its process is
+    gone, a terminated revoke)."""
+    backend, _alias = store(cache)
+    for the_id in left:
         key = backend.keys_for(the_id)[0]
         try:
             peek = backend.peek(key)
@@ -121,7 +122,7 @@ def on_failure(
     except (TypeError, ValueError):
         return
     options = spec.options
-    ids = set(MODES[options.mode].lock_ids(lock_id))
+    ids = set(spec.mode.lock_ids(lock_id))
     if options.limit:
         ids.update(slot_id(lock_id, slot) for slot in range(options.limit))
     backend, _alias = store(options.cache)

@@ -30,7 +30,7 @@ from django.utils.module_loading import import_string
 from ...console import LeaderRow, leaders, take_inventory
 from ...exceptions import LockBackendError, LockConfigurationError
 from ...integrations.celery.lookup import registered_task, registered_tasks
-from ...modes import MODES
+from ...modes import MODES, Mode
 from ...status import (
     LockStatus,
     expiry_text,
@@ -162,7 +162,7 @@ class Command(BaseCommand):
                 # Every lock a call of its mode holds (coalesce: its pending
                 # call's too).
                 held = False
-                for number, the_id in enumerate(MODES[self._mode].lock_ids(lock_id)):
+                for number, the_id in enumerate(self._mode.lock_ids(lock_id)):
                     if number:
                         self.stdout.write("")
                     status = lock_status(the_id, cache=cache)
@@ -181,7 +181,8 @@ class Command(BaseCommand):
                 sys.exit(1)
             raise CommandError(f"Lock {lock_id!r} is not held.", returncode=1)
 
-    _mode = "while_running"
+    #: The mode of the task named (a bare lock id: one lock, while_running's).
+    _mode: Mode = MODES["while_running"]
     #: Run from the command line (``run_from_argv``), not ``call_command``.
     from_command_line = False
 
