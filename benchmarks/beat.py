@@ -222,10 +222,16 @@ PEERS = (
     ("single-beat", SINGLE_BEAT),
 )
 SHOWN = (
-    "sends", "faults", "doubles by send time", "lost beyond catch-up",
-    "takeover median", "takeover max", "takeover elsewhere, earliest",
-    "premature takeovers", "beats that exited",
-)  # fmt: skip
+    "sends",
+    "faults",
+    "doubles by send time",
+    "lost beyond catch-up",
+    "takeover median",
+    "takeover max",
+    "takeover elsewhere, earliest",
+    "premature takeovers",
+    "beats that exited",
+)
 
 
 def peers(minutes: float) -> int:
@@ -255,10 +261,10 @@ def peers(minutes: float) -> int:
         cells = []
         for label, _ in PEERS:
             value = results[label][name]
-            cells.append(
-                "-" if value is None else f"{value:.2f}" if isinstance(value, float)
-                else str(value)
-            )  # fmt: skip
+            if isinstance(value, float):
+                cells.append(f"{value:.2f}")
+            else:
+                cells.append("-" if value is None else str(value))
         print(f"{name:<22}" + "".join(f"{cell:>17}" for cell in cells))
     ours = results["LeaderScheduler"]
     good = not ours["doubles"] and not ours["premature takeovers"]

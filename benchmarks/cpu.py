@@ -172,13 +172,25 @@ def _operations() -> dict[str, Callable[[], object]]:
 
     cluster_floor, cluster_lock_cycle = _cluster_operations()
     functions = [
-        floor, recipe, with_memcache_lock, lock_cycle,
+        floor,
+        recipe,
+        with_memcache_lock,
+        lock_cycle,
         lambda: decorated("https://feeds.example/a.xml"),
-        refused_raw, refused, semaphore_cycle, smooth.admit, window.admit,
-        redis_floor, redis_lock_cycle, smooth_redis.admit,
-        plain_delay, published_delay, joined_delay,
-        cluster_floor, cluster_lock_cycle,
-    ]  # fmt: skip
+        refused_raw,
+        refused,
+        semaphore_cycle,
+        smooth.admit,
+        window.admit,
+        redis_floor,
+        redis_lock_cycle,
+        smooth_redis.admit,
+        plain_delay,
+        published_delay,
+        joined_delay,
+        cluster_floor,
+        cluster_lock_cycle,
+    ]
     names = [name for name, _, _ in OPERATIONS if name not in ASYNC]
     return dict(zip(names, functions, strict=True))
 

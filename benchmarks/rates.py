@@ -72,8 +72,11 @@ def exactness(counter: Any, kind: str, store: str, rate: str, wanted: int) -> st
     for _ in range(8):
         celery_bench.hammer_limit.delay(spec, start_at, wanted, 600.0)
     key = f"{celery_bench.ADMITTED}:{limit_id}"
-    _wait_for(f"{kind} on {store}", lambda: int(counter.get(f"{key}:count") or 0)
-              >= wanted, 900)  # fmt: skip
+    _wait_for(
+        f"{kind} on {store}",
+        lambda: int(counter.get(f"{key}:count") or 0) >= wanted,
+        900,
+    )
     time.sleep(1.0)  # the last admissions of the other processes land
     times = sorted(int(at) for at in counter.lrange(key, 0, -1))
     period = round(parsed.period * 1000)
@@ -105,8 +108,13 @@ def long_period(kind: str, store: str) -> str:
     from django_tasklock.limits import store as limit_store
 
     burst = 10
-    limiter = RateLimiter(f"bench-long-{kind}-{store}-{time.time_ns()}", LONG_RATE,
-                          kind=kind, burst=burst, cache=STORES[store])  # fmt: skip
+    limiter = RateLimiter(
+        f"bench-long-{kind}-{store}-{time.time_ns()}",
+        LONG_RATE,
+        kind=kind,
+        burst=burst,
+        cache=STORES[store],
+    )
     limiter.reset()
     times: list[int] = []
 
@@ -198,8 +206,10 @@ def measure(quick: bool) -> str:
         f"    {'60 calls at once, 20/s, max_retries=0':<40}{'ran':>7}{'twice':>7}"
         f"{'deliveries per call':>21}",
     ]
-    for kind, task in (("window", celery_bench.calls_window),
-                       ("smooth", celery_bench.calls_smooth)):  # fmt: skip
+    for kind, task in (
+        ("window", celery_bench.calls_window),
+        ("smooth", celery_bench.calls_smooth),
+    ):
         print(f"calls: {kind}...", flush=True)
         runs, delivered = sent_calls(counter, task, kind, 60)
         ran = {n for n, _ in runs}

@@ -12,6 +12,7 @@ leader's runs.
 from __future__ import annotations
 
 import itertools
+import shlex
 import subprocess
 import sys
 import time
@@ -32,13 +33,21 @@ def say(message: str = "") -> None:
     print(message, flush=True)
 
 
+#: A beat of the example project, quiet but for warnings, with no pid file.
+BEAT = [
+    sys.executable,
+    *shlex.split("-m celery -A example_project beat --pidfile= -l warning"),
+]
+
+
 def start_beat(name: str, run_dir: Path, env: dict[str, str]) -> subprocess.Popen:
     log = (run_dir / f"{name}.log").open("w")
     return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "example_project", "beat",
-         "-s", str(run_dir / f"{name}-schedule"), "--pidfile=", "-l", "warning"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [*BEAT, "-s", str(run_dir / f"{name}-schedule")],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def leader(

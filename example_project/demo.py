@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -106,9 +107,14 @@ def start_workers(
     for number in range(1, count + 1):
         log = run_dir / f"worker{number}.log"
         proc = celery_worker(
-            "example_project", f"demo{number}", concurrency, env,
-            loglevel="INFO", logfile=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            "example_project",
+            f"demo{number}",
+            concurrency,
+            env,
+            loglevel="INFO",
+            logfile=log,
+            stderr=subprocess.STDOUT,
+        )
         procs.append((proc, log))
         stack.callback(stop_process, proc)
     deadline = time.monotonic() + 60
@@ -134,12 +140,14 @@ def start_console(stack: ExitStack) -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    served = "manage.py runserver --noreload --insecure"
     web = subprocess.Popen(
-        [sys.executable, "manage.py", "runserver", "--noreload", "--insecure",
-         f"127.0.0.1:{port}"],
-        cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL,
+        [sys.executable, *shlex.split(served), f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     stack.callback(stop_process, web)
     deadline = time.monotonic() + 30
     while True:

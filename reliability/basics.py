@@ -367,9 +367,14 @@ def bad_input(server: Memcached) -> Row:
     cache.set("fault-sentinel", "keep", 600)
     tried = failed = doubled = 0
     ids = [
-        "with spaces", "new\nline", "x\r\nflush_all\r\n", "nul\x00", "ünïcødé ✓",
-        "z" * 10_000, "bad\udcffsurrogate",
-    ]  # fmt: skip
+        "with spaces",
+        "new\nline",
+        "x\r\nflush_all\r\n",
+        "nul\x00",
+        "ünïcødé ✓",
+        "z" * 10_000,
+        "bad\udcffsurrogate",
+    ]
     for lock_id in ids:
         tried += 1
         lock = Lock(lock_id)
@@ -385,9 +390,11 @@ def bad_input(server: Memcached) -> Row:
         except InvalidLockExpire:
             pass
     lifecycle_options = [
-        {"renew": "yes"}, {"max_hold": 0}, {"on_lost": "ignore"},
+        {"renew": "yes"},
+        {"max_hold": 0},
+        {"on_lost": "ignore"},
         {"expire": 1, "renew": True},  # too short to renew on memcached
-    ]  # fmt: skip
+    ]
     for options in lifecycle_options:
         tried += 1
         try:

@@ -69,10 +69,13 @@ def storm(keys: int, sends: int) -> Row:
         outcome != f"storm-{n // sends}:{result.id}"
         for n, (result, outcome) in enumerate(zip(results, outcomes, strict=True))
     )
-    wrong += sum(not _free(lock_id_for(tasks.finish_once, f"storm-{k}", 0.3))
-                 for k in range(keys))  # fmt: skip
-    row = Row("18. duplicates at .delay(), until_finished", len(results),
-              overlapping, wrong)  # fmt: skip
+    wrong += sum(
+        not _free(lock_id_for(tasks.finish_once, f"storm-{k}", 0.3))
+        for k in range(keys)
+    )
+    row = Row(
+        "18. duplicates at .delay(), until_finished", len(results), overlapping, wrong
+    )
     # Every send that was not published was joined to a call that ran.
     wrong += len(joined) != len(results) - len(published)
     wrong += not set(joined) <= published

@@ -344,9 +344,17 @@ class Nemesis:
 
     def kinds(self) -> list[str]:
         kinds = [
-            "kill-server", "pause-server", "flush", "pause-client", "kill-client",
-            "proxy-stall", "proxy-close", "proxy-reset", "proxy-drop", "proxy-delay",
-        ]  # fmt: skip
+            "kill-server",
+            "pause-server",
+            "flush",
+            "pause-client",
+            "kill-client",
+            "proxy-stall",
+            "proxy-close",
+            "proxy-reset",
+            "proxy-drop",
+            "proxy-delay",
+        ]
         if not self.deployment.proxies:
             kinds = [kind for kind in kinds if not kind.startswith("proxy-")]
         if self.deployment.flavour == "sentinel":

@@ -86,8 +86,17 @@ def main() -> None:
             continue
         start = time.monotonic()
         token = lock.token
-        witness(path, {"e": "start", "c": client, "id": lock_id, "t": start,
-                       "tok": token, "vu": _valid_until(lock)})  # fmt: skip
+        witness(
+            path,
+            {
+                "e": "start",
+                "c": client,
+                "id": lock_id,
+                "t": start,
+                "tok": token,
+                "vu": _valid_until(lock),
+            },
+        )
         fence = None
         if chance.random() < 0.5:
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -296,8 +297,11 @@ def client_timed_out() -> Outcome:
     outcome = Outcome()
     with deployment() as deployed:
         server = deployed.server(Memcached())
-        config = {"BACKEND": MEMCACHED, "LOCATION": server.address,
-                  "OPTIONS": {"timeout": 0.5, "retry_timeout": 3}}  # fmt: skip
+        config = {
+            "BACKEND": MEMCACHED,
+            "LOCATION": server.address,
+            "OPTIONS": {"timeout": 0.5, "retry_timeout": 3},
+        }
         alias = deployed.alias("timing-out", config)
         holder = deployed.holder(alias, "timed-out", "tasklock-timeout-host")
         stopped = time.monotonic()
@@ -335,9 +339,11 @@ def record_unreadable(ignoring_redis: bool = False) -> Outcome:
         holder = deployed.holder(alias, "unreadable", "tasklock-unreadable")
         proxy = deployed.proxy(server.port)
         if ignoring_redis:
-            proxied = {"BACKEND": "django_redis.cache.RedisCache",
-                       "LOCATION": f"redis://{proxy.address}/0",
-                       "OPTIONS": {"IGNORE_EXCEPTIONS": True}}  # fmt: skip
+            proxied = {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://{proxy.address}/0",
+                "OPTIONS": {"IGNORE_EXCEPTIONS": True},
+            }
         else:
             proxied = {"BACKEND": MEMCACHED, "LOCATION": proxy.address}
         proxied_alias = deployed.alias("proxied", proxied)
@@ -456,9 +462,9 @@ def hidden_by_hidepid() -> Outcome:
             "--regid=65534 --clear-groups --inh-caps=+dac_read_search "
             '--ambient-caps=+dac_read_search "$@"'
         )
-        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                   contender, "-", sys.executable, "-m", "tests.contender", alias,
-                   str(LIVENESS), "hidden-holder", "3"]  # fmt: skip
+        private = shlex.split("unshare --mount --propagation private sh -c")
+        command = [*private, contender, "-", sys.executable, "-m", "tests.contender"]
+        command += [alias, str(LIVENESS), "hidden-holder", "3"]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
         result = subprocess.run(
             command, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env
@@ -620,24 +626,42 @@ def run(quick: bool) -> list[Row]:
         return [scenario() for _ in range(n)]
 
     rows = [
-        _row("34. pool server restarted, lock on the other",
-             runs(pool_server_restarted), least_tries=10),
-        _row("35. pool server stalled 5s (LIVENESS 8s)",
-             runs(pool_server_stalled), least_tries=10),
-        _told("36. lock's own server stalled past LIVENESS",
-              runs(lock_server_stalled_too_long)),
-        _row("37. timeout in the contender's own client",
-             runs(client_timed_out), least_tries=3),
+        _row(
+            "34. pool server restarted, lock on the other",
+            runs(pool_server_restarted),
+            least_tries=10,
+        ),
+        _row(
+            "35. pool server stalled 5s (LIVENESS 8s)",
+            runs(pool_server_stalled),
+            least_tries=10,
+        ),
+        _told(
+            "36. lock's own server stalled past LIVENESS",
+            runs(lock_server_stalled_too_long),
+        ),
+        _row(
+            "37. timeout in the contender's own client",
+            runs(client_timed_out),
+            least_tries=3,
+        ),
         _row("38. record read refused, memcached", runs(record_unreadable)),
-        _row("39. record read refused, IGNORE_EXCEPTIONS",
-             runs(lambda: record_unreadable(ignoring_redis=True))),
-        _row("40. memcached as pid 1 restarted at once",
-             runs(pid_one_restarted), least_tries=10),
-        _row("41. Redis replica cut, its record lapsed",
-             runs(replica_cut), least_tries=3),
-        _row("42. contender's /proc hidepid=2", runs(hidden_by_hidepid),
-             least_tries=10),
-    ]  # fmt: skip
+        _row(
+            "39. record read refused, IGNORE_EXCEPTIONS",
+            runs(lambda: record_unreadable(ignoring_redis=True)),
+        ),
+        _row(
+            "40. memcached as pid 1 restarted at once",
+            runs(pid_one_restarted),
+            least_tries=10,
+        ),
+        _row(
+            "41. Redis replica cut, its record lapsed", runs(replica_cut), least_tries=3
+        ),
+        _row(
+            "42. contender's /proc hidepid=2", runs(hidden_by_hidepid), least_tries=10
+        ),
+    ]
     listed = runs(unprintable_argument)
     # Half the beats its period allows, at least: a thread stopped by the
     # listing would make none.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -178,12 +179,11 @@ def _far_worker(broker: dict[str, str], host: str) -> subprocess.Popen[bytes]:
     hostname of its own; a process group of its own, to be killed whole."""
     from tests.celery_app import app
 
-    command = [
-        "unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "-",
-        sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-        "-P", "prefork", "-c", "1", "-n", f"far@{host}", "-Q", "far",
-        "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "ERROR",
-    ]  # fmt: skip
+    renamed = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "-"]
+    worker = "-m celery -A tests.celery_app worker -P prefork -c 1 -Q far -l ERROR"
+    quiet = "--without-gossip --without-mingle --without-heartbeat"
+    command = [*renamed, sys.executable, *shlex.split(worker), *shlex.split(quiet)]
+    command += ["-n", f"far@{host}"]
     env = {**os.environ, **broker, "DJANGO_SETTINGS_MODULE": "tests.settings"}
     process = subprocess.Popen(
         command,
@@ -314,8 +314,12 @@ def paused_briefly(tries: int) -> Row:
     with _tasklock(liveness):
         bound = backend_for("default").shortest_life(liveness) - min(1, liveness / 10)
         for attempt in range(tries):
-            holder = Holder("default", f"paused-{attempt}", host="tasklock-paused",
-                            liveness=liveness)  # fmt: skip
+            holder = Holder(
+                "default",
+                f"paused-{attempt}",
+                host="tasklock-paused",
+                liveness=liveness,
+            )
             try:
                 stop_and_wait(holder.process.pid)
                 attempts += 1
@@ -327,8 +331,9 @@ def paused_briefly(tries: int) -> Row:
             finally:
                 os.kill(holder.process.pid, signal.SIGCONT)
                 holder.close()
-    row = Row(f"30. holder elsewhere paused {bound / 2:.1f}s", attempts,
-              overlapping, wrong)  # fmt: skip
+    row = Row(
+        f"30. holder elsewhere paused {bound / 2:.1f}s", attempts, overlapping, wrong
+    )
     row.figures.append(
         f"LIVENESS {liveness:.0f}s: kept its lock through the pause "
         f"{attempts - overlapping - wrong}/{attempts}"
@@ -349,8 +354,9 @@ def paused_too_long(tries: int) -> Row:
     with _tasklock():
         for attempt in range(tries):
             lock_id = f"frozen-{attempt}"
-            holder = Holder("default", lock_id, host="tasklock-frozen",
-                            liveness=SHORT_LIVENESS)  # fmt: skip
+            holder = Holder(
+                "default", lock_id, host="tasklock-frozen", liveness=SHORT_LIVENESS
+            )
             held_from = time.monotonic()
             try:
                 stop_and_wait(holder.process.pid)
@@ -377,8 +383,13 @@ def paused_too_long(tries: int) -> Row:
             finally:
                 os.kill(holder.process.pid, signal.SIGCONT)
                 holder.close()
-    row = Row(f"31. holder elsewhere paused {2 * SHORT_LIVENESS:.0f}s", attempts,
-              overlapping, wrong, by_design=True)  # fmt: skip
+    row = Row(
+        f"31. holder elsewhere paused {2 * SHORT_LIVENESS:.0f}s",
+        attempts,
+        overlapping,
+        wrong,
+        by_design=True,
+    )
     row.figures.append(
         f"taken {_spread(taken)}s into the pause (LIVENESS {SHORT_LIVENESS:.0f}s); "
         f"told at SIGCONT by check(), older fence, release refused "
@@ -433,8 +444,9 @@ def restarted_under_holders(tries: int) -> Row:
             wrong += 1
         else:
             refused.append(seconds)
-    row = Row("32. node restarted under 20 holders, defaults", attempts, overlapping,
-              wrong)  # fmt: skip
+    row = Row(
+        "32. node restarted under 20 holders, defaults", attempts, overlapping, wrong
+    )
     row.figures.append(
         f"new locks on it refused {_spread(refused)}s after the restart (before: "
         f"LOCK_EXPIRE, 600 s); second holders {overlapping}/{attempts}"
@@ -539,8 +551,12 @@ def stress(seconds: float, processes: int = 16) -> Row:
     wrong = sum(
         gap > TARGET + SLACK for gap in gaps[:-1]
     )  # the last kill may end the run
-    row = Row(f"33. stress: {processes} processes, kills, {seconds:.0f}s", len(kills),
-              overlaps(holds), wrong)  # fmt: skip
+    row = Row(
+        f"33. stress: {processes} processes, kills, {seconds:.0f}s",
+        len(kills),
+        overlaps(holds),
+        wrong,
+    )
     ordered = sorted(gaps[:-1]) or [0.0]
     row.figures.append(
         f"{len(holds)} holds, {len(cut)} holders killed holding it (of "

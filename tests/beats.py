@@ -33,12 +33,15 @@ LIVENESS = 3  # tests/beat_app.py
 def beat_database(workdir: Path) -> str:
     """A SQLite file with django-celery-beat's tables, for the beats to share."""
     path = str(workdir / "beat.sqlite3")
+    settings = {"BEAT_DATABASE": path, "DJANGO_SETTINGS_MODULE": "tests.beat_settings"}
     migrated = subprocess.run(
         [sys.executable, "-m", "django", "migrate", "--verbosity", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "BEAT_DATABASE": path,
-             "DJANGO_SETTINGS_MODULE": "tests.beat_settings"},
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **settings},
+    )
     assert migrated.returncode == 0, migrated.stdout + migrated.stderr
     return path
 
@@ -60,12 +63,18 @@ class Beat:
                 [str(Path(sys.executable).parent / "single-beat")],
                 PLAIN,
             )
-        command = [
-            *wrapper, sys.executable, "-m", "celery", "-A", "tests.beat_app", "beat",
-            "-S", scheduler, "-s", str(workdir / f"schedule-{host}"),
-            "--pidfile=", "-l", "info",
-        ]  # fmt: skip
+        schedule = str(workdir / f"schedule-{host}")
+        command = [*wrapper, sys.executable, "-m", "celery", "-A", "tests.beat_app"]
+        command += ["beat", "-S", scheduler, "-s", schedule, "--pidfile=", "-l", "info"]
         rename = f'hostname {host} && exec "$@"'
+        beat = {"BEAT_BROKER": broker, "BEAT_CACHE": cache, "BEAT_DATABASE": database}
+        beat["BEAT_ENTRIES"] = str(entries)
+        single_beat = {
+            "SINGLE_BEAT_REDIS_SERVER": broker,
+            "SINGLE_BEAT_IDENTIFIER": "beatha",
+            "SINGLE_BEAT_LOCK_TIME": str(LIVENESS),
+            "SINGLE_BEAT_HEARTBEAT_INTERVAL": "1",
+        }
         self.host = host
         self.log = (workdir / f"{host}.log").open("w")
         # A session (process group) of its own: a fault reaches every process
@@ -76,11 +85,8 @@ class Beat:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "BEAT_BROKER": broker,
-                 "BEAT_CACHE": cache, "BEAT_ENTRIES": str(entries), "BEAT_DATABASE": database,
-                 "SINGLE_BEAT_REDIS_SERVER": broker, "SINGLE_BEAT_IDENTIFIER": "beatha",
-                 "SINGLE_BEAT_LOCK_TIME": str(LIVENESS), "SINGLE_BEAT_HEARTBEAT_INTERVAL": "1"},
-        )  # fmt: skip
+            env={**os.environ, "PYTHONPATH": str(ROOT), **beat, **single_beat},
+        )
 
     def role(self) -> str | None:
         """What this beat's log last said of its role: "leading", "standing

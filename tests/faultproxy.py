@@ -92,13 +92,15 @@ class FaultProxy:
                 self._connections += [client, upstream]
             doomed = threading.Event()
             threading.Thread(
-                target=self._forward_requests, args=(client, upstream, doomed),
+                target=self._forward_requests,
+                args=(client, upstream, doomed),
                 daemon=True,
-            ).start()  # fmt: skip
+            ).start()
             threading.Thread(
-                target=self._forward_replies, args=(upstream, client, doomed),
+                target=self._forward_replies,
+                args=(upstream, client, doomed),
                 daemon=True,
-            ).start()  # fmt: skip
+            ).start()
 
     def _forward_requests(
         self, client: socket.socket, upstream: socket.socket, doomed: threading.Event

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -55,10 +56,10 @@ def unmeasured() -> Iterator[None]:
 #: Ports below 10000 that machines like this one give their own services
 #: (PostgreSQL, MariaDB, Redis, RabbitMQ, pgbouncer...): never drawn.
 WELL_KNOWN = frozenset(
-    {1433, 1521, 2375, 2376, 2379, 2380, 3000, 3306, 4369, 5000, 5432, 5433,
-     5555, 5672, 5984, 6379, 6380, 6432, 8000, 8080, 8443, 8888, 9000, 9042,
-     9090, 9092, 9200, 9300}
-)  # fmt: skip
+    {1433, 1521, 2375, 2376, 2379, 2380, 3000, 3306, 4369, 5000, 5432, 5433}
+    | {5555, 5672, 5984, 6379, 6380, 6432, 8000, 8080, 8443, 8888, 9000, 9042}
+    | {9090, 9092, 9200, 9300}
+)
 
 
 def free_port() -> int:
@@ -225,10 +226,8 @@ class Memcached(Server):
 
     def command(self) -> list[str]:
         user = ["-u", "root"] if os.geteuid() == 0 else []
-        return [
-            "-l", "127.0.0.1", "-p", str(self.port), "-U", "0", "-t", "2",
-            *user, *self.args,
-        ]  # fmt: skip
+        fixed = shlex.split("-l 127.0.0.1 -U 0 -t 2")
+        return [*fixed, "-p", str(self.port), *user, *self.args]
 
     def _ask(
         self, line: bytes, ends: tuple[bytes, ...], timeout: float = 5
@@ -324,10 +323,9 @@ class Redis(Server):
         # A directory of its own: a replica writes the primary's data there during
         # a full sync, and a server loads any dump.rdb it finds at start.
         workdir = tempfile.mkdtemp(prefix="redis-")
-        return [
-            "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--daemonize", "no", "--dir", workdir, *self.args,
-        ]  # fmt: skip
+        fixed = shlex.split("--bind 127.0.0.1 --appendonly no --daemonize no")
+        own = ["--port", str(self.port), "--dir", workdir, "--save", ""]
+        return [*fixed, *own, *self.args]
 
 
 @dataclass
@@ -471,13 +469,12 @@ class RedisCluster:
         ]
 
     def _node_args(self, index: int) -> list[str]:
-        return [
-            "--cluster-enabled", "yes",
-            "--cluster-config-file", str(self.workdir / f"nodes-{index}.conf"),
-            "--cluster-node-timeout", str(self.node_timeout),
-            # A replica may be promoted however long its primary was away.
-            "--cluster-replica-validity-factor", "0",
-        ]  # fmt: skip
+        config = str(self.workdir / f"nodes-{index}.conf")
+        # A replica may be promoted however long its primary was away (its
+        # validity factor 0).
+        fixed = shlex.split("--cluster-enabled yes --cluster-replica-validity-factor 0")
+        timeout = ["--cluster-node-timeout", str(self.node_timeout)]
+        return [*fixed, "--cluster-config-file", config, *timeout]
 
     @property
     def url(self) -> str:
@@ -496,11 +493,14 @@ class RedisCluster:
             for index in range(len(self.nodes)):
                 self._start_node(index)
             try:
+                addresses = [node.address for node in self.nodes]
+                create = [cli, "--cluster", "create", *addresses]
                 subprocess.run(
-                    [cli, "--cluster", "create", *(n.address for n in self.nodes),
-                     "--cluster-replicas", "1", "--cluster-yes"],
-                    check=True, capture_output=True, timeout=60,
-                )  # fmt: skip
+                    [*create, "--cluster-replicas", "1", "--cluster-yes"],
+                    check=True,
+                    capture_output=True,
+                    timeout=60,
+                )
                 self.wait_until_ok(timeout=30, joined=True)
                 return self
             except (RuntimeError, subprocess.SubprocessError) as error:
@@ -705,10 +705,9 @@ class Nutcracker(Server):
         ]
         config = Path(tempfile.mkdtemp(prefix="nutcracker-")) / "nutcracker.yml"
         config.write_text("\n".join(lines) + "\n")
-        return [
-            "-c", str(config), "-s", str(self.stats_port), "-a", "127.0.0.1",
-            "-o", str(config.with_suffix(".log")), *self.args,
-        ]  # fmt: skip
+        log = str(config.with_suffix(".log"))
+        places = ["-c", str(config), "-o", log, "-s", str(self.stats_port)]
+        return [*places, "-a", "127.0.0.1", *self.args]
 
 
 class PreMetaMemcached:
@@ -805,11 +804,9 @@ def celery_worker(
 ) -> subprocess.Popen[bytes]:
     """A real ``celery worker`` process with the prefork pool, quiet on the network
     (no gossip, mingle or heartbeat), started from the repository's root."""
-    command = [
-        sys.executable, "-m", "celery", "-A", app, "worker",
-        "-P", "prefork", "-c", str(concurrency), "-n", f"{name}@%h",
-        "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", loglevel,
-    ]  # fmt: skip
+    quiet = shlex.split("--without-gossip --without-mingle --without-heartbeat")
+    command = [sys.executable, "-m", "celery", "-A", app, "worker", "-P", "prefork"]
+    command += ["-c", str(concurrency), "-n", f"{name}@%h", *quiet, "-l", loglevel]
     if logfile is not None:
         command += ["-f", str(logfile)]
     return subprocess.Popen(

@@ -434,8 +434,14 @@ def _limited(self, key: str, n: int) -> int:
 
     admission = current_admission()
     assert admission is not None
-    record(key, time.monotonic(), task_id=self.request.id, n=n,
-           at=round(admission.at * 1000), retries=self.request.retries)  # fmt: skip
+    record(
+        key,
+        time.monotonic(),
+        task_id=self.request.id,
+        n=n,
+        at=round(admission.at * 1000),
+        retries=self.request.retries,
+    )
     return n
 
 
@@ -446,8 +452,7 @@ def limited_window(self, key, n):
 
 
 @app.task(bind=True, max_retries=0)
-@rate_limited("4/s", name="tests.limited-smooth", kind="smooth", burst=2,
-              cache="redis")  # fmt: skip
+@rate_limited("4/s", name="tests.limited-smooth", kind="smooth", burst=2, cache="redis")
 def limited_smooth(self, key, n):
     return _limited(self, key, n)
 

@@ -4,6 +4,7 @@ its own so that it runs beside the other benchmarks' short runs."""
 from __future__ import annotations
 
 import re
+import shlex
 
 import pytest
 
@@ -22,9 +23,10 @@ def test_console_page_cost_does_not_grow_with_the_cache():
     round trips do not change with the size."""
     out = run_module(
         "benchmarks.console",
-        "--locks", "25000", "--unrelated", "25000", "--views", "1",
-        timeout=900, measured=False,
-    )  # fmt: skip
+        *shlex.split("--locks 25000 --unrelated 25000 --views 1"),
+        timeout=900,
+        measured=False,
+    )
     rows = re.findall(
         r"^\s+(first page|page \d+|search|filter by task)\s+([\d,]+)\s+(\d+)"
         r"\s+([\d.]+)s\s+([\d.]+)s\s+([\d/]+)$",

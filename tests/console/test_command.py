@@ -287,8 +287,13 @@ def test_manage_py_finds_the_example_projects_celery_task(memcached):
     def manage(*args: str) -> str:
         result = subprocess.run(
             [sys.executable, "manage.py", "tasklock", *args],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert result.returncode == (1 if args[0] == "status" else 0), result.stderr
         return result.stdout + result.stderr
 

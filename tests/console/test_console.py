@@ -365,8 +365,14 @@ from tests.celery_app import app  # noqa: E402
 @single_instance(key="tenant", limit=2, expire=60)
 def slot_report(self, tenant):
     """Returns its own slot's roster entries, as listed while it runs."""
-    wait_until(lambda: [e for e in take_inventory(["default"]).listed()
-                        if e.entry.kind == "slot" and e.entry.call_id], 10)  # fmt: skip
+    wait_until(
+        lambda: [
+            e
+            for e in take_inventory(["default"]).listed()
+            if e.entry.kind == "slot" and e.entry.call_id
+        ],
+        10,
+    )
     return [e.entry for e in take_inventory(["default"]).listed() if e.entry.call_id]
 
 

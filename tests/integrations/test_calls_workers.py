@@ -7,6 +7,7 @@ measured, and every test has a count that would differ if the lock did not work.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -304,12 +305,18 @@ def test_beat_ticking_faster_than_the_body_runs_publishes_once_per_run(
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "TASKLOCK_TEST_BEAT": "0.1",
     }
+    command = [
+        sys.executable,
+        *shlex.split("-m celery -A tests.celery_app beat -l INFO"),
+    ]
+    files = ["-s", str(tmp_path / "schedule"), "-f", str(tmp_path / "beat.log")]
     beat = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tests.celery_app", "beat",
-         "-s", str(tmp_path / "schedule"), "-l", "INFO",
-         "--pidfile", str(tmp_path / "beat.pid"), "-f", str(tmp_path / "beat.log")],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [*command, *files, "--pidfile", str(tmp_path / "beat.pid")],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until(lambda: len(tasks.runs("beat")) >= 3, 60)
     finally:

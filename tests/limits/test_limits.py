@@ -446,13 +446,16 @@ def test_bad_rate_settings_are_check_errors_and_run_time_errors(
 
 STORM = [
     ("memcached-meta", {"CACHE": "default", "MEMCACHED_PROTOCOL": "meta"}, "window"),
-    ("memcached-classic", {"CACHE": "default", "MEMCACHED_PROTOCOL": "classic"},
-     "window"),
+    (
+        "memcached-classic",
+        {"CACHE": "default", "MEMCACHED_PROTOCOL": "classic"},
+        "window",
+    ),
     ("pylibmc", {"CACHE": "pylibmc"}, "window"),
     ("redis", {"CACHE": "redis"}, "window"),
     ("memcached-meta", {"CACHE": "default", "MEMCACHED_PROTOCOL": "meta"}, "smooth"),
     ("redis", {"CACHE": "redis"}, "smooth"),
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")

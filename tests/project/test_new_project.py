@@ -9,6 +9,7 @@ Redis, eagerly and with a real Celery worker."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,11 +55,11 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The project's directory and its Python, the wheel installed there."""
     where = tmp_path_factory.mktemp("newproject")
     source = _checkout_copy(tmp_path_factory.mktemp("source"))
+    build = [sys.executable, *shlex.split("-m build --no-isolation --wheel")]
     built = _run(
-        [sys.executable, "-m", "build", "--no-isolation", "--wheel",
-         "--outdir", str(where / "dist"), str(source)],
+        [*build, "--outdir", str(where / "dist"), str(source)],
         timeout=300,
-    )  # fmt: skip
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = (where / "dist").glob("*.whl")
     venv = where / "venv"
@@ -112,8 +113,10 @@ def test_a_new_projects_three_tests_pass(
     env.pop("PYTHONPATH", None)  # the installed wheel, not this checkout
     result = _run(
         [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=directory, env=env, timeout=300,
-    )  # fmt: skip
+        cwd=directory,
+        env=env,
+        timeout=300,
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert "3 passed" in out, out
@@ -121,6 +124,7 @@ def test_a_new_projects_three_tests_pass(
     # test asking for an unknown fixture errors).
     where = _run(
         [str(python), "-c", "import django_tasklock; print(django_tasklock.__file__)"],
-        cwd=directory, env=env,
-    )  # fmt: skip
+        cwd=directory,
+        env=env,
+    )
     assert where.stdout.startswith(str(python.parent.parent)), where.stdout

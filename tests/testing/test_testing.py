@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 
@@ -15,6 +16,11 @@ import pytest
 from tests.helpers import ROOT
 
 SAMPLES = ROOT / "tests" / "plugin_sample"
+#: The sample's run: its own conftest and settings, no xdist, random order.
+PYTEST = [
+    *(sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider"),
+    *shlex.split("-p no:xdist --ds tests.settings -p randomly --keep-duplicates -q"),
+]
 
 
 def run_sample(module: str, cache: str, *extra: str, **env: str) -> str:
@@ -33,13 +39,20 @@ def run_sample(module: str, cache: str, *extra: str, **env: str) -> str:
     seed = random.randrange(2**32)  # a new order each time: printed if it fails
     result = subprocess.run(
         [
-            sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider",
-            "-p", "no:xdist", "--ds", "tests.settings", "--rootdir", str(SAMPLES),
-            "-p", "randomly", f"--randomly-seed={seed}", "--keep-duplicates", "-q",
-            *extra, path, path,
+            *PYTEST,
+            "--rootdir",
+            str(SAMPLES),
+            f"--randomly-seed={seed}",
+            *extra,
+            path,
+            path,
         ],
-        capture_output=True, text=True, timeout=300, env=environment, cwd=SAMPLES,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+        cwd=SAMPLES,
+    )
     return f"exit {result.returncode}\n(seed {seed})\n{result.stdout}{result.stderr}"
 
 
