@@ -194,14 +194,15 @@ def _incomplete(
     """Why the roster of ``alias`` may not list every held lock now; its
     servers that started lately go into ``young`` (server: uptime, aliases),
     told in one sentence for every store (``_young_notice``)."""
-    if not backend.record_places():
+    kept = backend.records
+    if kept is None or not kept.record_places():
         return [
             f"Store {alias} keeps no liveness records (libmemcached picks each "
             "key's server itself), so its holders list no locks here; "
             "`manage.py tasklock status <lock id>` reads any one of them."
         ]
     try:
-        uptimes = backend.uptimes()
+        uptimes = {} if backend.uptime is None else backend.uptime.uptimes()
     except backend.errors as exc:
         return [
             f"Could not tell whether store {alias} restarted lately "

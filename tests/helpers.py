@@ -234,7 +234,8 @@ def record_beside(alias: str, lock_id: str, record: str) -> object:
     from django_tasklock.backends import backend_for
 
     backend = backend_for(alias)
-    return backend.read_record(backend.key_for(lock_id), record)
+    assert backend.records is not None, f"{alias} keeps no liveness records"
+    return backend.records.read_record(backend.key_for(lock_id), record)
 
 
 def counted_cache(settings, memcached, redis_server, kind: str):

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from ..keys import fence_id
 from ..values import FenceCounter
+from .capabilities import (
+    ONE_PLACE,
+    CacheItems,
+    Hold,
+    KeepsRecords,
+    KeepsRecordsBeside,
+    PlainItems,
+    RunsScripts,
+    TellsRestarts,
+    TellsUptimes,
+)
 
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache
@@ -17,13 +28,6 @@ __all__ = ["ONE_PLACE", "FenceCounter", "Hold", "LockBackend", "Peek", "Supporte
 
 #: How many lock ids' keys a backend remembers before it starts over.
 _KEYS_REMEMBERED = 4096
-
-#: The place of a store whose every lock is on one server (or one primary).
-ONE_PLACE: Final = "store"
-
-#: What a backend needs to prove ownership later: a CAS id on memcached, the
-#: stored token on Redis and LocMem. Opaque to everything but its backend.
-Hold = object
 
 
 class Peek(NamedTuple):
@@ -47,16 +51,14 @@ class LockBackend(abc.ABC):
     #: memcached only: "auto", "meta" or "classic" (TASKLOCK["MEMCACHED_PROTOCOL"]),
     #: fixed when the backend is built.
     protocol: str
-    #: Whether the store runs Lua scripts atomically (``script``, ``raw``):
-    #: then rate limits decide in the store, on its clock, in one round trip;
-    #: else by compare-and-swap on the client's clock.
-    runs_scripts: ClassVar[bool] = False
-    #: Whether a liveness record is kept beside each lock, in the lock's own
-    #: hash slot (a cluster, where slots move between primaries), rather than
-    #: once per server: it is then written with every lock taken for a token
-    #: that promises it, and renewed beside every lock still held
-    #: (``write_records_beside``).
-    records_beside_locks: ClassVar[bool] = False
+    #: What it can do beyond its locks (``capabilities``): the object that
+    #: does each, or None where it cannot; set by the store's ``__init__``.
+    records: KeepsRecords | None = None
+    records_beside: KeepsRecordsBeside | None = None
+    restarts: TellsRestarts | None = None
+    uptime: TellsUptimes | None = None
+    scripts: RunsScripts | None = None
+    items: PlainItems
     #: The module of the store's own client for event loops, whose
     #: ``build(backend)`` makes one for a loop (or None where this alias's
     #: settings rule it out); None: loops use this backend on executor threads.
@@ -72,6 +74,7 @@ class LockBackend(abc.ABC):
         self.looks: dict[str, float] = {}
         #: expire -> ``shortest_life(expire)``, remembered (asked per acquire).
         self.lives: dict[float, float] = {}
+        self.items = CacheItems(cache)
 
     @classmethod
     def refusal(cls, options: dict[str, Any]) -> str | None:
@@ -150,17 +153,6 @@ class LockBackend(abc.ABC):
         a dropped reply): nobody holds them, so the stored value is proof enough.
         """
 
-    def restarted_at(self, key: str) -> float | None:
-        """When the server holding ``key`` was last seen to start again after a
-        restart that emptied it (monotonic), if this backend can tell; None
-        otherwise. Reading it on a new connection learns the server's run."""
-        return None
-
-    def reassert(self, key: str, token: str, expire: float) -> Hold | None:
-        """Put back a lock a restart emptied, for its live holder: as
-        ``acquire``, but never refused by a restart's grace period."""
-        return self.acquire(key, token, expire)
-
     def lost_with_store(self, exc: BaseException) -> bool:
         """True if ``exc`` shows that the store lost what it held (a memcached
         that no longer runs keeps nothing)."""
@@ -206,83 +198,6 @@ class LockBackend(abc.ABC):
     @abc.abstractmethod
     def held_many(self, keys: list[str]) -> list[bool]:
         """For each key, whether anybody holds that lock; one round trip."""
-
-    # -- liveness records (locks.liveness) -----------------------------------------
-    # A holder's record is safety state: a contender judges the holder dead
-    # when it is missing. So it lives beside the lock it vouches for (on the
-    # server holding the lock's key, on the primary), and is read and written
-    # only through this backend's own connections, which raise on failure.
-    # Django's cache client may do neither (pymemcache's HashClient answers
-    # None for a server it marked failing, RedisCache reads from replicas).
-
-    def record_places(self) -> list[object]:
-        """Where a process keeps liveness records: one place per server a lock
-        can be on. Empty when records cannot be kept beside locks (tokens then
-        promise none, and locks last until they expire)."""
-        return [ONE_PLACE]
-
-    def record_place(self, key: str) -> object:
-        """The place of ``record_places()`` that holds the lock at ``key``."""
-        return ONE_PLACE
-
-    def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
-        """Store the liveness record ``record_id`` at ``place`` for ``ttl``
-        seconds; raises ``errors`` unless it was stored."""
-        self.cache.set(record_id, value, timeout=ttl)
-
-    def write_records_beside(
-        self, record_id: str, value: str, ttl: int, keys: list[str]
-    ) -> None:
-        """Where ``records_beside_locks``: store the liveness record
-        ``record_id`` beside each of the locks at ``keys`` for ``ttl`` seconds;
-        raises ``errors`` unless all were stored."""
-        raise NotImplementedError(f"{self.kind} keeps records once per server")
-
-    def read_record(self, key: str, record_id: str) -> object | None:
-        """The liveness record ``record_id`` kept beside the lock at ``key``;
-        None only when its server answered that it has none, and ``errors``
-        raised when it did not answer."""
-        found: object | None = self.cache.get(record_id)
-        return found
-
-    def delete_record(self, place: object, record_id: str) -> None:
-        """Remove the liveness record ``record_id`` at ``place``."""
-        self.cache.delete(record_id)
-
-    def uptimes(self) -> dict[str, float]:
-        """Seconds each server of the store has run since it last started, by
-        its name, for the servers that tell (none, for stores that cannot);
-        raises ``errors`` when a server does not answer."""
-        return {}
-
-    def script(self, text: str, keys: tuple[str, ...], *args: object) -> Any:
-        """Run the Lua script ``text`` atomically on the store (where
-        ``runs_scripts``)."""
-        raise NotImplementedError(f"{self.kind} runs no scripts")
-
-    def raw(self, key: str) -> bytes | None:
-        """The bytes a script stored at ``key`` (where ``runs_scripts``)."""
-        raise NotImplementedError(f"{self.kind} runs no scripts")
-
-    # -- plain items (the lock console's roster: no safety matter) -----------
-
-    def add(self, key: str, value: str, timeout: int) -> bool:
-        """``cache.add``: store the cache key ``key`` unless it exists."""
-        return bool(self.cache.add(key, value, timeout=timeout))
-
-    def write_many(self, items: dict[str, str], timeout: int) -> None:
-        """``cache.set_many``, for ``timeout`` seconds."""
-        self.cache.set_many(items, timeout=timeout)
-
-    def delete_many(self, keys: list[str]) -> None:
-        """``cache.delete_many``."""
-        self.cache.delete_many(keys)
-
-    def read_many(self, keys: list[str]) -> dict[str, Any]:
-        """The values of the cache keys ``keys`` (before Django makes them) that
-        are stored; one round trip per server. Raises ``errors`` when a server
-        does not answer (never reports its keys missing)."""
-        return self.cache.get_many(keys)
 
     @abc.abstractmethod
     def ttl(self, key: str) -> float | None:

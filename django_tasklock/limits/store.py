@@ -1,6 +1,6 @@
 """A rate limit's state in the lock store: one item per limit id.
 
-A store that runs scripts (Redis: ``LockBackend.runs_scripts``) runs each
+A store that runs scripts (Redis: ``LockBackend.scripts``) runs each
 kind's Lua script (one round trip, on the store's own clock). Every other store
 (memcached's meta and classic protocols, pylibmc, LocMem) reads the item and
 writes it back only if nobody changed it in between: ``peek``, then
@@ -88,9 +88,10 @@ def _script(lua: str, args: tuple[object, ...]) -> tuple[str, tuple[object, ...]
 def admit(backend: LockBackend, key: str, kind: Kind) -> Verdict:
     """One admission; raises ``backend.errors`` (and ValueError for a key that
     holds something else)."""
-    if backend.runs_scripts:
+    scripts = backend.scripts
+    if scripts is not None:
         lua, args = _script(kind.lua, kind.args())
-        return _scripted(backend.script(lua, (key,), *args))
+        return _scripted(scripts.script(lua, (key,), *args))
     for _ in range(MAX_ROUNDS):
         peek = backend.peek(key)
         verdict = kind.decide(None if peek is None else peek.value, now_ms())
@@ -110,7 +111,7 @@ def admit(backend: LockBackend, key: str, kind: Kind) -> Verdict:
 async def aadmit(store: AsyncBackend, key: str, kind: Kind) -> Verdict:
     """``admit``, awaited on the loop's async backend ``store``: the script, or
     the read and compare-and-swap rounds, are its round trips."""
-    if store.sync.runs_scripts:
+    if store.sync.scripts is not None:
         lua, args = _script(kind.lua, kind.args())
         return _scripted(await store.script(lua, (key,), *args))
     for _ in range(MAX_ROUNDS):
@@ -151,9 +152,10 @@ def _kept_changing(key: str) -> KeptChanging:
 def pause(backend: LockBackend, key: str, kind: Kind, seconds: float) -> float:
     """Stop admissions for ``seconds`` (a longer pause already set stays);
     the seconds until admissions resume."""
-    if backend.runs_scripts:
+    scripts = backend.scripts
+    if scripts is not None:
         lua, args = _script(_PAUSE, (round(seconds * 1000), kind.period, kind.tag))
-        left = backend.script(lua, (key,), *args)
+        left = scripts.script(lua, (key,), *args)
         return int(left) / 1000
     for _ in range(MAX_ROUNDS):
         peek = backend.peek(key)
@@ -170,11 +172,12 @@ def pause(backend: LockBackend, key: str, kind: Kind, seconds: float) -> float:
 
 def read(backend: LockBackend, key: str) -> tuple[object, int] | None:
     """The stored state and the clock to judge it by (ms); None if none."""
-    if backend.runs_scripts:
-        raw = backend.raw(key)
+    scripts = backend.scripts
+    if scripts is not None:
+        raw = scripts.raw(key)
         if raw is None:
             return None
-        seconds, micro = backend.script("return redis.call('time')", (key,))
+        seconds, micro = scripts.script("return redis.call('time')", (key,))
         return raw, int(seconds) * 1000 + int(micro) // 1000 + shift_ms
     peek = backend.peek(key)
     return None if peek is None else (peek.value, now_ms())
@@ -182,8 +185,9 @@ def read(backend: LockBackend, key: str) -> tuple[object, int] | None:
 
 def reset(backend: LockBackend, key: str) -> bool:
     """Forget the limit's state (its admissions and any pause); True if it had one."""
-    if backend.runs_scripts:
-        return bool(backend.script("return redis.call('del', KEYS[1])", (key,)))
+    scripts = backend.scripts
+    if scripts is not None:
+        return bool(scripts.script("return redis.call('del', KEYS[1])", (key,)))
     peek = backend.peek(key)
     if peek is None:
         return False

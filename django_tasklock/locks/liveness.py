@@ -47,6 +47,7 @@ from .roster import Entry, Roster
 
 if TYPE_CHECKING:
     from ..backends import LockBackend
+    from ..backends.capabilities import KeepsRecords
     from .acquisition import Acquisition
 
 __all__ = [
@@ -168,7 +169,7 @@ class Records:
         backend = backend_for(self.alias)
         for record in records:
             try:
-                backend.delete_record(record.place, self.id)
+                kept_by(backend).delete_record(record.place, self.id)
             except backend.errors:
                 logger.warning("Could not delete liveness record %r", self.id)
         try:
@@ -218,11 +219,12 @@ class Record:
             # renewed.
             self.lapsed_at = sent
         value = f"{time.time():.3f}"
-        if backend.records_beside_locks:  # a cluster: beside each lock held
+        beside = backend.records_beside
+        if beside is not None:  # a cluster: beside each lock held
             keys = [acq.key for acq in list(self.held.values())]
-            backend.write_records_beside(self.id, value, self.timeout, keys)
+            beside.write_records_beside(self.id, value, self.timeout, keys)
         else:
-            backend.write_record(self.place, self.id, value, self.timeout)
+            kept_by(backend).write_record(self.place, self.id, value, self.timeout)
         self.valid_until = sent + backend.shortest_life(self.timeout)
         self.due = sent + 3 * self.every
         self.beats += 1
@@ -338,6 +340,15 @@ class Record:
             thread.join(timeout=5)
 
 
+def kept_by(backend: LockBackend) -> KeepsRecords:
+    """Where ``backend``'s store keeps liveness records (a record is made only
+    for a store that keeps them)."""
+    kept = backend.records
+    if kept is None:
+        raise TypeError(f"{backend.describe('')} keeps no liveness records")
+    return kept
+
+
 _records: dict[str, Records] = {}
 _records_guard = threading.Lock()
 
@@ -357,7 +368,8 @@ def record_for(alias: str, bound: float, backend: LockBackend | None = None) -> 
                 # (The protocol as the settings say: this thread's backend
                 # serves its next lock too.)
                 backend = backend_for(alias)
-            places = backend.record_places()
+            kept = backend.records
+            places = [] if kept is None else kept.record_places()
             records = _records[alias] = Records(alias, bound, places)
     return records
 
@@ -382,9 +394,10 @@ def reassert(record: Record, backend: LockBackend) -> None:
     # Read every beat: a restarted server's dead connection fails here, and
     # the next beat's connection learns the server's new run.
     present = backend.held_many(keys)
-    if all(present):
+    told = backend.restarts
+    if all(present) or told is None:
         return
-    restarts = [backend.restarted_at(key) for key in keys]
+    restarts = [told.restarted_at(key) for key in keys]
     now = time.monotonic()
     for acq, key, restarted, here in zip(held, keys, restarts, present, strict=True):
         if here or restarted is None:
@@ -395,7 +408,7 @@ def reassert(record: Record, backend: LockBackend) -> None:
             left = acq.valid_until - now
             if acq.hold is None or left <= 0:
                 continue
-            hold = backend.reassert(key, acq.token, left)
+            hold = told.reassert(key, acq.token, left)
             if hold is None:
                 report_lost(acq, "put back after a restart")
                 continue
@@ -428,7 +441,7 @@ def record_beside(
     if record is None:
         if records.keeper is None:  # records cannot be kept beside locks here
             return None
-        record = records.beside(backend.record_place(key))
+        record = records.beside(kept_by(backend).record_place(key))
     return record
 
 

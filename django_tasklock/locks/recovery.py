@@ -69,8 +69,11 @@ def judge(value: object, backend: LockBackend, key: str) -> tuple[bool | None, s
     if not process.endswith(KEEPS_RECORD):
         return None, f"{why}, which keeps no liveness record"
     pid = process.partition("-")[0]
+    kept = backend.records
+    if kept is None:
+        return None, f"{why}, whose liveness record this store cannot keep"
     try:
-        seen = backend.read_record(key, holder_record_id(owner, process))
+        seen = kept.read_record(key, holder_record_id(owner, process))
     except backend.errors as exc:
         return None, (
             f"{why}, whose liveness record could not be read "

@@ -266,9 +266,9 @@ class Roster:
         items = {slot_key(self.slot): json.dumps(head, separators=(",", ":"))}
         for i, chunk in enumerate(chunks[1:], start=1):
             items[slot_key(self.slot, i)] = json.dumps(chunk, separators=(",", ":"))
-        backend.write_many(items, timeout)
+        backend.items.write_many(items, timeout)
         if self.chunks > len(chunks):
-            backend.delete_many(
+            backend.items.delete_many(
                 [slot_key(self.slot, i) for i in range(len(chunks), self.chunks)]
             )
         self.chunks = len(chunks)
@@ -278,7 +278,7 @@ class Roster:
         (or claimed and not yet written); raises ``backend.errors``."""
         assert self.slot is not None
         key = slot_key(self.slot)
-        head = _load(backend.read_many([key]).get(key))
+        head = _load(backend.items.read_many([key]).get(key))
         if not isinstance(head, dict):
             return False
         # ("{}": claimed by this process, whose first write failed.)
@@ -299,11 +299,11 @@ class Roster:
 
     def _claim(self, backend: LockBackend) -> int:
         """Take a free slot (``add``): the first free one this process sees."""
-        taken = backend.read_many([slot_key(slot) for slot in range(SLOTS)])
+        taken = backend.items.read_many([slot_key(slot) for slot in range(SLOTS)])
         for slot in range(SLOTS):
             if slot_key(slot) in taken:
                 continue
-            if backend.add(slot_key(slot), "{}", 60):
+            if backend.items.add(slot_key(slot), "{}", 60):
                 return slot
         if not self.full_warned:
             logger.warning(
@@ -319,7 +319,7 @@ class Roster:
         """Delete the slot, if it is still this process's (the process is on
         its way out); raises ``backend.errors``."""
         if self.slot is not None and self.slot >= 0 and self._still_ours(backend):
-            backend.delete_many(
+            backend.items.delete_many(
                 [slot_key(self.slot, i) for i in range(max(self.chunks, 1))]
             )
         self.slot, self.listed = None, {}
@@ -341,7 +341,7 @@ def read_roster(backend: LockBackend) -> Listing:
     """What every process lists in ``backend``'s store: two reads (one round
     trip per server each; the second only if an item spilled); raises
     ``backend.errors``."""
-    heads = backend.read_many([slot_key(slot) for slot in range(SLOTS)])
+    heads = backend.items.read_many([slot_key(slot) for slot in range(SLOTS)])
     spilled: list[str] = []
     parsed: list[tuple[int, dict[str, Any]]] = []
     for key, text in heads.items():
@@ -351,7 +351,7 @@ def read_roster(backend: LockBackend) -> Listing:
         slot = int(key.removeprefix(ROSTER_PREFIX))
         parsed.append((slot, head))
         spilled += [slot_key(slot, i) for i in range(1, int(head.get("chunks", 1)))]
-    more = backend.read_many(spilled) if spilled else {}
+    more = backend.items.read_many(spilled) if spilled else {}
     entries = []
     for slot, head in parsed:
         rows: list[Any] = list(head.get("entries", []))

@@ -102,8 +102,13 @@ class AsyncBackend(abc.ABC):
         )
 
     async def script(self, text: str, keys: tuple[str, ...], *args: object) -> Any:
-        """Run the Lua script ``text`` on the store (where it ``runs_scripts``)."""
-        return await self.in_thread(lambda backend: backend.script(text, keys, *args))
+        """Run the Lua script ``text`` on the store (where it has ``scripts``)."""
+
+        def run(backend: LockBackend) -> Any:
+            assert backend.scripts is not None, f"{backend.kind} runs no scripts"
+            return backend.scripts.script(text, keys, *args)
+
+        return await self.in_thread(run)
 
     async def in_thread(self, work: Callable[[LockBackend], _T]) -> _T:
         """``work(backend)`` on an executor thread, over that thread's own sync

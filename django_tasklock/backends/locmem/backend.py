@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ...foreign import locmem_deadline
 from ...keys import portable_id
 from ..base import FenceCounter, Hold, LockBackend, Peek
+from ..capabilities import CacheRecords
 
 if TYPE_CHECKING:
     from django.core.cache.backends.locmem import LocMemCache
@@ -33,6 +34,10 @@ class LocMemBackend(LockBackend):
     kind = "LocMem"
     errors = (ValueError,)
     cache: LocMemCache
+
+    def __init__(self, cache: LocMemCache, alias: str, protocol: str = "auto") -> None:
+        super().__init__(cache, alias, protocol)
+        self.records = CacheRecords(cache)
 
     def key_for(self, lock_id: str) -> str:
         # The cache API applies make_key itself; hash the ids memcached would

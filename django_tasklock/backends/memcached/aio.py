@@ -242,8 +242,8 @@ def _learn(alias: str, protocol: str, server: Any) -> bool:
     backend: MemcachedBackend = backend_for(alias, protocol=protocol)  # type: ignore[assignment]
     client = _client_at(backend, server)
     client.close()
-    backend.restarts.known(client)
-    if client.sock is None or backend.restarts.learnt.get(client) is not client.sock:
+    backend.server_runs.known(client)
+    if client.sock is None or backend.server_runs.learnt.get(client) is not client.sock:
         raise ConnectionRefusedError(
             f"could not read which run of memcached at {_server_name(server)} "
             "answers (it did not reply)"
@@ -333,7 +333,7 @@ class _Servers(PipelinedBackend):
             if take and _refused:
                 # (Checked after the connection: a new one has just learnt
                 # whether the server restarted.)
-                self.sync.restarts.refuse_if_restarted(server.client)
+                self.sync.server_runs.refuse_if_restarted(server.client)
             handler = None if late is None else functools.partial(late, conn)
             try:
                 reply = await conn.send(command, server.timeout, handler)

@@ -106,6 +106,7 @@ class MemcachedBackend(MemcachedReads):
         self, cache: PyMemcacheCache, alias: str, protocol: str = "auto"
     ) -> None:
         super().__init__(cache, alias, protocol)
+        self.records = self.restarts = self.uptime = self.items = self
         self.wire = Wire(protocol)
         # A client of our own, built as Django builds its one (same servers
         # and hashing: the same server for a key; own_options), which
@@ -118,9 +119,9 @@ class MemcachedBackend(MemcachedReads):
         hash_client = self._hash_client
         self._pick = memcached_server_picker(hash_client)
         self._only_client: Any = only_client(hash_client)
-        self.restarts = Restarts(hash_client, self.errors)
+        self.server_runs = Restarts(hash_client, self.errors)
         # Per server client, the connection whose server run was learnt.
-        self._learnt = self.restarts.learnt
+        self._learnt = self.server_runs.learnt
 
     def close(self) -> None:
         self._hash_client.close()
@@ -192,9 +193,9 @@ class MemcachedBackend(MemcachedReads):
             tries += 1
             # A new connection: learn which run of the server answers it
             # (and its clock, for the first send's expiry).
-            self.restarts.known(client)
+            self.server_runs.known(client)
             if _refused:
-                self.restarts.refuse_if_restarted(client)
+                self.server_runs.refuse_if_restarted(client)
             nonlocal ttl
             if ttl is None:
                 ttl = expiry_on(client.server, expire)
@@ -231,7 +232,7 @@ class MemcachedBackend(MemcachedReads):
 
     def restarted_at(self, key: str) -> float | None:
         client = self._client(key)
-        self.restarts.known(client)
+        self.server_runs.known(client)
         return _refused.get(client.server)
 
     def reassert(self, key: str, token: str, expire: float) -> Hold | None:

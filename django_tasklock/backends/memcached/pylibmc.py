@@ -24,7 +24,8 @@ from ...conf import settings as tasklock_settings
 from ...foreign import memcached_client_of
 from ...keys import memcached_key
 from ...values import unique_value
-from ..base import ONE_PLACE, FenceCounter, Hold, LockBackend, Peek
+from ..base import FenceCounter, Hold, LockBackend, Peek
+from ..capabilities import ONE_PLACE
 from . import meta
 from .fencing import _bad_counter
 from .wire import _PAST, _talk, exptime, sure_life
@@ -64,6 +65,11 @@ class PyLibMCBackend(LockBackend):
         import pylibmc
 
         super().__init__(cache, alias, protocol)
+        # libmemcached picks each key's server itself, so a liveness record
+        # can be kept beside every lock only where all keys share one server.
+        if len(cache.client_servers) == 1:
+            self.records = self
+        self.uptime = self
         self.errors = (pylibmc.Error, OSError, MemcacheError)
         self._not_found = pylibmc.NotFound
         self._client_error = pylibmc.ClientError
@@ -201,9 +207,10 @@ class PyLibMCBackend(LockBackend):
         return meta.ttl_of(reply)
 
     def record_places(self) -> list[object]:
-        # libmemcached picks each key's server itself, so a liveness record
-        # can be kept beside every lock only where all keys share one server.
-        return [ONE_PLACE] if len(self.cache.client_servers) == 1 else []
+        return [ONE_PLACE]
+
+    def record_place(self, key: str) -> object:
+        return ONE_PLACE
 
     def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
         if not self._mc.set(self.key_for(record_id).encode(), value, ttl):

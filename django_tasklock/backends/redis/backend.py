@@ -20,6 +20,7 @@ from django.conf import settings as django_settings
 from ...foreign import django_cache_client, redis_serializer
 from ...keys import encodable_key
 from ..base import FenceCounter, Hold, LockBackend, Peek
+from ..capabilities import ONE_PLACE
 from .scripts import (
     ACQUIRE,
     EXTEND,
@@ -54,8 +55,6 @@ def first_location(alias: str) -> str:
 class RedisBackend(LockBackend):
     """Locks on the primary of a RedisCache alias (reads go to it too)."""
 
-    runs_scripts = True
-
     kind = "Redis"
     async_client: ClassVar[str | None] = "django_tasklock.backends.redis.aio"
     cache: RedisCache
@@ -67,6 +66,7 @@ class RedisBackend(LockBackend):
 
     def __init__(self, cache: RedisCache, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
+        self.records = self.uptime = self.scripts = self.items = self
         exceptions = importlib.import_module(self.client_exceptions)
         self.errors = (getattr(exceptions, self.client_error), OSError)
         self._no_script = exceptions.NoScriptError
@@ -143,6 +143,12 @@ class RedisBackend(LockBackend):
 
     # Liveness records and listings: on the primary too, never a replica
     # (RedisCache reads from a random one of several LOCATIONs).
+
+    def record_places(self) -> list[object]:
+        return [ONE_PLACE]
+
+    def record_place(self, key: str) -> object:
+        return ONE_PLACE
 
     def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
         key = self.key_for(record_id)

@@ -177,7 +177,7 @@ class ValkeyClusterBackend(ClusterKeys):
     checks refuse).
 
     A holder's liveness record lives beside each of its locks, in the lock's
-    own hash slot (``records_beside_locks``): written in the script that takes
+    own hash slot (``records_beside``): written in the script that takes
     the lock, renewed beside every lock still held at each beat (one pipelined
     round trip per primary holding some), and moved and failed over with the
     lock, never apart from it. A contender reads it in that slot, on the
@@ -186,7 +186,6 @@ class ValkeyClusterBackend(ClusterKeys):
     """
 
     kind = "Valkey cluster"
-    records_beside_locks = True
     clients = (
         "django_valkey.cluster_cache.client.DefaultClusterClient",
         "django_valkey.cluster_cache.client.default.DefaultClusterClient",
@@ -227,6 +226,7 @@ class ValkeyClusterBackend(ClusterKeys):
 
     def __init__(self, cache: Any, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
+        self.records_beside = self.restarts = self
         problem = key_tag_problem(cache)
         if problem is not None and problem[1]:
             raise LockConfigurationError(

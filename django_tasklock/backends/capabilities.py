@@ -1,0 +1,183 @@
+"""What a lock store may do beyond its locks: each a small protocol that a store
+provides or not, found on its backend by capability (``backend.records``,
+``backend.scripts``, ...: the object that does it, or None), never by class.
+
+- ``KeepsRecords``: liveness records beside the locks they vouch for (crash
+  recovery tells a dead holder by its missing record);
+- ``KeepsRecordsBeside``: records written beside each lock held, in the lock's
+  own hash slot, rather than once per server (a cluster, where slots move);
+- ``TellsRestarts``: when a server last restarted empty, and putting back a
+  live holder's lock it lost (memcached, a cluster's primaries);
+- ``TellsUptimes``: how long each server has run (the lock console's notice
+  that a young server's roster may be incomplete);
+- ``RunsScripts``: Lua run atomically in the store (rate limits decide there,
+  on its clock);
+- ``PlainItems``: plain writes and reads (the lock console's roster: no safety
+  matter), which every store has (``CacheItems``, on Django's cache, unless
+  its own connections do better).
+
+A store's backend sets the ones it has in its ``__init__`` (most to itself).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+if TYPE_CHECKING:
+    from django.core.cache.backends.base import BaseCache
+
+__all__ = [
+    "ONE_PLACE",
+    "CacheItems",
+    "CacheRecords",
+    "Hold",
+    "KeepsRecords",
+    "KeepsRecordsBeside",
+    "PlainItems",
+    "RunsScripts",
+    "TellsRestarts",
+    "TellsUptimes",
+]
+
+#: The place of a store whose every lock is on one server (or one primary).
+ONE_PLACE: Final = "store"
+
+#: What a backend needs to prove ownership later: a CAS id on memcached, the
+#: stored token on Redis and LocMem. Opaque to everything but its backend.
+Hold = object
+
+
+class KeepsRecords(Protocol):
+    """Liveness records, safety state: a contender judges a holder dead when
+    its record is missing. So a record lives beside the lock it vouches for
+    (on the server holding the lock's key, on the primary), read and written
+    through connections that raise on failure, which Django's cache clients
+    may not (pymemcache's HashClient answers None for a server it marked
+    failing, RedisCache reads from replicas)."""
+
+    def record_places(self) -> list[object]:
+        """Where a process keeps its records: one place per server a lock can
+        be on."""
+
+    def record_place(self, key: str) -> object:
+        """The place of ``record_places()`` that holds the lock at ``key``."""
+
+    def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
+        """Store the record ``record_id`` at ``place`` for ``ttl`` seconds;
+        raises the backend's ``errors`` unless it was stored."""
+
+    def read_record(self, key: str, record_id: str) -> object | None:
+        """The record ``record_id`` kept beside the lock at ``key``; None only
+        when its server answered that it has none; raises the backend's
+        ``errors`` when it did not answer."""
+
+    def delete_record(self, place: object, record_id: str) -> None:
+        """Remove the record ``record_id`` at ``place``."""
+
+
+class KeepsRecordsBeside(Protocol):
+    """Records kept beside each lock, in its own hash slot: written with every
+    lock taken for a token that promises one, and renewed beside every lock
+    still held."""
+
+    def write_records_beside(
+        self, record_id: str, value: str, ttl: int, keys: list[str]
+    ) -> None:
+        """Store the record ``record_id`` beside each of the locks at ``keys``
+        for ``ttl`` seconds; raises the backend's ``errors`` unless all were
+        stored."""
+
+
+class TellsRestarts(Protocol):
+    """A store whose servers can restart empty and say so."""
+
+    def restarted_at(self, key: str) -> float | None:
+        """When the server holding ``key`` was last seen to start again after
+        a restart that emptied it (monotonic); None if it was not. Reading it
+        on a new connection learns the server's run."""
+
+    def reassert(self, key: str, token: str, expire: float) -> Hold | None:
+        """Put back a lock a restart emptied, for its live holder: as the
+        backend's ``acquire``, but never refused by a restart's grace."""
+
+
+class TellsUptimes(Protocol):
+    """A store whose servers tell how long they have run."""
+
+    def uptimes(self) -> dict[str, float]:
+        """Seconds each server has run since it last started, by its name, for
+        the servers that tell; raises the backend's ``errors`` when a server
+        does not answer."""
+
+
+class RunsScripts(Protocol):
+    """A store that runs Lua scripts atomically."""
+
+    def script(self, text: str, keys: tuple[str, ...], *args: object) -> Any:
+        """Run the Lua script ``text`` atomically on the store."""
+
+    def raw(self, key: str) -> bytes | None:
+        """The bytes a script stored at ``key``."""
+
+
+class PlainItems(Protocol):
+    """Plain cache items, as Django's cache API has them."""
+
+    def add(self, key: str, value: str, timeout: int) -> bool:
+        """``cache.add``: store the cache key ``key`` unless it exists."""
+
+    def write_many(self, items: dict[str, str], timeout: int) -> None:
+        """``cache.set_many``, for ``timeout`` seconds."""
+
+    def delete_many(self, keys: list[str]) -> None:
+        """``cache.delete_many``."""
+
+    def read_many(self, keys: list[str]) -> dict[str, Any]:
+        """The values of the cache keys ``keys`` (before Django makes them)
+        that are stored; one round trip per server. Raises the backend's
+        ``errors`` when a server does not answer (never reports its keys
+        missing)."""
+
+
+class CacheItems:
+    """``PlainItems`` on a Django cache object itself."""
+
+    def __init__(self, cache: BaseCache) -> None:
+        self.cache = cache
+
+    def add(self, key: str, value: str, timeout: int) -> bool:
+        return bool(self.cache.add(key, value, timeout=timeout))
+
+    def write_many(self, items: dict[str, str], timeout: int) -> None:
+        self.cache.set_many(items, timeout=timeout)
+
+    def delete_many(self, keys: list[str]) -> None:
+        self.cache.delete_many(keys)
+
+    def read_many(self, keys: list[str]) -> dict[str, Any]:
+        return self.cache.get_many(keys)
+
+
+class CacheRecords:
+    """``KeepsRecords`` on a Django cache object itself, in one place: only for
+    a cache whose client raises rather than answer for a server it cannot
+    reach (LocMem, in this process)."""
+
+    def __init__(self, cache: BaseCache) -> None:
+        self.cache = cache
+
+    def record_places(self) -> list[object]:
+        return [ONE_PLACE]
+
+    def record_place(self, key: str) -> object:
+        return ONE_PLACE
+
+    def write_record(self, place: object, record_id: str, value: str, ttl: int) -> None:
+        self.cache.set(record_id, value, timeout=ttl)
+
+    def read_record(self, key: str, record_id: str) -> object | None:
+        found: object | None = self.cache.get(record_id)
+        return found
+
+    def delete_record(self, place: object, record_id: str) -> None:
+        self.cache.delete(record_id)
