@@ -13,6 +13,7 @@ from django.core.cache import InvalidCacheBackendError, caches
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
+from ..conf import settings
 from ..exceptions import LockConfigurationError
 from .base import FenceCounter, Hold, LockBackend, Peek
 from .supported import UNSUPPORTED, recommended_paths, supported_for, supported_names
@@ -162,8 +163,6 @@ def backend_for(alias: str, *, protocol: str | None = None) -> LockBackend:
     another, the thread gets (or builds) its backend for that one.
     """
     if protocol is None:
-        from ..conf import settings
-
         protocol = settings.MEMCACHED_PROTOCOL
     memo: _ThreadBackends | None = getattr(_per_thread, "backends", None)
     if memo is None or memo.generation != _generation[0]:
@@ -228,10 +227,7 @@ def refuse_per_process(aliases: Iterable[str], where: str) -> None:
     do not run (a worker, a beat, a leadership): ``where`` says which, and what
     it would do. Allowed by ``TASKLOCK['ALLOW_PER_PROCESS']`` and in a test
     isolation."""
-    from django.conf import settings as django_settings
     from django.utils.module_loading import import_string
-
-    from ..conf import settings
 
     if settings.ALLOW_PER_PROCESS or per_process_tests[0]:
         return
@@ -258,9 +254,7 @@ def refuse_per_process(aliases: Iterable[str], where: str) -> None:
 
 def caches_implicit() -> bool:
     """True when the project never set CACHES: Django's per-process default."""
-    from django.conf import settings
-
-    overridden: bool = settings.is_overridden("CACHES")  # type: ignore[misc]
+    overridden: bool = django_settings.is_overridden("CACHES")  # type: ignore[misc]
     return not overridden
 
 

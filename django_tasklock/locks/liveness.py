@@ -40,6 +40,7 @@ from django.core.signals import setting_changed
 
 from ..backends import backend_for, close_thread_connections
 from ..conf import settings
+from ..exceptions import LockConfigurationError
 from ..keys import RECORD_PREFIX, record_id
 from ..tokens import this_process
 from .loss import report_lost
@@ -345,7 +346,9 @@ def kept_by(backend: LockBackend) -> KeepsRecords:
     for a store that keeps them)."""
     kept = backend.records
     if kept is None:
-        raise TypeError(f"{backend.describe('')} keeps no liveness records")
+        raise LockConfigurationError(
+            f"{backend.describe('')} keeps no liveness records"
+        )
     return kept
 
 
