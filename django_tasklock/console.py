@@ -194,8 +194,7 @@ def _incomplete(
     """Why the roster of ``alias`` may not list every held lock now; its
     servers that started lately go into ``young`` (server: uptime, aliases),
     told in one sentence for every store (``_young_notice``)."""
-    kept = backend.records
-    if kept is None or not kept.record_places():
+    if backend.records is None:
         return [
             f"Store {alias} keeps no liveness records (libmemcached picks each "
             "key's server itself), so its holders list no locks here; "
