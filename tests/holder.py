@@ -70,7 +70,8 @@ def main(argv: list[str]) -> None:
                 print(
                     f"record beats={record.beats} "
                     f"valid_for={record.valid_until - time.monotonic():.2f} "
-                    f"held={len(record.held)} lapsed_at={record.lapsed_at:.2f}",
+                    f"held={len(record.held)} lapsed_at={record.lapsed_at:.2f}"
+                    f"{beside_now(acq)}",
                     flush=True,
                 )
         elif command == "fence":
@@ -80,6 +81,21 @@ def main(argv: list[str]) -> None:
         elif command == "release":
             print(f"released {holder.release()}", flush=True)
             return
+
+
+def beside_now(acq: object) -> str:
+    """On a cluster, the record beside the lock as this process reads it now
+    (its key and time to live, ms), for a failure message; else nothing."""
+    backend = getattr(acq, "backend", None)
+    if getattr(backend, "records_beside", None) is None:
+        return ""
+    key = acq.key  # type: ignore[attr-defined]
+    record_key = backend._record_key(key)  # type: ignore[union-attr]
+    try:
+        pttl = backend._redis(record_key).pttl(record_key)  # type: ignore[union-attr]
+    except Exception as exc:  # a failure message's evidence, never a failure
+        pttl = f"{type(exc).__name__}: {exc}"
+    return f" beside={record_key} pttl={pttl}"
 
 
 if __name__ == "__main__":

@@ -387,6 +387,26 @@ class Sentinel(Server):
     def serving_pid(self) -> int | None:
         return redis_process_id(self.port)
 
+    def describe(self) -> str:
+        """What a failure message should show of this Sentinel: whether its
+        process runs, and what it says of ``mymaster`` (or why it said nothing)."""
+        running = self.process is not None and self.process.poll() is None
+        try:
+            flags = self.ask("SENTINEL", "master", "mymaster")
+        except Exception as exc:  # what a client met: the message says it
+            flags = f"no answer ({exc!r}: {exc})"
+        return f"process {'running' if running else 'gone'}, mymaster: {flags}"
+
+    def names_primary(self, port: int) -> bool:
+        """Whether the Sentinel names the server on ``port`` as the primary, up."""
+        import redis
+
+        with redis.Redis(port=self.port) as client:
+            state = client.sentinel_master("mymaster")
+        return int(state["port"]) == port and bool(state["is_master"]) and not (
+            state["is_sdown"] or state["is_odown"]
+        )
+
     def primary_port(self) -> int:
         host_port = self.ask("SENTINEL", "get-master-addr-by-name", "mymaster")
         return int(host_port[1])  # type: ignore[index]

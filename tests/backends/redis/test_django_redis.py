@@ -13,7 +13,7 @@ from django.core.cache import caches
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
-from django_tasklock import Lock, LockConfigurationError
+from django_tasklock import Lock, LockBackendError, LockConfigurationError
 from tests.helpers import close_connections, wait_until
 from tests.services import Redis, Sentinel
 
@@ -104,6 +104,8 @@ def sentinel():
     # for a second on a loaded machine must not be judged down meanwhile, which
     # left Sentinel naming no primary at all (MasterNotFoundError).
     watcher = Sentinel(primary=primary, down_after=10_000).start()
+    # (A client that asks before the Sentinel has met its primary finds none.)
+    wait_until(lambda: watcher.names_primary(primary.port), about=watcher.describe)
     yield watcher, primary, replica
     close_connections()
     watcher.stop()
@@ -118,7 +120,10 @@ def test_sentinel_locks_on_the_primary_and_follow_a_failover(settings, sentinel)
         wait_until(lambda: client.info("replication")["master_link_status"] == "up")
     use(settings, "sentinel", watcher.cache())
     lock = Lock("sentinel-lock")
-    assert lock.acquire()
+    try:
+        assert lock.acquire()
+    except LockBackendError as exc:  # what the Sentinel was doing then
+        raise AssertionError(f"{exc}; the Sentinel: {watcher.describe()}") from exc
     with redis.Redis(port=primary.port) as direct:
         assert direct.get(":1:sentinel-lock") is not None
     assert Lock("sentinel-lock").acquire() is False
