@@ -403,8 +403,10 @@ class Sentinel(Server):
 
         with redis.Redis(port=self.port) as client:
             state = client.sentinel_master("mymaster")
-        return int(state["port"]) == port and bool(state["is_master"]) and not (
-            state["is_sdown"] or state["is_odown"]
+        return (
+            int(state["port"]) == port
+            and bool(state["is_master"])
+            and not (state["is_sdown"] or state["is_odown"])
         )
 
     def primary_port(self) -> int:
