@@ -141,7 +141,9 @@ class Lock(StoreReads, Holding, AsyncLocking):
         call_id: str | None = None,
         take_over: str | None = None,
     ) -> None:
-        # check_lock_id()'s tests, inlined for the common id (a call each).
+        # check_lock_id()'s tests, inlined for the common id: called, a Lock
+        # cycle took 0.6 % more instructions and an @single_instance call
+        # 0.4 % (make bench-cpu), past that row's 2 % budget.
         if type(lock_id) is str and lock_id and not lock_id.startswith(FENCE_PREFIX):
             self.lock_id = lock_id
         else:

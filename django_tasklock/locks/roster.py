@@ -145,9 +145,7 @@ def note_run(lock: Any, run: Any) -> None:
     its own): one tuple, one dict store."""
     acq = getattr(lock, "_acq", None)
     if acq is not None and acq.record is not None:
-        # run_about(run), inlined: this runs for every locked call.
-        args = run.args[1:] if run.bound and run.args else run.args
-        acq.record.roster.runs[id(lock)] = (acq.token, (run.name, args, run.kwargs))
+        acq.record.roster.runs[id(lock)] = (acq.token, run_about(run))
 
 
 def entry_of(acq: Any, wall_offset: float, runs: dict[int, Any]) -> Entry:

@@ -249,17 +249,10 @@ class ValkeyClusterBackend(ClusterKeys):
     # -- taking a lock: with the record beside it, refused after a failover --
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        # _take, inlined: the hot path.
-        value = self._encode(token)
-        arguments = (value, math.ceil(expire * 1000))
-        try:
-            taken = self._run(ACQUIRE, key, token, arguments)
-        except self._dropped:
-            taken = self._run(ACQUIRE, key, token, arguments)
-        if not taken:
-            return None
-        self._keep_unless_promoted(key, token)
-        return value
+        hold = self._take(ACQUIRE, key, None, token, expire)
+        if hold is not None:
+            self._keep_unless_promoted(key, token)
+        return hold
 
     def reassert(self, key: str, token: str, expire: float) -> Hold | None:
         # A lock the failover lost, put back by its live holder: never refused.

@@ -69,7 +69,10 @@ def current_task(wrapper: Callable[..., Any]) -> Any:
     state = sys.modules.get(CELERY_STATE)
     if state is None:
         return None
-    if _stack:  # _tasks_here(), its answer once the stack is known, inlined
+    # _tasks_here()'s answer once the stack is known, inlined: called, an
+    # @single_instance call took 0.4 % more instructions (make bench-cpu),
+    # past that row's 2 % budget.
+    if _stack:
         if _stack[1]() not in _stack[0]:
             return None
     elif not _tasks_here(state):
