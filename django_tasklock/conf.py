@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from django.conf import settings as django_settings
 
@@ -317,27 +317,6 @@ def _check_known_keys(raw: dict[Any, Any]) -> None:
                 raise LockConfigurationError(unknown_key_message(key))
 
 
-T = TypeVar("T")
-
-
-class Key(Generic[T]):
-    """A key of TASKLOCK as an attribute of ``Settings``: read and validated
-    on every access (``Settings._get``)."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    @overload
-    def __get__(self, settings: None, owner: type) -> Key[T]: ...
-    @overload
-    def __get__(self, settings: Settings, owner: type) -> T: ...
-    def __get__(self, settings: Settings | None, owner: type) -> Key[T] | T:
-        if settings is None:  # on the class: for the docs
-            return self
-        value: T = settings._get(self.key)
-        return value
-
-
 class Settings:
     """Typed view of ``settings.TASKLOCK``; every attribute is read anew."""
 
@@ -430,27 +409,48 @@ class Settings:
         )
         return result
 
-    #: Default expiry of a lock in seconds.
-    LOCK_EXPIRE: Key[float] = Key("LOCK_EXPIRE")
+    @property
+    def LOCK_EXPIRE(self) -> float:
+        """Default expiry of a lock in seconds."""
+        value: float = self._get("LOCK_EXPIRE")
+        return value
 
-    #: Alias of the CACHES entry that holds the locks.
-    CACHE: Key[str] = Key("CACHE")
+    @property
+    def CACHE(self) -> str:
+        """Alias of the CACHES entry that holds the locks."""
+        value: str = self._get("CACHE")
+        return value
 
-    #: What ``@single_instance`` does when the lock is held.
-    ON_CONTENTION: Key[Contention] = Key("ON_CONTENTION")
+    @property
+    def ON_CONTENTION(self) -> Contention:
+        """What ``@single_instance`` does when the lock is held."""
+        value: Contention = self._get("ON_CONTENTION")
+        return value
 
-    #: How long ``on_contention="wait"`` waits for the lock, in seconds.
-    WAIT_TIMEOUT: Key[float] = Key("WAIT_TIMEOUT")
+    @property
+    def WAIT_TIMEOUT(self) -> float:
+        """How long ``on_contention="wait"`` waits for the lock, in seconds."""
+        value: float = self._get("WAIT_TIMEOUT")
+        return value
 
-    #: Seconds before ``on_contention="retry"`` runs the task again.
-    RETRY_COUNTDOWN: Key[float] = Key("RETRY_COUNTDOWN")
+    @property
+    def RETRY_COUNTDOWN(self) -> float:
+        """Seconds before ``on_contention="retry"`` runs the task again."""
+        value: float = self._get("RETRY_COUNTDOWN")
+        return value
 
-    #: Whether a worker, beat or leadership may lock in a store each process
-    #: has its own of (LocMemCache): for single-process tests.
-    ALLOW_PER_PROCESS: Key[bool] = Key("ALLOW_PER_PROCESS")
+    @property
+    def ALLOW_PER_PROCESS(self) -> bool:
+        """Whether a worker, beat or leadership may lock in a store each
+        process has its own of (LocMemCache): for single-process tests."""
+        value: bool = self._get("ALLOW_PER_PROCESS")
+        return value
 
-    #: Whether locks renew themselves while held, unless told otherwise.
-    RENEW: Key[bool] = Key("RENEW")
+    @property
+    def RENEW(self) -> bool:
+        """Whether locks renew themselves while held, unless told otherwise."""
+        value: bool = self._get("RENEW")
+        return value
 
     @property
     def RESTART_GRACE(self) -> float:
@@ -464,12 +464,15 @@ class Settings:
             return value
         return self.LOCK_EXPIRE if self.LIVENESS is None else self.LIVENESS
 
-    #: Seconds any socket of this package's own may wait on a memcached server
-    #: (to connect, or for a reply), whatever the alias's OPTIONS say (a
-    #: shorter ``timeout`` there is kept): a stalled server then delays only
-    #: what it holds, and a read of it that times out tells nothing, so new
-    #: locks there are refused.
-    SOCKET_TIMEOUT: Key[float] = Key("SOCKET_TIMEOUT")
+    @property
+    def SOCKET_TIMEOUT(self) -> float:
+        """Seconds any socket of this package's own may wait on a memcached
+        server (to connect, or for a reply), whatever the alias's OPTIONS
+        say (a shorter ``timeout`` there is kept): a stalled server then
+        delays only what it holds, and a read of it that times out tells
+        nothing, so new locks there are refused."""
+        value: float = self._get("SOCKET_TIMEOUT")
+        return value
 
     @property
     def FAILOVER_GRACE(self) -> float:
@@ -480,28 +483,45 @@ class Settings:
         run until its expiry)."""
         return self.RESTART_GRACE
 
-    #: Seconds a pending call's lock lasts beyond its countdown or ETA.
-    QUEUE_EXPIRE: Key[float] = Key("QUEUE_EXPIRE")
+    @property
+    def QUEUE_EXPIRE(self) -> float:
+        """Seconds a pending call's lock lasts beyond its countdown or ETA."""
+        value: float = self._get("QUEUE_EXPIRE")
+        return value
 
-    #: Seconds a holder may show no sign of life before contenders on other
-    #: hosts take its locks; None: no liveness records (its locks then last
-    #: until they expire).
-    LIVENESS: Key[float | None] = Key("LIVENESS")
+    @property
+    def LIVENESS(self) -> float | None:
+        """Seconds a holder may show no sign of life before contenders on other
+        hosts take its locks; None: no liveness records (its locks then last
+        until they expire)."""
+        value: float | None = self._get("LIVENESS")
+        return value
 
-    #: ``auto`` (meta commands; gets/cas where missing), ``meta`` or
-    #: ``classic``.
-    MEMCACHED_PROTOCOL: Key[Protocol] = Key("MEMCACHED_PROTOCOL")
+    @property
+    def MEMCACHED_PROTOCOL(self) -> Protocol:
+        """``auto`` (meta commands; gets/cas where missing), ``meta`` or ``classic``."""
+        value: Protocol = self._get("MEMCACHED_PROTOCOL")
+        return value
 
-    #: The kind of a rate limit that names none: ``window`` or ``smooth``.
-    RATE_KIND: Key[str] = Key("RATE_KIND")
+    @property
+    def RATE_KIND(self) -> str:
+        """The kind of a rate limit that names none: ``window`` or ``smooth``."""
+        value: str = self._get("RATE_KIND")
+        return value
 
-    #: What a task call over its rate limit does: ``retry`` (at the time the
-    #: refusal names), ``raise``, ``wait`` or ``skip``.
-    ON_LIMIT: Key[str] = Key("ON_LIMIT")
+    @property
+    def ON_LIMIT(self) -> str:
+        """What a task call over its rate limit does: ``retry`` (at the time the
+        refusal names), ``raise``, ``wait`` or ``skip``."""
+        value: str = self._get("ON_LIMIT")
+        return value
 
-    #: ``"prometheus"`` to export metrics from the lock signals (read when the
-    #: app is ready), or None.
-    METRICS: Key[str | None] = Key("METRICS")
+    @property
+    def METRICS(self) -> str | None:
+        """``"prometheus"`` to export metrics from the lock signals (read when
+        the app is ready), or None."""
+        value: str | None = self._get("METRICS")
+        return value
 
     def beat_missed(self, entry: str) -> str:
         """``"send"`` or ``"skip"``: what a leader beat does with a run of the

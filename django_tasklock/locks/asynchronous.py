@@ -37,7 +37,6 @@ from .liveness import record_beside
 from .loss import report_lost, take_failed
 from .recovery import LOOK_EVERY, take_from_dead
 from .taking import (
-    Taker,
     after_refusal,
     hold_taken,
     release_error,
@@ -49,8 +48,11 @@ from .waiting import POLL_MIN
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from django.dispatch import Signal
+
     from ..backends import Hold, LockBackend
     from ..backends.aio.base import AsyncBackend, Cancel
+    from .heartbeat import Heartbeat as HeartbeatType
     from .liveness import Record
 
 __all__ = ["AsyncLocking"]
@@ -59,27 +61,40 @@ __all__ = ["AsyncLocking"]
 logger = logging.getLogger("django_tasklock.locks.lock")
 
 
-# What ``taking`` reads of a lock, declared once there (Lock's own).
-if TYPE_CHECKING:
-    _Declared = Taker
-else:
-    _Declared = object
-
-
-class AsyncLocking(_Declared):
+class AsyncLocking:
     """The async methods of ``Lock`` (see there for what each promises)."""
 
+    lock_id: str
     owner: str
+    max_hold: float | None
     on_lost: Any
+    _acq: Acquisition | None
+    _expire: float | None
+    _cache: str | None
+    _renew_option: bool | None
     _take_over: str | None
     _guard: Any
+    _heartbeat: HeartbeatType | None
     #: The loop's backend that took the held lock (its release reuses it).
     _store: AsyncBackend | None = None
 
     if TYPE_CHECKING:  # Lock's own
 
         @property
+        def held(self) -> bool: ...
+
+        @property
         def lost(self) -> bool: ...
+
+        def _send(self, signal: Signal, owner: object, **details: object) -> None: ...
+
+        def _send_contended(
+            self, backend: LockBackend, key: str, waited: float
+        ) -> None: ...
+
+        def _store_error(
+            self, backend: LockBackend, key: str, doing: str, exc: BaseException
+        ) -> LockBackendError: ...
 
         def _stop_heartbeat(self) -> None: ...
 
