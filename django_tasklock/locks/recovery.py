@@ -110,6 +110,7 @@ def take_from_dead(
         return backend.acquire(key, token, expire)
     alive, why = judge(peek.value, backend, key)
     if alive is not False:
+        logger.debug("Left lock %r to its holder: %s", lock_id, why)
         return None
     hold = backend.replace(key, peek.hold, peek.value, token, expire)
     if hold is not None:

@@ -143,7 +143,7 @@ def test_a_holder_keeping_no_record_is_never_judged_from_another_host(
 
 @pytest.mark.slow
 def test_a_paused_holder_keeps_its_lock_for_half_the_bound(
-    store, holders, settings, request
+    store, holders, settings, request, caplog
 ):
     """The bound: LIVENESS less one renewal period and less the time the store
     may drop a record early (two seconds on memcached), here 6 s; a holder
@@ -162,8 +162,12 @@ def test_a_paused_holder_keeps_its_lock_for_half_the_bound(
             store.alias, lock_id, host="tasklock-paused", liveness=liveness
         )
         stop_and_wait(holder.process.pid)
-        try:
-            taken = taken_within(Lock(lock_id), bound / 2)
+        caplog.clear()
+        try:  # (each look at the holder is logged: the failure message shows them)
+            with caplog.at_level(
+                logging.DEBUG, logger="django_tasklock.locks.recovery"
+            ):
+                taken = taken_within(Lock(lock_id), bound / 2)
         finally:
             os.kill(holder.process.pid, signal.SIGCONT)
         believed = holder.ask("check")
@@ -173,7 +177,8 @@ def test_a_paused_holder_keeps_its_lock_for_half_the_bound(
             return
         assert believed.startswith("check False"), (
             f"a paused holder robbed {taken:.2f}s into a pause of {bound / 2:.2f}s "
-            f"(it {holder.ask('record')}){evidence(store, request)}"
+            f"(it {holder.ask('record')}); the looks at it:\n{caplog.text}"
+            f"{evidence(store, request)}"
         )
     raise AssertionError("the holder starved before each of three pauses")
 
