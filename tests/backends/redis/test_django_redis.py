@@ -113,17 +113,27 @@ def sentinel():
     primary.stop()
 
 
+def _warmed(lock: Lock) -> bool:
+    """Take and release ``lock``; False while the store cannot be reached."""
+    try:
+        return lock.acquire() and lock.release()
+    except LockBackendError:
+        return False
+
+
 @pytest.mark.slow
 def test_sentinel_locks_on_the_primary_and_follow_a_failover(settings, sentinel):
     watcher, primary, replica = sentinel
     with redis.Redis(port=replica.port) as client:
         wait_until(lambda: client.info("replication")["master_link_status"] == "up")
     use(settings, "sentinel", watcher.cache())
+    # Set-up, not the measure: a new Sentinel, answering a client without
+    # timeouts, still failed the first connections of ours (2 s timeouts) in
+    # two loaded full runs (ConnectionError, so MasterNotFoundError). Locks
+    # are refused then, as they must be; the test begins once one is taken.
+    wait_until(lambda: _warmed(Lock("sentinel-warm")), about=watcher.describe)
     lock = Lock("sentinel-lock")
-    try:
-        assert lock.acquire()
-    except LockBackendError as exc:  # what the Sentinel was doing then
-        raise AssertionError(f"{exc}; the Sentinel: {watcher.describe()}") from exc
+    assert lock.acquire()
     with redis.Redis(port=primary.port) as direct:
         assert direct.get(":1:sentinel-lock") is not None
     assert Lock("sentinel-lock").acquire() is False
