@@ -397,18 +397,6 @@ class Sentinel(Server):
             flags = f"no answer ({exc!r}: {exc})"
         return f"process {'running' if running else 'gone'}, mymaster: {flags}"
 
-    def names_primary(self, port: int) -> bool:
-        """Whether the Sentinel names the server on ``port`` as the primary, up."""
-        import redis
-
-        with redis.Redis(port=self.port) as client:
-            state = client.sentinel_master("mymaster")
-        return (
-            int(state["port"]) == port
-            and bool(state["is_master"])
-            and not (state["is_sdown"] or state["is_odown"])
-        )
-
     def primary_port(self) -> int:
         host_port = self.ask("SENTINEL", "get-master-addr-by-name", "mymaster")
         return int(host_port[1])  # type: ignore[index]
