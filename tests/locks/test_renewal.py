@@ -459,6 +459,9 @@ def test_store_paused_past_the_locks_life_is_a_loss_by_the_clock(
     # The lock's life is counted from before its acquire was sent (a slow
     # reply shortens it, never lengthens it): never told before that.
     assert time.monotonic() - before >= life
+    # Lost for every thread from the instant it is judged so; the thread that
+    # judged it (the heartbeat, or this one) then logs and sends lock_lost.
+    wait_for(lambda: lost_events, timeout=10)
     (event,) = lost_events
     assert event["during"] in ("check", "renew"), event
     assert "sure to keep the lock" in str(event["reason"]), event
