@@ -207,6 +207,8 @@ class Record:
         #: The locks taken with this record, by id: put back after a restart
         #: (``reassert``); those no longer held are dropped at the next beat.
         self.held: dict[int, Acquisition] = {}
+        #: Those whose put back met another take at the last beat.
+        self.met: set[int] = set()
         self.roster = records.roster
 
     def write(self, backend: LockBackend) -> None:
@@ -383,12 +385,16 @@ def reassert(record: Record, backend: LockBackend) -> None:
     that a contender after the restart's grace period (``RESTART_GRACE``) finds
     them held. A lock gone for any other reason (expired, force-released,
     taken) is left alone: its holder learns of it at its next renewal or
-    release. One read of the held keys per beat (per server holding them);
+    release. A put back that meets another take is tried again at the next
+    beat (a cluster contender's take within the grace is given back once it
+    reads the promotion); another take still there then stands, and the lock
+    is reported lost. One read of the held keys per beat (per server holding them);
     raises ``backend.errors``."""
     held, keys = [], []
     for ident, acq in list(record.held.items()):
         if acq.hold is None or acq.lost:
             record.held.pop(ident, None)
+            record.met.discard(id(acq))
         else:
             held.append(acq)
             keys.append(acq.key)
@@ -398,11 +404,17 @@ def reassert(record: Record, backend: LockBackend) -> None:
     # the next beat's connection learns the server's new run.
     present = backend.held_many(keys)
     told = backend.restarts
-    if all(present) or told is None:
+    if told is None or (all(present) and not record.met):
         return
     restarts = [told.restarted_at(key) for key in keys]
     now = time.monotonic()
     for acq, key, restarted, here in zip(held, keys, restarts, present, strict=True):
+        if id(acq) in record.met and (here or restarted is None):
+            # Another take still there a beat later (or the grace over): one
+            # that stands, so the lock is lost.
+            record.met.discard(id(acq))
+            report_lost(acq, "put back after a restart")
+            continue
         if here or restarted is None:
             continue
         if restarted < acq.acquired_at - _RUN_SLACK:
@@ -413,9 +425,21 @@ def reassert(record: Record, backend: LockBackend) -> None:
                 continue
             hold = told.reassert(key, acq.token, left)
             if hold is None:
-                report_lost(acq, "put back after a restart")
+                if id(acq) not in record.met:
+                    # Another take there may stand for nobody: a cluster
+                    # contender's, given back once it reads the promotion
+                    # (its take comes first, so that no promotion slips in
+                    # between). Tried once more, at the next beat.
+                    record.met.add(id(acq))
+                    logger.debug(
+                        "Lock %r is not put back yet: another take is there",
+                        acq.lock_id,
+                    )
+                else:
+                    report_lost(acq, "put back after a restart")
                 continue
             acq.hold = hold
+            record.met.discard(id(acq))
         logger.info(
             "Put lock %r back on its restarted memcached server (%.0fs left)",
             acq.lock_id,
