@@ -38,8 +38,11 @@ def test_rate_limit_quick_run_counts_no_violation_and_no_lost_call():
         ("smooth", "60", "0"),
     ], out
     # A backlog is sent again once per call, for its own turn (the storm
-    # allows no fewer than 1 + 40/60 here), not once per refusal.
-    assert all(float(call[3]) <= 2.0 for call in calls), out
+    # allows no fewer than 1 + 40/60 here), not once per refusal: all sent
+    # again for the same moment cost about 1 + 60/(2 x 20) = 2.5 a call.
+    # Measured: 1.68 and 1.92 alone on the machine, smooth 2.08 beside two
+    # CPU hogs (its turns' retries start late).
+    assert all(float(call[3]) <= 2.3 for call in calls), out
     long = re.findall(
         r"^\s+(window|smooth), (memcached|Redis)\s+100/30d\s+([\d,]+)\s+(\d+)\s",
         out,
