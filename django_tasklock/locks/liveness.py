@@ -208,7 +208,7 @@ class Record:
         #: (``reassert``); those no longer held are dropped at the next beat.
         self.held: dict[int, Acquisition] = {}
         #: Those whose put back met another take at the last beat.
-        self.met: set[int] = set()
+        self.met: dict[int, Acquisition] = {}
         self.roster = records.roster
 
     def write(self, backend: LockBackend) -> None:
@@ -391,10 +391,12 @@ def reassert(record: Record, backend: LockBackend) -> None:
     is reported lost. One read of the held keys per beat (per server holding them);
     raises ``backend.errors``."""
     held, keys = [], []
+    if record.met:  # (not those released since)
+        record.met = {i: a for i, a in record.met.items() if a.hold is not None}
     for ident, acq in list(record.held.items()):
         if acq.hold is None or acq.lost:
             record.held.pop(ident, None)
-            record.met.discard(id(acq))
+            record.met.pop(id(acq), None)
         else:
             held.append(acq)
             keys.append(acq.key)
@@ -409,10 +411,10 @@ def reassert(record: Record, backend: LockBackend) -> None:
     restarts = [told.restarted_at(key) for key in keys]
     now = time.monotonic()
     for acq, key, restarted, here in zip(held, keys, restarts, present, strict=True):
-        if id(acq) in record.met and (here or restarted is None):
+        if record.met.get(id(acq)) is acq and (here or restarted is None):
             # Another take still there a beat later (or the grace over): one
             # that stands, so the lock is lost.
-            record.met.discard(id(acq))
+            del record.met[id(acq)]
             report_lost(acq, "put back after a restart")
             continue
         if here or restarted is None:
@@ -425,12 +427,12 @@ def reassert(record: Record, backend: LockBackend) -> None:
                 continue
             hold = told.reassert(key, acq.token, left)
             if hold is None:
-                if id(acq) not in record.met:
+                if record.met.get(id(acq)) is not acq:
                     # Another take there may stand for nobody: a cluster
                     # contender's, given back once it reads the promotion
                     # (its take comes first, so that no promotion slips in
                     # between). Tried once more, at the next beat.
-                    record.met.add(id(acq))
+                    record.met[id(acq)] = acq
                     logger.debug(
                         "Lock %r is not put back yet: another take is there",
                         acq.lock_id,
@@ -439,7 +441,7 @@ def reassert(record: Record, backend: LockBackend) -> None:
                     report_lost(acq, "put back after a restart")
                 continue
             acq.hold = hold
-            record.met.discard(id(acq))
+            record.met.pop(id(acq), None)
         logger.info(
             "Put lock %r back on its restarted memcached server (%.0fs left)",
             acq.lock_id,
