@@ -427,18 +427,7 @@ def reassert(record: Record, backend: LockBackend) -> None:
                 continue
             hold = told.reassert(key, acq.token, left)
             if hold is None:
-                if record.met.get(id(acq)) is not acq:
-                    # Another take there may stand for nobody: a cluster
-                    # contender's, given back once it reads the promotion
-                    # (its take comes first, so that no promotion slips in
-                    # between). Tried once more, at the next beat.
-                    record.met[id(acq)] = acq
-                    logger.debug(
-                        "Lock %r is not put back yet: another take is there",
-                        acq.lock_id,
-                    )
-                else:
-                    report_lost(acq, "put back after a restart")
+                _met_another(record, acq)
                 continue
             acq.hold = hold
             record.met.pop(id(acq), None)
@@ -447,6 +436,19 @@ def reassert(record: Record, backend: LockBackend) -> None:
             acq.lock_id,
             left,
         )
+
+
+def _met_another(record: Record, acq: Acquisition) -> None:
+    """The put back of ``acq`` found another take there. It may stand for
+    nobody: a cluster contender's, given back once it reads the promotion
+    (its take comes first, so that no promotion slips in between); so it is
+    tried once more, at the next beat, and lost if met again."""
+    if record.met.get(id(acq)) is acq:
+        del record.met[id(acq)]
+        report_lost(acq, "put back after a restart")
+        return
+    record.met[id(acq)] = acq
+    logger.debug("Lock %r is not put back yet: another take is there", acq.lock_id)
 
 
 #: How far the start of a server's run, as this process estimates it, may be
