@@ -208,7 +208,7 @@ class Record:
         #: (``reassert``); those no longer held are dropped at the next beat.
         self.held: dict[int, Acquisition] = {}
         #: Those whose put back met another take at the last beat.
-        self.met: dict[int, Acquisition] = {}
+        self.met: set[Acquisition] = set()
         self.roster = records.roster
 
     def write(self, backend: LockBackend) -> None:
@@ -391,12 +391,11 @@ def reassert(record: Record, backend: LockBackend) -> None:
     is reported lost. One read of the held keys per beat (per server holding them);
     raises ``backend.errors``."""
     held, keys = [], []
-    if record.met:  # (not those released since)
-        record.met = {i: a for i, a in record.met.items() if a.hold is not None}
+    if record.met:  # (not those released or lost since)
+        record.met = {a for a in record.met if a.hold is not None and not a.lost}
     for ident, acq in list(record.held.items()):
         if acq.hold is None or acq.lost:
             record.held.pop(ident, None)
-            record.met.pop(id(acq), None)
         else:
             held.append(acq)
             keys.append(acq.key)
@@ -411,11 +410,9 @@ def reassert(record: Record, backend: LockBackend) -> None:
     restarts = [told.restarted_at(key) for key in keys]
     now = time.monotonic()
     for acq, key, restarted, here in zip(held, keys, restarts, present, strict=True):
-        if record.met.get(id(acq)) is acq and (here or restarted is None):
-            # Another take still there a beat later (or the grace over): one
-            # that stands, so the lock is lost.
-            del record.met[id(acq)]
-            report_lost(acq, "put back after a restart")
+        if acq in record.met and (here or restarted is None):
+            # Another take still there a beat later (or the grace over).
+            _met_another(record, acq)
             continue
         if here or restarted is None:
             continue
@@ -430,7 +427,7 @@ def reassert(record: Record, backend: LockBackend) -> None:
                 _met_another(record, acq)
                 continue
             acq.hold = hold
-            record.met.pop(id(acq), None)
+            record.met.discard(acq)
         logger.info(
             "Put lock %r back on its restarted memcached server (%.0fs left)",
             acq.lock_id,
@@ -443,11 +440,11 @@ def _met_another(record: Record, acq: Acquisition) -> None:
     nobody: a cluster contender's, given back once it reads the promotion
     (its take comes first, so that no promotion slips in between); so it is
     tried once more, at the next beat, and lost if met again."""
-    if record.met.get(id(acq)) is acq:
-        del record.met[id(acq)]
+    if acq in record.met:  # a take that stands
+        record.met.discard(acq)
         report_lost(acq, "put back after a restart")
         return
-    record.met[id(acq)] = acq
+    record.met.add(acq)
     logger.debug("Lock %r is not put back yet: another take is there", acq.lock_id)
 
 
