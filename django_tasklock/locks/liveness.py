@@ -215,12 +215,7 @@ class Record:
         """Write the record now (one round trip, on its server); raises
         ``backend.errors``."""
         sent = time.monotonic()
-        if 0.0 < self.valid_until <= sent:
-            # The record may have lapsed meanwhile (the process was paused, or
-            # the server away): locks taken before now may have been taken
-            # from this process, and stay reported lost even once it is
-            # renewed.
-            self.lapsed_at = sent
+        before = self.valid_until
         value = f"{time.time():.3f}"
         beside = backend.records_beside
         if beside is not None:  # a cluster: beside each lock held
@@ -228,6 +223,14 @@ class Record:
             beside.write_records_beside(self.id, value, self.timeout, keys)
         else:
             kept_by(backend).write_record(self.place, self.id, value, self.timeout)
+        done = time.monotonic()
+        if 0.0 < before <= done:
+            # The record may have lapsed before this write reached its server
+            # (the process was paused, the server away, or the write slow: a
+            # client's own retries, a thread starved after ``sent``): locks
+            # taken before now may have been taken from this process, and
+            # stay reported lost though the record is back.
+            self.lapsed_at = done
         self.valid_until = sent + backend.shortest_life(self.timeout)
         self.due = sent + 3 * self.every
         self.beats += 1

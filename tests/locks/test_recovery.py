@@ -17,6 +17,7 @@ from django.core.cache import caches
 
 from django_tasklock import Lock, Semaphore
 from django_tasklock.backends import backend_for
+from django_tasklock.locks import liveness
 from django_tasklock.locks.liveness import record_id
 from django_tasklock.semaphores import slot_id
 from django_tasklock.tokens import (
@@ -222,6 +223,73 @@ def test_a_holder_paused_past_the_bound_loses_its_lock_and_is_told(
     assert holder.fence < new_fence  # its fenced writes are refused
     assert holder.ask("release") == "released False"
     assert taker.owned() and taker.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["memcached", "redis"])
+def test_a_record_renewal_answered_after_the_record_lapsed_is_a_loss(
+    kind, settings, caplog
+):
+    """A renewal of the liveness record sent in time but answered late (a
+    slow network, a client's own retries, a thread starved after sending)
+    lands after the record lapsed on its server, and a contender on another
+    host may have taken the lock in between: the holder is told once the
+    reply comes. (Judged by when it was sent, the record was "renewed in
+    time": the lock was still held for a beat, and for good if that beat
+    came late too. Redis counts the record's life to the millisecond, so
+    that is what it shows; memcached's whole seconds leave less to see.)"""
+    from tests.faultproxy import FaultProxy
+    from tests.services import Memcached, Redis
+
+    server = (Memcached() if kind == "memcached" else Redis()).start()
+    proxy = FaultProxy(server.port)
+    if kind == "memcached":
+        backend = "django.core.cache.backends.memcached.PyMemcacheCache"
+        places = {"proxied": proxy.address, "direct": server.address}
+    else:
+        backend = "django.core.cache.backends.redis.RedisCache"
+        places = {"proxied": f"redis://{proxy.address}/0", "direct": server.url}
+    settings.CACHES = {
+        **settings.CACHES,
+        **{name: {"BACKEND": backend, "LOCATION": at} for name, at in places.items()},
+    }
+    # A beat a second; replies may take as long as the proxy holds them.
+    settings.TASKLOCK = {
+        "CACHE": "proxied",
+        "LIVENESS": 10,
+        "SOCKET_TIMEOUT": 30,
+        "LOCK_EXPIRE": 60,
+    }
+    lock = Lock("answered-late", renew=False)
+    try:
+        assert lock.acquire()
+        record = lock.acquisition.record
+        assert record is not None
+        direct = backend_for("direct")
+        assert direct.records is not None
+        key = direct.key_for("answered-late")
+
+        def on_server() -> bool:
+            return direct.records.read_record(key, record.id) is not None  # type: ignore[union-attr]
+
+        beats = record.beats
+        wait_until(lambda: record.beats > beats)  # a beat just came back
+        proxy.hold(record.id.encode())  # the next one waits at the proxy
+        wait_until(lambda: not on_server(), limit=30, every=0.01)
+        # (Not asked meanwhile: the clock here says lapsed too by now.)
+        assert proxy.held >= 1
+        beats = record.beats
+        proxy.let_go()
+        wait_until(lambda: record.beats > beats)  # the held write came back
+        assert on_server()  # renewed: but it had lapsed, and the lock with it
+        with caplog.at_level(logging.WARNING, logger="django_tasklock"):
+            assert lock.check() is False
+        assert lock.lost and "liveness record may have lapsed" in caplog.text
+    finally:
+        lock.release_quietly()
+        liveness.forget_records()
+        proxy.close()
+        server.stop()
 
 
 def test_a_liveness_record_is_written_before_the_first_lock(store, settings):
