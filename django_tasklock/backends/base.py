@@ -195,9 +195,14 @@ class LockBackend(abc.ABC):
     def locked(self, key: str) -> bool:
         """True if anybody holds the lock."""
 
-    @abc.abstractmethod
     def held_many(self, keys: list[str]) -> list[bool]:
         """For each key, whether anybody holds that lock; one round trip."""
+        return [value is not None for value in self.values_many(keys)]
+
+    @abc.abstractmethod
+    def values_many(self, keys: list[str]) -> list[object | None]:
+        """For each key, the value stored there (a holder's token, as
+        ``peek`` reads it), or None; one round trip."""
 
     @abc.abstractmethod
     def ttl(self, key: str) -> float | None:

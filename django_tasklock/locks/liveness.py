@@ -384,50 +384,52 @@ def record_for(alias: str, bound: float, backend: LockBackend | None = None) -> 
 
 def reassert(record: Record, backend: LockBackend) -> None:
     """Put back the locks of this process that a restart of their memcached
-    server emptied, while their holders still hold them by their own clock, so
-    that a contender after the restart's grace period (``RESTART_GRACE``) finds
-    them held. A lock gone for any other reason (expired, force-released,
-    taken) is left alone: its holder learns of it at its next renewal or
-    release. A put back that meets another take is tried again at the next
-    beat (a cluster contender's take within the grace is given back once it
-    reads the promotion); another take still there then stands, and the lock
-    is reported lost. One read of the held keys per beat (per server holding them);
-    raises ``backend.errors``."""
-    held, keys = [], []
-    if record.met:  # (not those released or lost since)
-        record.met = {a for a in record.met if a.hold is not None and not a.lost}
-    for ident, acq in list(record.held.items()):
-        if acq.hold is None or acq.lost:
-            record.held.pop(ident, None)
-        else:
-            held.append(acq)
-            keys.append(acq.key)
+    server (or a cluster failover) emptied, while their holders still hold
+    them by their own clock, so that a contender after the restart's grace
+    period (``RESTART_GRACE``) finds them held. A lock not there at two beats
+    in a row, and not put back, is reported lost: gone for another reason
+    (evicted, flushed, released by force, lost in a failover this process
+    has not learnt of), or another take standing where the put back was
+    tried (a cluster contender's take within the grace is given back once it
+    reads the promotion, so the first meeting is not yet a loss). Its holder
+    is then told at its next ``check()``, renewing or not. One read of the
+    held keys per beat (per server holding them); raises ``backend.errors``."""
+    held = _still_held(record)
     if not held:
         return
     # Read every beat: a restarted server's dead connection fails here, and
     # the next beat's connection learns the server's new run.
-    present = backend.held_many(keys)
-    told = backend.restarts
-    if told is None or (all(present) and not record.met):
+    keys = [acq.key for acq in held]
+    values = backend.values_many(keys)
+    if values == [acq.token for acq in held] and not record.met:
         return
-    restarts = [told.restarted_at(key) for key in keys]
+    told = backend.restarts
     now = time.monotonic()
-    for acq, key, restarted, here in zip(held, keys, restarts, present, strict=True):
-        if acq in record.met and (here or restarted is None):
-            # Another take still there a beat later (or the grace over).
-            _met_another(record, acq)
+    for acq, key, value in zip(held, keys, values, strict=True):
+        if value == acq.token:
+            record.met.discard(acq)
             continue
-        if here or restarted is None:
+        if value is not None:  # another take: given back within a beat?
+            _met_another(record, acq, "renewing its liveness record")
             continue
-        if restarted < acq.acquired_at - _RUN_SLACK:
-            continue  # taken on the new run, and gone since: not the restart's doing
+        restarted = None if told is None else told.restarted_at(key)
+        if (
+            told is None
+            or restarted is None
+            or restarted < acq.acquired_at - _RUN_SLACK
+        ):
+            # Not the doing of a restart known here (or taken on the new run
+            # and gone since): lost if still gone at the next beat, by when a
+            # restart not learnt yet is.
+            _met_another(record, acq, "renewing its liveness record")
+            continue
         with acq.guard:
             left = acq.valid_until - now
             if acq.hold is None or left <= 0:
                 continue
             hold = told.reassert(key, acq.token, left)
             if hold is None:
-                _met_another(record, acq)
+                _met_another(record, acq, "put back after a restart")
                 continue
             acq.hold = hold
             record.met.discard(acq)
@@ -438,17 +440,32 @@ def reassert(record: Record, backend: LockBackend) -> None:
         )
 
 
-def _met_another(record: Record, acq: Acquisition) -> None:
-    """The put back of ``acq`` found another take there. It may stand for
-    nobody: a cluster contender's, given back once it reads the promotion
-    (its take comes first, so that no promotion slips in between); so it is
-    tried once more, at the next beat, and lost if met again."""
-    if acq in record.met:  # a take that stands
-        record.met.discard(acq)
-        report_lost(acq, "put back after a restart")
+def _still_held(record: Record) -> list[Acquisition]:
+    """The holds ``record`` vouches for that are neither released nor lost;
+    the others are forgotten."""
+    if record.met:
+        record.met = {a for a in record.met if a.hold is not None and not a.lost}
+    held = []
+    for ident, acq in list(record.held.items()):
+        if acq.hold is None or acq.lost:
+            record.held.pop(ident, None)
+        else:
+            held.append(acq)
+    return held
+
+
+def _met_another(record: Record, acq: Acquisition, doing: str) -> None:
+    """The lock of ``acq`` was not its holder's at this beat (gone, or
+    another take where it was put back). The first time is remembered; the
+    second, a beat later, reports it lost."""
+    if acq not in record.met:
+        record.met.add(acq)
+        logger.debug("Lock %r is not there for its holder yet", acq.lock_id)
         return
-    record.met.add(acq)
-    logger.debug("Lock %r is not put back yet: another take is there", acq.lock_id)
+    record.met.discard(acq)
+    with acq.guard:
+        if acq.hold is not None:  # (not released meanwhile)
+            report_lost(acq, doing)
 
 
 #: How far the start of a server's run, as this process estimates it, may be

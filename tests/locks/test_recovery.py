@@ -225,6 +225,40 @@ def test_a_holder_paused_past_the_bound_loses_its_lock_and_is_told(
     assert taker.owned() and taker.release()
 
 
+@pytest.mark.parametrize("then", ["left", "taken"])
+def test_a_lock_gone_from_the_store_is_told_to_its_holder_within_two_beats(
+    store, settings, caplog, then
+):
+    """A lock evicted, flushed or released by force while its holder holds
+    it (one that does not renew, so no extension finds it gone) may be taken
+    at once; the liveness record's thread reads the held keys' tokens every
+    beat, and a key gone, or another's, at two beats in a row that no
+    restart explains is reported lost: the holder's next ``check()`` says
+    so. (Before, only a restart's put back was looked for, and ``check()``
+    said True until the lock's expiry, the new holder's run beside it.)"""
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS, "LOCK_EXPIRE": 60}
+    lock = Lock("gone-under-its-holder", renew=False)
+    assert lock.acquire()
+    record = lock.acquisition.record
+    assert record is not None
+    kept = Lock("kept-beside-it", renew=False)
+    assert kept.acquire()
+    caches[store.alias].delete("gone-under-its-holder")  # as an eviction would
+    thief = Lock("gone-under-its-holder", renew=False)
+    if then == "taken":
+        assert thief.acquire()
+    beats = record.beats
+    with caplog.at_level(logging.WARNING, logger="django_tasklock"):
+        wait_until(lambda: record.beats >= beats + 3)  # two reads after it
+        assert lock.check() is False
+    assert "renewing its liveness record" in caplog.text
+    assert kept.check() is True  # the other lock, still there, is not judged
+    assert kept.release()
+    assert lock.release() is False
+    if then == "taken":
+        assert thief.check() is True and thief.release()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["memcached", "redis"])
 def test_a_record_renewal_answered_after_the_record_lapsed_is_a_loss(

@@ -95,8 +95,8 @@ class LocMemBackend(LockBackend):
     def locked(self, key: str) -> bool:
         return self.cache.has_key(key)
 
-    def held_many(self, keys: list[str]) -> list[bool]:
-        return [self.cache.has_key(key) for key in keys]
+    def values_many(self, keys: list[str]) -> list[object | None]:
+        return [self.cache.get(key) for key in keys]
 
     def ttl(self, key: str) -> float | None:
         if not self.cache.has_key(key):

@@ -186,10 +186,10 @@ class PyLibMCBackend(LockBackend):
     def locked(self, key: str) -> bool:
         return self._mc.get(key.encode()) is not None
 
-    def held_many(self, keys: list[str]) -> list[bool]:
+    def values_many(self, keys: list[str]) -> list[object | None]:
         wire = [key.encode() for key in keys]
         found = self._mc.get_multi(wire)
-        return [key in found for key in wire]
+        return [found.get(key) for key in wire]
 
     def ttl(self, key: str) -> float | None:
         # libmemcached cannot read an item's expiry. With one server, where the

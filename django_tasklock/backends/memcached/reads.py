@@ -77,9 +77,9 @@ class MemcachedReads(LockBackend):
             )
         return found
 
-    def held_many(self, keys: list[str]) -> list[bool]:
+    def values_many(self, keys: list[str]) -> list[object | None]:
         found = self._get_many(keys)
-        return [key in found for key in keys]
+        return [found.get(key) for key in keys]
 
     def read_many(self, keys: list[str]) -> dict[str, Any]:
         made = {self.cache.make_and_validate_key(key): key for key in keys}

@@ -263,7 +263,10 @@ class RedisBackend(LockBackend):
         return bool(self._redis(key).exists(key))
 
     def held_many(self, keys: list[str]) -> list[bool]:
-        return [value is not None for value in self._mget(keys)]
+        return [raw is not None for raw in self._mget(keys)]  # (none unpickled)
+
+    def values_many(self, keys: list[str]) -> list[object | None]:
+        return [None if raw is None else self._decode(raw) for raw in self._mget(keys)]
 
     def ttl(self, key: str) -> float | None:
         milliseconds = self._redis(key).pttl(key)
