@@ -126,9 +126,9 @@ def test_prefork_hard_time_limit_leaves_lock_no_longer_than_expiry(prefork_worke
     started = tasks.runs("hard")[0]["start"]
     # Celery terminates the child (SIGTERM, which runs the release, then SIGKILL if
     # it hangs); whichever way it dies, memcached drops the lock at its expiry
-    # (3 s, counted in whole seconds from the acquire) at the latest.
+    # (5 s, counted in whole seconds from the acquire) at the latest.
     while lock.locked():
-        assert time.monotonic() - started < 3 + 1.5, "lock outlived its expiry"
+        assert time.monotonic() - started < 5 + 1.5, "lock outlived its expiry"
         time.sleep(0.1)
 
 
