@@ -78,10 +78,15 @@ def alias(settings: Any, config: dict[str, object]) -> None:
 
 
 def stalls_within_bound(
-    lock_id: str, process: Any, asynchronous: bool, bound: float = BOUND
+    lock_id: str,
+    process: Any,
+    asynchronous: bool,
+    bound: float = BOUND,
+    warm_ids: Iterator[str] | None = None,
 ) -> None:
-    """A lock taken and released on a warm connection; then, the server
-    stopped, a take raises within the bound (not "no answer")."""
+    """A lock taken and released on a warm connection (of ``warm_ids``, ids
+    tried in turn, where given); then, the server stopped, a take raises
+    within the bound (not "no answer")."""
     if asynchronous:
         warm = Lock(f"{lock_id}-warm")
 
@@ -98,7 +103,7 @@ def stalls_within_bound(
         # and a take whose reply timed out may have stored its token, which
         # then stands until the background removal gets to it: each try after
         # the first on an id of its own.
-        names = itertools.chain(
+        names = warm_ids or itertools.chain(
             [f"{lock_id}-warm"], (f"{lock_id}-warm-{n}" for n in itertools.count())
         )
         wait_until(lambda: _warmed(Lock(next(names))), 60)
@@ -195,9 +200,18 @@ def test_a_stalled_sentinel_primary_answers_within_the_bound(settings):
 
 def test_a_stalled_cluster_primary_holds_up_only_its_own_slots(settings):
     """A primary of a cluster stopped (its replica not promoted within the
-    test): a lock in its slots raises within the bound, and one in another
-    primary's is taken (by a fresh thread's client, which may first ask the
-    stopped node for the slots: within the bound too)."""
+    test): a lock in its slots raises within the bound, and one on another
+    primary this process knew is taken (by a fresh thread's client, which may
+    first ask the stopped node for the slots: within the bound too).
+
+    A primary first seen meanwhile, on a cluster younger than the grace, is
+    refused, and the refusal says why: whether it restarted empty is told by
+    the record of its run on the other primaries, and the stopped one does
+    not answer ("could not tell" never grants). Every warm-up is on an id of
+    a chosen primary, so which primaries were seen before the stop is fixed.
+
+    The stopped primary is not LOCATION's node: a fresh thread's client
+    learns the cluster from that node alone."""
     from django_tasklock.backends import backend_for
 
     cluster = RedisCluster(node_timeout=60000).start()
@@ -211,21 +225,49 @@ def test_a_stalled_cluster_primary_holds_up_only_its_own_slots(settings):
         )
         backend: Any = backend_for("stalling")
         client = backend._redis("")
-        ids = [f"stalled-cluster-{n}" for n in range(40)]
-        where = {i: client.get_node_from_key(backend.key_for(i)).port for i in ids}
-        stalled_port = where[ids[0]]
-        stalled = next(node for node in cluster.nodes if node.port == stalled_port)
-        elsewhere = next(i for i in ids if where[i] != stalled_port)
+
+        def on(port: int) -> Iterator[str]:
+            """Lock ids whose keys are in the slots of the primary at ``port``."""
+            for n in itertools.count():
+                lock_id = f"stalled-cluster-{n}"
+                if client.get_node_from_key(backend.key_for(lock_id)).port == port:
+                    yield lock_id
+
+        # Django's caches are per thread, and a fresh thread's cluster client
+        # starts from LOCATION's node alone: with that node stopped it reaches
+        # no node at all (LockBackendError, "cannot be connected"). The node
+        # stopped is another.
+        first = cluster.nodes[0].port
+        known, stalled, unseen = sorted(
+            (node.port for node in client.get_primaries()), key=lambda p: p != first
+        )
+        stopped_node = next(node for node in cluster.nodes if node.port == stalled)
+        elsewhere, first_seen = next(on(known)), next(on(unseen))
+        wait_until(lambda: _warmed(Lock(f"{elsewhere}-warm")), 60)
+        bound = 2 * (client.cluster_error_retry_attempts + 1) * OURS + 2
         # The cluster client tries a command that timed out again, after
         # asking a node for the slots (which may be the stopped one), as many
         # times as its cluster_error_retry_attempts say: each try a timeout
         # or two.
-        bound = 2 * (client.cluster_error_retry_attempts + 1) * OURS + 2
-        stalls_within_bound(ids[0], stalled.process, False, bound)
-        with stopped(stalled.process):
+        stalls_within_bound(
+            next(on(stalled)), stopped_node.process, False, bound, on(stalled)
+        )
+        with stopped(stopped_node.process):
             outcome, spent = answered_within(Lock(elsewhere).acquire, 30)
+            refused, refused_in = answered_within(Lock(first_seen).acquire, 30)
         assert outcome is True, outcome
         assert spent < bound, f"a healthy primary's lock took {spent:.1f}s"
+        assert isinstance(refused, LockBackendError), refused
+        assert f"no answer from 127.0.0.1:{stalled}" in str(refused), refused
+        assert "whether it came back empty is not known" in str(refused), refused
+        assert refused_in < bound, f"the refusal took {refused_in:.1f}s"
+        # LOCATION's node stopped: a fresh thread's client finds no node, and
+        # that is an outage like any other (the cluster client's own
+        # exception is not one of its ValkeyErrors).
+        with stopped(cluster.nodes[0].process):
+            unreached, _ = answered_within(Lock(elsewhere).acquire, 30)
+        assert isinstance(unreached, LockBackendError), unreached
+        assert "cannot be connected" in str(unreached), unreached
     finally:
         close_connections()
         cluster.stop()

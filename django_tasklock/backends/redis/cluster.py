@@ -13,6 +13,7 @@ beside locks.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import socket
 import time
@@ -226,6 +227,10 @@ class ValkeyClusterBackend(ClusterKeys):
 
     def __init__(self, cache: Any, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
+        # The cluster client's own failures ("cannot be connected", no slot
+        # map) are not ValkeyErrors: an outage all the same.
+        cluster_error = importlib.import_module(self.client_exceptions)
+        self.errors = (*self.errors, cluster_error.ValkeyClusterException)
         self.records_beside = self.restarts = self
         problem = key_tag_problem(cache)
         if problem is not None and problem[1]:

@@ -53,6 +53,9 @@ RUN_PREFIX = "tasklock-primary-run:"
 #: How often a process asks a primary it knows again (a restart in place keeps
 #: its address; a promotion moves the slot to another address at once).
 LEARN_EVERY = 2.0
+#: What a refusal says of a primary that took over ({ago}: how long ago).
+_TOOK_OVER = "took over its slots {ago} (a failover, or a restart that came back empty)"
+_MAY_HAVE = "may have restarted"
 
 # Per primary address: (replication id, when its run as primary started on
 # time.monotonic(), or None when nothing is refused there, when to ask again).
@@ -60,6 +63,9 @@ _learnt: dict[str, tuple[str, float | None, float]] = {}
 #: The same table, read by the cluster backend's fast path (a primary known,
 #: refusing nothing, and not due to be asked again).
 LEARNT = _learnt
+#: Per primary address: what its first sight found, as the refusal says it
+#: (set where that sight refused new locks).
+_reasons: dict[str, str] = {}
 _tags: dict[str, str] = {}
 #: Per hash slot, a hash tag in it (found once: the CRC is computed in Python).
 _slot_tags: dict[int, str] = {}
@@ -130,12 +136,14 @@ class Promotions:
         left = started + settings.FAILOVER_GRACE - now
         if left <= 0:
             return None
+        what = _reasons.get(node.name, _TOOK_OVER).format(
+            ago=f"{now - started:.0f}s ago"
+        )
         return (
-            f"the cluster primary {node.name} took over its slots "
-            f"{now - started:.0f}s ago (a failover, or a restart that came back "
-            "empty): locks the old primary held may be gone while their holders "
-            f"still run, so new locks on it are refused for {math.ceil(left)}s "
-            "more (TASKLOCK['RESTART_GRACE'], by default LIVENESS)"
+            f"the cluster primary {node.name} {what}: locks the old primary held "
+            "may be gone while their holders still run, so new locks on it are "
+            f"refused for {math.ceil(left)}s more (TASKLOCK['RESTART_GRACE'], by "
+            "default LIVENESS)"
         )
 
     def learn(self, client: Any, node: Any) -> tuple[str, float | None, float]:
@@ -180,6 +188,7 @@ class Promotions:
         raw = connection.get(mark_key)
         mark = raw.decode() if isinstance(raw, bytes) else raw
         wall = time.time()
+        reason = _TOOK_OVER
         if mark is not None:
             started = now - max(wall - float(mark), 0.0)
         elif promoted:
@@ -190,8 +199,12 @@ class Promotions:
             if why:
                 started = now - uptime
                 self._announce(node, why, f" {uptime:.0f}s ago")
+                if why.startswith(_MAY_HAVE):
+                    reason = why + " {ago}, so whether it came back empty is not known"
             else:
                 started = None  # a new deployment: nothing it held is missing
+        with _mutex:
+            _reasons[node.name] = reason
         if mark is None:
             # Since when the run refuses new locks (0: long ago, for none), for
             # those that come later (nx: two first sights keep the earlier).
@@ -228,8 +241,8 @@ class Promotions:
                 return "" if recorded == replid else "restarted empty"
         if unanswered:
             return (
-                f"may have restarted (no answer from {', '.join(unanswered)} for "
-                "the record of its run); it started"
+                f"{_MAY_HAVE} (no answer from {', '.join(unanswered)} for the "
+                "record of its run); it started"
             )
         return ""
 
@@ -297,4 +310,5 @@ def forget() -> None:
     """Forget every primary learnt (tests: a new cluster reuses addresses)."""
     with _mutex:
         _learnt.clear()
+        _reasons.clear()
         _tags.clear()
