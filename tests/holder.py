@@ -3,7 +3,8 @@
     python -m tests.holder <alias> <liveness or "none"> <lock id> [<semaphore limit>]
 
 Prints ``held <token> <fence>`` once it holds, then waits for a line on stdin:
-``check`` prints ``check <True|False> <lost>``; ``stall`` prints ``stall
+``check`` prints ``check <True|False> <lost>``; ``told`` prints ``told <during: reason>`` of
+each ``lock_lost`` it was sent (``-``: none); ``stall`` prints ``stall
 <seconds>``, the longest this process stood still (a tick thread's longest
 gap past its 0.1 s: starved of CPU, or stopped); ``record`` prints
 what its liveness record's keeper knows (beats, seconds it is still sure,
@@ -39,6 +40,14 @@ def main(argv: list[str]) -> None:
             last = now
 
     threading.Thread(target=tick, daemon=True).start()
+    from django_tasklock.signals import lock_lost
+
+    told: list[str] = []
+
+    def on_lost(during: str = "", reason: str = "", **_: object) -> None:
+        told.append(f"{during}: {reason}")
+
+    lock_lost.connect(on_lost, weak=False)
     alias, liveness, lock_id, *rest = argv
     settings.TASKLOCK = {
         "CACHE": alias,
@@ -59,6 +68,8 @@ def main(argv: list[str]) -> None:
         command = line.strip()
         if command == "check":
             print(f"check {lock.check()} {lock.lost}", flush=True)
+        elif command == "told":  # what found the lock lost, and what it found
+            print(f"told {' | '.join(told) or '-'}", flush=True)
         elif command == "stall":
             print(f"stall {stalled[0]:.3f}", flush=True)
         elif command == "record":  # what its liveness record's keeper knows

@@ -78,7 +78,7 @@ def test_a_failure_says_which_row_failed_and_why():
 
 
 def test_a_starved_holder_told_of_its_loss_is_said_so_and_not_wrong():
-    from reliability.deployments import LIVENESS, Outcome, _row
+    from reliability.deployments import LAPSED, LIVENESS, Outcome, _row
 
     def run(kept, stall, taken=0):
         return Outcome(tries=5, taken=taken, kept=kept, released=kept, stall=stall)
@@ -99,6 +99,19 @@ def test_a_starved_holder_told_of_its_loss_is_said_so_and_not_wrong():
     assert _row("37. case", [fine, server]).wrong == 0
     server.server_stall = 0.2
     assert _row("37. case", [fine, server]).wrong == 1
+    # Told by its own record's late renewal (a write delayed past the
+    # record's sure life on a loaded machine), nobody took it: the same; a
+    # loss told for another reason stays wrong, and says what told it.
+    lapsed = run(False, 0.2)
+    lapsed.told = f"check: this process's {LAPSED} (not renewed for 3s)"
+    assert _row("40. case", [fine, lapsed]).wrong == 0
+    told_unstarved.told = "renewing its liveness record: the lock was gone"
+    wrong = _row("40. case", [fine, told_unstarved])
+    assert wrong.wrong == 1
+    assert any(
+        "told renewing its liveness record: the lock was gone" in f
+        for f in wrong.figures
+    )
 
 
 def test_the_groups_run_every_part_once_and_the_parts_every_row_once():
