@@ -27,18 +27,22 @@ demo-django6: services $(STAMP)
 lock-demo: services $(STAMP)
 	$(BIN)/python scripts/lock_demo.py
 
-# In three steps: the main run with the checks and the making of the matrix's
-# environments beside it (each part's output shown whole when it ends), then
-# the matrix's tests, then the coverage they measured. The matrix's tests ran
-# beside the main run once: on two cores the two took 1,840 s together and
+# In four steps: the main run with the checks beside it (each part's output
+# shown whole when it ends), then the making of the matrix's environments,
+# then the matrix's tests, then the coverage they measured. The matrix's tests
+# ran beside the main run once: on two cores the two took 1,840 s together and
 # starved timing-bound tests (six failed in CI), where one after the other they
-# take about 460 s and 270 s.
+# take about 460 s and 270 s. The environments were made beside the main run
+# too, at the lowest CPU priority (at full priority their bytecode compiling
+# starved a beat's liveness thread): beside two CPU hogs that priority got
+# them almost no CPU, and a fresh clone's four took over 25 minutes, where
+# alone they take under one (uv's cache warm) to a few (cold).
 # A failure in the first step still lets the matrix run: the last line says
 # which of the two failed.
 test: services $(STAMP)
 	@main=passed; matrix=passed; \
-	$(MAKE) --no-print-directory -k -j6 --output-sync=target pytest-run lint shape docs package matrix-envs || main=FAILED; \
-	$(MAKE) --no-print-directory matrix MATRIX_MODE=--installed || matrix=FAILED; \
+	$(MAKE) --no-print-directory -k -j5 --output-sync=target pytest-run lint shape docs package || main=FAILED; \
+	{ $(MAKE) --no-print-directory matrix-envs && $(MAKE) --no-print-directory matrix MATRIX_MODE=--installed; } || matrix=FAILED; \
 	if [ $$matrix = passed ]; then $(MAKE) --no-print-directory coverage || matrix=FAILED; fi; \
 	echo "make test: main run and checks $$main; matrix and coverage $$matrix"; \
 	[ $$main = passed ] && [ $$matrix = passed ]
@@ -152,11 +156,10 @@ matrix: services $(STAMP)
 
 # The matrix's environments alone (nox, one after another: each installs this
 # checkout in editable mode, which writes into it; nothing else in make test
-# builds in the checkout). At the lowest CPU priority: beside the main run, the
-# installs' bytecode compiling at full priority starved a beat's liveness
-# thread into losing its lock (test_beat.py, in a fresh clone's make test).
+# builds in the checkout). make test makes them after its main run, not beside
+# it (see there).
 matrix-envs: $(STAMP)
-	nice -n 19 $(BIN)/python scripts/matrix --install-only $(BIN)/nox
+	$(BIN)/python scripts/matrix --install-only $(BIN)/nox
 
 services:
 	@./scripts/ensure-services

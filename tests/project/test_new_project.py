@@ -33,8 +33,9 @@ def _run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[st
 def _checkout_copy(where: Path) -> Path:
     """The checkout's files (committed or not, but none git ignores), copied
     into ``where``: setuptools writes build/ and *.egg-info where it builds,
-    and ``make test`` installs the checkout into the matrix's environments
-    beside this test (``make matrix-envs``), which write there too."""
+    and ``make matrix-envs`` installs the checkout into the matrix's
+    environments, which write there too (beside this test, where a developer
+    runs both)."""
     listing = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
