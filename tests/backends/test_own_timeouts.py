@@ -249,8 +249,9 @@ def test_a_stalled_cluster_primary_holds_up_only_its_own_slots(settings):
         # asking a node for the slots (which may be the stopped one), as many
         # times as its cluster_error_retry_attempts say: each try a timeout
         # or two.
+        in_stalled = on(stalled)  # the lock measured, then the warm-ups' ids
         stalls_within_bound(
-            next(on(stalled)), stopped_node.process, False, bound, on(stalled)
+            next(in_stalled), stopped_node.process, False, bound, in_stalled
         )
         with stopped(stopped_node.process):
             outcome, spent = answered_within(Lock(elsewhere).acquire, 30)

@@ -229,8 +229,8 @@ class ValkeyClusterBackend(ClusterKeys):
         super().__init__(cache, alias, protocol)
         # The cluster client's own failures ("cannot be connected", no slot
         # map) are not ValkeyErrors: an outage all the same.
-        cluster_error = importlib.import_module(self.client_exceptions)
-        self.errors = (*self.errors, cluster_error.ValkeyClusterException)
+        exceptions = importlib.import_module(self.client_exceptions)
+        self.errors = (*self.errors, exceptions.ValkeyClusterException)
         self.records_beside = self.restarts = self
         problem = key_tag_problem(cache)
         if problem is not None and problem[1]:

@@ -53,8 +53,6 @@ RUN_PREFIX = "tasklock-primary-run:"
 #: How often a process asks a primary it knows again (a restart in place keeps
 #: its address; a promotion moves the slot to another address at once).
 LEARN_EVERY = 2.0
-#: What a refusal says of a primary that took over ({ago}: how long ago).
-_TOOK_OVER = "took over its slots {ago} (a failover, or a restart that came back empty)"
 _MAY_HAVE = "may have restarted"
 
 # Per primary address: (replication id, when its run as primary started on
@@ -63,9 +61,9 @@ _learnt: dict[str, tuple[str, float | None, float]] = {}
 #: The same table, read by the cluster backend's fast path (a primary known,
 #: refusing nothing, and not due to be asked again).
 LEARNT = _learnt
-#: Per primary address: what its first sight found, as the refusal says it
-#: (set where that sight refused new locks).
-_reasons: dict[str, str] = {}
+#: Per primary address whose first sight here could not tell whether it
+#: restarted: why (a refusal says so instead of "took over").
+_unknown: dict[str, str] = {}
 _tags: dict[str, str] = {}
 #: Per hash slot, a hash tag in it (found once: the CRC is computed in Python).
 _slot_tags: dict[int, str] = {}
@@ -136,8 +134,12 @@ class Promotions:
         left = started + settings.FAILOVER_GRACE - now
         if left <= 0:
             return None
-        what = _reasons.get(node.name, _TOOK_OVER).format(
-            ago=f"{now - started:.0f}s ago"
+        ago = f"{now - started:.0f}s ago"
+        why = _unknown.get(node.name)
+        what = (
+            f"took over its slots {ago} (a failover, or a restart that came back empty)"
+            if why is None
+            else f"{why} {ago}, so whether it came back empty is not known"
         )
         return (
             f"the cluster primary {node.name} {what}: locks the old primary held "
@@ -188,7 +190,7 @@ class Promotions:
         raw = connection.get(mark_key)
         mark = raw.decode() if isinstance(raw, bytes) else raw
         wall = time.time()
-        reason = _TOOK_OVER
+        unknown = None
         if mark is not None:
             started = now - max(wall - float(mark), 0.0)
         elif promoted:
@@ -200,11 +202,14 @@ class Promotions:
                 started = now - uptime
                 self._announce(node, why, f" {uptime:.0f}s ago")
                 if why.startswith(_MAY_HAVE):
-                    reason = why + " {ago}, so whether it came back empty is not known"
+                    unknown = why
             else:
                 started = None  # a new deployment: nothing it held is missing
         with _mutex:
-            _reasons[node.name] = reason
+            if unknown is None:
+                _unknown.pop(node.name, None)
+            else:
+                _unknown[node.name] = unknown
         if mark is None:
             # Since when the run refuses new locks (0: long ago, for none), for
             # those that come later (nx: two first sights keep the earlier).
@@ -310,5 +315,5 @@ def forget() -> None:
     """Forget every primary learnt (tests: a new cluster reuses addresses)."""
     with _mutex:
         _learnt.clear()
-        _reasons.clear()
+        _unknown.clear()
         _tags.clear()
