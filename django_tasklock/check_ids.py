@@ -26,6 +26,7 @@ __all__ = [
     "ON_LIMIT_INVALID",
     "PER_PROCESS_ALLOWED",
     "PER_PROCESS_CACHE",
+    "POSTGRES_DATABASE_INVALID",
     "PROTOCOL_INVALID",
     "QUEUE_EXPIRE_INVALID",
     "RATE_KIND_INVALID",
@@ -97,6 +98,8 @@ KEY_BRACES: Final = "django_tasklock.E022"
 BEAT_MISSED_INVALID: Final = "django_tasklock.E023"
 #: TASKLOCK['ALLOW_PER_PROCESS'] is not True or False.
 ALLOW_PER_PROCESS_INVALID: Final = "django_tasklock.E024"
+#: a PostgresCache's LOCATION names no DATABASES entry, or one not on PostgreSQL.
+POSTGRES_DATABASE_INVALID: Final = "django_tasklock.E025"
 #: the lock cache is LocMemCache: locks hold within one process only.
 PER_PROCESS_CACHE: Final = "django_tasklock.W001"
 #: a server of the lock cache refuses meta commands and MEMCACHED_PROTOCOL is

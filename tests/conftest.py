@@ -14,6 +14,7 @@ from tests.helpers import (
     close_connections,
 )
 from tests.services import Memcached, Redis, RedisCluster, session_port
+from tests.services_pg import PgBouncer, Postgres
 
 pytest_plugins = ["tests.fixtures"]
 
@@ -63,6 +64,26 @@ def redis_cluster() -> Iterator[RedisCluster]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Postgres]:
+    """This session's PostgreSQL, its lock table made (the app's migration's
+    statement), the DATABASES alias ``pg`` here and in children."""
+    from django_tasklock.backends.postgres.statements import CREATE
+
+    server = Postgres(port=session_port()).start()
+    server.execute(CREATE)
+    yield server
+    server.remove()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(postgres: Postgres) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction pooling mode before it: the alias ``pgbouncer``."""
+    bouncer = PgBouncer(postgres, port=session_port()).start()
+    yield bouncer
+    bouncer.remove()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _services(
     django_test_environment: None,
@@ -70,6 +91,8 @@ def _services(
     memcached_pair: tuple[Memcached, Memcached],
     redis_server: Redis,
     redis_cluster: RedisCluster,
+    postgres: Postgres,
+    pgbouncer: PgBouncer,
 ) -> Iterator[None]:
     """Point every CACHES alias at this session's servers, here and in children."""
     from django.conf import settings
@@ -79,8 +102,15 @@ def _services(
         "TASKLOCK_TEST_MEMCACHED_PAIR": ",".join(s.address for s in memcached_pair),
         "TASKLOCK_TEST_REDIS": redis_server.url,
         "TASKLOCK_TEST_CLUSTER": redis_cluster.url,
+        "TASKLOCK_TEST_POSTGRES": str(postgres.port),
+        "TASKLOCK_TEST_PGBOUNCER": str(pgbouncer.port),
     }
     os.environ.update(env)
+    # (Django's connections read these very dicts: changed in place, before
+    # any connection to them.)
+    for database in ("pg", "pg_tests", "pg_no_table"):
+        settings.DATABASES[database]["PORT"] = str(postgres.port)
+    settings.DATABASES["pgbouncer"]["PORT"] = str(pgbouncer.port)
     cache_settings = {alias: dict(config) for alias, config in settings.CACHES.items()}
     for alias in ("default", "prefixed", "pylibmc"):
         cache_settings[alias]["LOCATION"] = memcached.address
@@ -149,12 +179,20 @@ def _clean_stores(
     caches["locmem"].clear()
 
 
+def _clean(request: pytest.FixtureRequest, chosen: Store) -> None:
+    """Empty the stores kept apart from ``_clean_stores``'s, for a test of
+    ``chosen``: the cluster, PostgreSQL's table."""
+    if chosen.alias == "cluster":
+        request.getfixturevalue("redis_cluster").flush()
+    elif chosen.is_postgres:
+        request.getfixturevalue("postgres").clear()
+
+
 @pytest.fixture(params=SHARED_STORES, ids=lambda store: store.name)
 def store(request: pytest.FixtureRequest, settings: object) -> Store:
     """Each store that shares locks between processes, configured as TASKLOCK."""
     chosen: Store = request.param
-    if chosen.alias == "cluster":
-        request.getfixturevalue("redis_cluster").flush()
+    _clean(request, chosen)
     settings.TASKLOCK = chosen.tasklock  # type: ignore[attr-defined]
     return chosen
 
@@ -165,8 +203,7 @@ def store(request: pytest.FixtureRequest, settings: object) -> Store:
 def any_store(request: pytest.FixtureRequest, settings: object) -> Store:
     """Every supported store, LocMem included (single-process tests)."""
     chosen: Store = request.param
-    if chosen.alias == "cluster":
-        request.getfixturevalue("redis_cluster").flush()
+    _clean(request, chosen)
     settings.TASKLOCK = chosen.tasklock  # type: ignore[attr-defined]
     return chosen
 

@@ -150,6 +150,16 @@ class Store:
         return self.alias in ("redis", "django_redis", "cluster")
 
     @property
+    def is_postgres(self) -> bool:
+        return self.alias in ("postgres", "pgbouncer")
+
+    @property
+    def precise(self) -> bool:
+        """Whether expiries count milliseconds (memcached's whole seconds may
+        end one early)."""
+        return self.is_redis or self.is_postgres
+
+    @property
     def tasklock(self) -> dict[str, object]:
         return {
             "LOCK_EXPIRE": 60,
@@ -166,6 +176,9 @@ SHARED_STORES = [
     Store("pylibmc", "pylibmc"),
     # A Redis Cluster (three primaries, a replica each), through django-valkey.
     Store("cluster", "cluster"),
+    # A table in PostgreSQL, directly and through PgBouncer's transaction pooling.
+    Store("postgres", "postgres"),
+    Store("pgbouncer", "pgbouncer"),
 ]
 # TASKLOCK_TEST_STORES names the stores the store tests run on (all: unset).
 # The matrix of other Python/Django pairs (noxfile.py) runs them on the stores

@@ -44,7 +44,48 @@ TEMPLATES = [
     }
 ]
 STATIC_URL = "static/"
-DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+DATABASES = {
+    "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
+    # The session's PostgreSQL (tests/services_pg.py), directly and through
+    # PgBouncer in transaction pooling mode: the PostgreSQL store's databases.
+    "pg": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "tasklock",
+        "USER": "tasklock",
+        "HOST": "127.0.0.1",
+        "PORT": os.environ.get("TASKLOCK_TEST_POSTGRES", "5999"),
+    },
+    "pgbouncer": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "tasklock",
+        "USER": "tasklock",
+        "HOST": "127.0.0.1",
+        "PORT": os.environ.get("TASKLOCK_TEST_PGBOUNCER", "5998"),
+    },
+    # For tests/backends/postgres: a Django TestCase's own test database on the
+    # session's server; a database with no lock table; a server a test starts.
+    "pg_tests": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "tasklock_tests",
+        "USER": "tasklock",
+        "HOST": "127.0.0.1",
+        "PORT": os.environ.get("TASKLOCK_TEST_POSTGRES", "5999"),
+    },
+    "pg_no_table": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "postgres",
+        "USER": "tasklock",
+        "HOST": "127.0.0.1",
+        "PORT": os.environ.get("TASKLOCK_TEST_POSTGRES", "5999"),
+    },
+    "pg_own": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "tasklock",
+        "USER": "tasklock",
+        "HOST": "127.0.0.1",
+        "PORT": "5997",
+    },
+}
 
 MEMCACHED = os.environ.get("TASKLOCK_TEST_MEMCACHED", "127.0.0.1:11211")
 MEMCACHED_PAIR = os.environ.get("TASKLOCK_TEST_MEMCACHED_PAIR", MEMCACHED).split(",")
@@ -93,6 +134,15 @@ CACHES = {
         "OPTIONS": {"behaviors": {"tcp_nodelay": True}},
     },
     "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    # Locks in the session's PostgreSQL, directly and through PgBouncer.
+    "postgres": {
+        "BACKEND": "django_tasklock.backends.postgres.cache.PostgresCache",
+        "LOCATION": "pg",
+    },
+    "pgbouncer": {
+        "BACKEND": "django_tasklock.backends.postgres.cache.PostgresCache",
+        "LOCATION": "pgbouncer",
+    },
     # django-valkey's cluster cache, on the session's Redis Cluster.
     "cluster": {
         "BACKEND": "django_valkey.cluster_cache.cache.ClusterValkeyCache",

@@ -16,7 +16,7 @@ from django.core.cache.backends.filebased import FileBasedCache
 from django.core.cache.backends.memcached import BaseMemcachedCache
 from django.utils.module_loading import import_string
 
-from . import locmem, memcached, redis
+from . import locmem, memcached, postgres, redis
 from .base import Supported
 
 __all__ = [
@@ -32,7 +32,12 @@ __all__ = [
 
 #: Every store package's rows, in the order a cache class is matched (a
 #: subclass's row before its base's) and the docs list them.
-SUPPORTED: Final = (*memcached.SUPPORTED, *redis.SUPPORTED, *locmem.SUPPORTED)
+SUPPORTED: Final = (
+    *memcached.SUPPORTED,
+    *redis.SUPPORTED,
+    *postgres.SUPPORTED,
+    *locmem.SUPPORTED,
+)
 
 #: Caches that cannot hold locks, and why.
 UNSUPPORTED: Final[tuple[tuple[type[Any], str], ...]] = (
@@ -49,7 +54,8 @@ UNSUPPORTED: Final[tuple[tuple[type[Any], str], ...]] = (
     (
         DatabaseCache,
         "DatabaseCache.add() takes over an expired row with a SELECT "
-        "and then an UPDATE, so two processes can both take the lock",
+        "and then an UPDATE, so two processes can both take the lock; on "
+        "PostgreSQL, use django_tasklock.backends.postgres.cache.PostgresCache",
     ),
     (
         BaseMemcachedCache,

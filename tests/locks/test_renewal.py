@@ -316,7 +316,7 @@ def test_max_hold_caps_the_first_expiry(store):
 def test_renewal_with_a_too_short_expiry_is_refused(settings, store):
     # memcached counts whole seconds on a clock that may tick late: a 2 s
     # lock there may go at once.
-    expire = 0.2 if store.is_redis else 2
+    expire = 0.2 if store.precise else 2
     with pytest.raises(LockUsageError, match="3 seconds or more"):
         Lock("too-short", expire=expire, renew=True).acquire()
     assert not Lock("too-short").locked()

@@ -1,0 +1,169 @@
+"""``PostgresCache``: Django's cache API on the lock table of a PostgreSQL
+database, over a connection of its own.
+
+``LOCATION`` names the DATABASES alias (default ``"default"``) whose
+database holds the table (``python manage.py migrate`` makes it). Unlike
+Django's ``DatabaseCache``, ``add`` is one atomic statement judged by the
+server's clock, so the Celery cookbook's recipe (``cache.add`` then
+``cache.delete``) is as safe on it as on memcached; and no operation joins
+the caller's transaction: a lock taken inside ``transaction.atomic()`` is
+seen by every other process at once and survives a rollback.
+
+A str is stored as text (so ``cache.get(lock_id)`` reads a lock's owner
+back, as on memcached); any other value pickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from typing import Any, Literal
+
+from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
+from django.db import connections
+from psycopg.conninfo import make_conninfo
+
+from ...conf import settings as tasklock_settings
+from ...exceptions import LockConfigurationError
+from . import statements as sql
+from .checks import database_problem
+from .wire import Wire
+
+__all__ = ["PostgresCache"]
+
+#: What Django's connection parameters hold for psycopg that libpq does not read.
+_NOT_LIBPQ = ("cursor_factory", "context", "prepare_threshold")
+
+
+def conninfo_for(connection: Any, timeout: float) -> str:
+    """The libpq connection string of Django's connection ``connection``
+    (its DATABASES entry, as Django would connect: in tests, the test
+    database), with a connect timeout of ours unless it has one."""
+    params = {
+        name: value
+        for name, value in connection.get_connection_params().items()
+        if name not in _NOT_LIBPQ and value is not None
+    }
+    params.setdefault("connect_timeout", max(2, math.ceil(timeout)))
+    params.setdefault("application_name", "django_tasklock")
+    return make_conninfo(**params)
+
+
+class PostgresCache(BaseCache):
+    """A Django cache on the lock table of the database ``LOCATION`` names."""
+
+    def __init__(self, location: str, params: dict[str, Any]) -> None:
+        super().__init__(params)
+        self.database = location or "default"
+        self._wire: Wire | None = None
+
+    @property
+    def where(self) -> str:
+        """The database, for messages."""
+        config = connections.settings[self.database]
+        host = config.get("HOST") or "localhost"
+        port = config.get("PORT") or 5432
+        return f"database {self.database!r} ({host}:{port}/{config.get('NAME')})"
+
+    def wire(self) -> Wire:
+        """This cache object's (so this thread's) connection."""
+        wire = self._wire
+        if wire is None:
+            problem = database_problem("A PostgresCache", self.database)
+            if problem is not None:
+                raise LockConfigurationError(problem)
+            timeout = tasklock_settings.SOCKET_TIMEOUT
+            conninfo = conninfo_for(connections[self.database], timeout)
+            wire = self._wire = Wire(conninfo, timeout, self.where)
+        return wire
+
+    def close(self, **kwargs: Any) -> None:
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.close()
+
+    @staticmethod
+    def encode(value: Any) -> tuple[str, str]:
+        """The stored text of ``value`` and whether it is pickled (``t``/``f``)."""
+        if isinstance(value, str):
+            return value, "f"
+        return base64.b64encode(
+            pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+        ).decode(), "t"
+
+    @staticmethod
+    def decode(text: str, pickled: bool) -> Any:
+        return pickle.loads(base64.b64decode(text)) if pickled else text
+
+    def _seconds(self, timeout: float | object | None) -> str | Literal[False] | None:
+        """The lifetime of ``timeout`` as a statement parameter (None: never
+        expires); False: gone at once (a timeout of 0 or less)."""
+        if timeout is DEFAULT_TIMEOUT:
+            timeout = self.default_timeout
+        if timeout is None:
+            return None
+        assert isinstance(timeout, (int, float))
+        return sql.seconds(timeout) if timeout > 0 else False
+
+    def _query(self, statement: bytes, *params: str | None) -> list[Any]:
+        return self.wire().query(statement, params)
+
+    def add(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: Any = None
+    ) -> bool:
+        key = self.make_and_validate_key(key, version=version)
+        seconds = self._seconds(timeout)
+        if seconds is False:
+            return False
+        text, pickled = self.encode(value)
+        return bool(self._query(sql.ADD, key, text, seconds, pickled))
+
+    def get(self, key: Any, default: Any = None, version: Any = None) -> Any:
+        key = self.make_and_validate_key(key, version=version)
+        rows = self._query(sql.READ, key)
+        return self.decode(rows[0][0], rows[0][1] == "t") if rows else default
+
+    def set(
+        self, key: Any, value: Any, timeout: Any = DEFAULT_TIMEOUT, version: Any = None
+    ) -> None:
+        key = self.make_and_validate_key(key, version=version)
+        seconds = self._seconds(timeout)
+        if seconds is False:
+            self._query(sql.DELETE, key)
+            return
+        text, pickled = self.encode(value)
+        self._query(sql.WRITE, key, text, seconds, pickled)
+
+    def touch(
+        self, key: Any, timeout: Any = DEFAULT_TIMEOUT, version: Any = None
+    ) -> bool:
+        key = self.make_and_validate_key(key, version=version)
+        seconds = self._seconds(timeout)
+        if seconds is False:
+            return bool(self._query(sql.DELETE, key))
+        return bool(self._query(sql.TOUCH, key, None, seconds))
+
+    def delete(self, key: Any, version: Any = None) -> bool:
+        key = self.make_and_validate_key(key, version=version)
+        rows = self._query(sql.DELETE, key)
+        return bool(rows) and rows[0][0] == "t"
+
+    def has_key(self, key: Any, version: Any = None) -> bool:
+        key = self.make_and_validate_key(key, version=version)
+        return bool(self._query(sql.READ, key))
+
+    def get_many(self, keys: Any, version: Any = None) -> dict[Any, Any]:
+        made = {self.make_and_validate_key(key, version=version): key for key in keys}
+        if not made:
+            return {}
+        rows = self._query(sql.READ_MANY, sql.array(list(made)))
+        return {made[key]: self.decode(value, p == "t") for key, value, p in rows}
+
+    def delete_many(self, keys: Any, version: Any = None) -> None:
+        made = [self.make_and_validate_key(key, version=version) for key in keys]
+        if made:
+            self._query(sql.DELETE_MANY, sql.array(made))
+
+    def clear(self) -> None:
+        self._query(sql.CLEAR)

@@ -1,0 +1,174 @@
+"""The lock table and every statement on it: no connection here.
+
+One table holds every lock, liveness record, fencing counter and plain cache
+item of a ``PostgresCache`` alias: a row per store key, its value as text and
+when it expires, by the server's clock (``clock_timestamp()``; never a
+client's). A row past its expiry is as good as absent: every statement reads
+and takes it as such, and ``SWEEP`` removes such rows in batches.
+
+Each statement is one atomic step in autocommit: a take is an ``INSERT ... ON
+CONFLICT ... DO UPDATE ... WHERE`` the row expired (its row lock held for that
+statement only); a release, an extend and a replace act only ``WHERE`` the
+stored value is the holder's token; a fence is its lock's counter plus
+one, drawn in the statement that checks the lock is still the holder's.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "CREATE",
+    "DROP",
+    "TABLE",
+    "array",
+    "seconds",
+]
+
+TABLE: Final = "django_tasklock_item"
+
+#: The table, made by the app's migration. ``pickled``: a value Django's cache
+#: API stored pickled (base64), not text. A fillfactor below 100 leaves room
+#: for the new row version of an update on the same page (a HOT update: no
+#: index touched, no bloat of the primary key).
+CREATE: Final = f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+    key text PRIMARY KEY,
+    value text NOT NULL,
+    pickled boolean NOT NULL DEFAULT false,
+    expires timestamptz NOT NULL
+) WITH (fillfactor = 70);
+"""
+DROP: Final = f"DROP TABLE IF EXISTS {TABLE};"
+
+_NOW = "clock_timestamp()"
+#: $3 seconds from now; NULL: never.
+_UNTIL = f"COALESCE({_NOW} + $3::float8 * interval '1 second', 'infinity')"
+_LIVE = f"t.expires > {_NOW}"
+
+#: $1 key, $2 token, $3 seconds: the lock taken if absent or expired (or
+#: already this token's: a take sent again after its reply was lost).
+TAKE: Final = f"""
+INSERT INTO {TABLE} AS t (key, value, expires) VALUES ($1, $2, {_UNTIL})
+ON CONFLICT (key) DO UPDATE
+SET value = excluded.value, pickled = false, expires = excluded.expires
+WHERE t.expires <= {_NOW} OR (t.value = excluded.value AND NOT t.pickled)
+RETURNING 1""".encode()
+
+#: $1 key, $2 token, $3 seconds, $4 the value it may take the place of.
+TAKE_OVER: Final = f"""
+INSERT INTO {TABLE} AS t (key, value, expires) VALUES ($1, $2, {_UNTIL})
+ON CONFLICT (key) DO UPDATE
+SET value = excluded.value, pickled = false, expires = excluded.expires
+WHERE t.expires <= {_NOW} OR (t.value = $4 AND NOT t.pickled)
+RETURNING 1""".encode()
+
+#: $1 key, $2 token: removed if it stores the token; whether it was still live.
+RELEASE: Final = f"""
+DELETE FROM {TABLE} AS t WHERE key = $1 AND value = $2 AND NOT pickled
+RETURNING {_LIVE}""".encode()
+
+#: $1 key, $2 token, $3 seconds: the expiry reset while the token holds it.
+EXTEND: Final = f"""
+UPDATE {TABLE} AS t SET expires = {_UNTIL}
+WHERE key = $1 AND value = $2 AND NOT pickled AND {_LIVE} RETURNING 1""".encode()
+
+#: $1 key, $2 old value, $3 seconds, $4 new value.
+REPLACE: Final = f"""
+UPDATE {TABLE} AS t SET value = $4, expires = {_UNTIL}
+WHERE key = $1 AND value = $2 AND NOT pickled AND {_LIVE} RETURNING 1""".encode()
+
+#: $1 key, $2 token, $3 the counter's seconds, $4 the counter's key, $5 where
+#: a missing counter starts: the next fence, drawn only while the token holds
+#: the lock (the lock's row locked meanwhile). Its columns: the fence drawn
+#: (NULL: none), whether the token held the lock, and the counter as it was.
+FENCE: Final = f"""
+WITH held AS (
+    SELECT 1 FROM {TABLE} AS t
+    WHERE key = $1 AND value = $2 AND NOT pickled AND {_LIVE} FOR UPDATE
+), drawn AS (
+    INSERT INTO {TABLE} AS t (key, value, expires)
+    SELECT $4, $5, {_UNTIL} FROM held
+    ON CONFLICT (key) DO UPDATE
+    SET value = CASE WHEN t.expires <= {_NOW} THEN excluded.value
+                ELSE (t.value::bigint + 1)::text END,
+        pickled = false, expires = excluded.expires
+    WHERE t.expires <= {_NOW} OR (t.value ~ '^[0-9]{{1,18}}$' AND NOT t.pickled)
+    RETURNING value
+)
+SELECT (SELECT value FROM drawn), EXISTS (SELECT 1 FROM held),
+    (SELECT value FROM {TABLE} AS t WHERE key = $4 AND {_LIVE})""".encode()
+
+#: $1 key: the live value (and whether it is pickled) and seconds left.
+READ: Final = f"""
+SELECT value, pickled, CASE WHEN t.expires = 'infinity' THEN 'Infinity'::float8
+    ELSE extract(epoch FROM t.expires - {_NOW})::float8 END
+FROM {TABLE} AS t WHERE key = $1 AND {_LIVE}""".encode()
+
+#: $1 keys (a text[]): each live key and its value and whether pickled.
+READ_MANY: Final = f"""
+SELECT key, value, pickled FROM {TABLE} AS t
+WHERE key = ANY($1::text[]) AND {_LIVE}""".encode()
+
+#: $1 key, $2 value, $3 seconds, $4 pickled: stored whatever was there.
+WRITE: Final = f"""
+INSERT INTO {TABLE} AS t (key, value, expires, pickled)
+VALUES ($1, $2, {_UNTIL}, $4::boolean)
+ON CONFLICT (key) DO UPDATE
+SET value = excluded.value, pickled = excluded.pickled, expires = excluded.expires
+""".encode()
+
+#: $1 keys, $2 values (text[]), $3 seconds: stored whatever was there.
+WRITE_MANY: Final = f"""
+INSERT INTO {TABLE} AS t (key, value, expires)
+SELECT k, v, {_UNTIL} FROM unnest($1::text[], $2::text[]) AS n(k, v)
+ON CONFLICT (key) DO UPDATE
+SET value = excluded.value, pickled = false, expires = excluded.expires
+""".encode()
+
+#: $1 key, $2 value, $3 seconds, $4 pickled: stored unless a live row is there.
+ADD: Final = f"""
+INSERT INTO {TABLE} AS t (key, value, expires, pickled)
+VALUES ($1, $2, {_UNTIL}, $4::boolean)
+ON CONFLICT (key) DO UPDATE
+SET value = excluded.value, pickled = excluded.pickled, expires = excluded.expires
+WHERE t.expires <= {_NOW} RETURNING 1""".encode()
+
+#: $1 key, $2 token: removed while it stores the token, live or not.
+DISCARD: Final = f"""
+DELETE FROM {TABLE} WHERE key = $1 AND value = $2 AND NOT pickled
+RETURNING 1""".encode()
+
+#: $1 key: removed; whether a live row was.
+DELETE: Final = f"DELETE FROM {TABLE} AS t WHERE key = $1 RETURNING {_LIVE}".encode()
+
+#: $1 keys (text[]).
+DELETE_MANY: Final = f"DELETE FROM {TABLE} WHERE key = ANY($1::text[])".encode()
+
+#: $1 key, $3 seconds: a live row's expiry reset ($2 unused).
+TOUCH: Final = f"""
+UPDATE {TABLE} AS t SET expires = {_UNTIL}
+WHERE key = $1 AND $2::text IS NULL AND {_LIVE} RETURNING 1""".encode()
+
+CLEAR: Final = f"DELETE FROM {TABLE}".encode()
+
+#: At most a batch of rows expired a minute or more ago, removed (a minute:
+#: a client's statement in flight on a row just expired has ended by then).
+SWEEP: Final = f"""
+DELETE FROM {TABLE} WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {TABLE}
+    WHERE expires < {_NOW} - interval '1 minute' LIMIT 1000
+))""".encode()
+
+
+def seconds(timeout: float) -> str:
+    """A lifetime in seconds, as a statement's ``$3``."""
+    return repr(float(timeout))
+
+
+def array(values: list[str]) -> str:
+    """A text[] literal of ``values``, as a statement's parameter."""
+    quoted = (
+        '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"' for value in values
+    )
+    return "{" + ",".join(quoted) + "}"

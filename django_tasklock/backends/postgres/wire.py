@@ -1,0 +1,153 @@
+"""One connection of our own to PostgreSQL, every wait on it bounded.
+
+libpq (``psycopg.pq``, psycopg's documented low-level module) in nonblocking
+mode, driven here: a connect, a statement sent and its reply read all wait on
+the socket with a deadline of ours (``TASKLOCK['SOCKET_TIMEOUT']``), so a
+server that stopped answering (frozen, partitioned, a pooler in front of a
+dead primary) is an error within the bound, never a wait without end. A
+statement that timed out leaves the connection closed: its outcome is not
+known, which the lock layer treats as such (``orphans``).
+
+Each statement is sent with the extended protocol and no name (no
+server-side prepared statement, no session state: it works through
+PgBouncer's transaction pooling), in autocommit: never inside a transaction
+of the caller's, whose connection is Django's, not this one.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from typing import TYPE_CHECKING, Final
+
+from psycopg import OperationalError, pq
+
+from .errors import MissingTable, StatementFailed, Unreachable
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["Wire"]
+
+_POLL_IN: Final = select.POLLIN | select.POLLERR | select.POLLHUP
+_POLL_OUT: Final = select.POLLOUT | select.POLLERR | select.POLLHUP
+#: SQLSTATE classes of errors that mean the server cannot serve us now: a
+#: connection failure (08), insufficient resources (53), an operator's
+#: intervention (57: shutdown, a cancelled statement), a system error (58),
+#: and a read-only transaction (25006: a standby, not the primary).
+_UNAVAILABLE: Final = ("08", "53", "57", "58", "25006")
+
+Row = tuple["str | None", ...]
+
+
+class Wire:
+    """A connection to one PostgreSQL server (or pooler), opened when first
+    needed and again after it broke; for one thread and one process."""
+
+    def __init__(self, conninfo: str, timeout: float, where: str) -> None:
+        self.conninfo = conninfo.encode()
+        #: Seconds a connect or a statement may take.
+        self.timeout = timeout
+        #: The server, for messages.
+        self.where = where
+        self._conn: pq.abc.PGconn | None = None
+        self._pid = 0
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and self._pid == os.getpid():
+            conn.finish()
+
+    def query(self, sql: bytes, params: Sequence[str | None]) -> list[Row]:
+        """Run one statement; its rows, each a tuple of texts (None: NULL)."""
+        conn = self._conn
+        if conn is None or self._pid != os.getpid():
+            conn = self._connect()
+        deadline = time.monotonic() + self.timeout
+        try:
+            conn.send_query_params(
+                sql, [None if p is None else p.encode() for p in params]
+            )
+            while conn.flush():
+                self._wait(conn, _POLL_OUT, deadline)
+            result = None
+            while True:
+                while conn.is_busy():
+                    self._wait(conn, _POLL_IN, deadline)
+                    conn.consume_input()
+                last = conn.get_result()
+                if last is None:
+                    break
+                result = last
+        except OperationalError as exc:
+            self.close()
+            raise Unreachable(f"{self.where}: {exc}") from None
+        except Unreachable:
+            self.close()
+            raise
+        if result is None:  # (the connection broke before any reply)
+            self.close()
+            raise Unreachable(f"{self.where}: {conn.get_error_message()}")
+        return self._rows(result)
+
+    def _rows(self, result: pq.abc.PGresult) -> list[Row]:
+        status = result.status
+        if status == pq.ExecStatus.TUPLES_OK:
+            width = result.nfields
+            return [
+                tuple(
+                    None
+                    if (value := result.get_value(row, column)) is None
+                    else value.decode()
+                    for column in range(width)
+                )
+                for row in range(result.ntuples)
+            ]
+        if status == pq.ExecStatus.COMMAND_OK:
+            return []
+        state = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+        message = (result.error_message or b"").decode().strip()
+        if state == "42P01":
+            raise MissingTable(message)
+        conn = self._conn
+        if state.startswith(_UNAVAILABLE) or (
+            conn is None or conn.status != pq.ConnStatus.OK
+        ):
+            self.close()
+            raise Unreachable(f"{self.where}: {message} (SQLSTATE {state})")
+        raise StatementFailed(f"{self.where}: {message} (SQLSTATE {state})")
+
+    def _connect(self) -> pq.abc.PGconn:
+        self._conn = None
+        deadline = time.monotonic() + self.timeout
+        conn = pq.PGconn.connect_start(self.conninfo)
+        try:
+            while True:
+                state = conn.connect_poll()
+                if state == pq.PollingStatus.OK:
+                    break
+                if state == pq.PollingStatus.FAILED:
+                    raise Unreachable(
+                        f"{self.where}: {conn.get_error_message().strip()}"
+                    )
+                events = _POLL_IN if state == pq.PollingStatus.READING else _POLL_OUT
+                self._wait(conn, events, deadline)
+            conn.nonblocking = 1
+        except BaseException:
+            conn.finish()
+            raise
+        self._conn, self._pid = conn, os.getpid()
+        return conn
+
+    def _wait(self, conn: pq.abc.PGconn, events: int, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left > 0:
+            poller = select.poll()
+            poller.register(conn.socket, events)
+            if poller.poll(left * 1000):
+                return
+        raise Unreachable(
+            f"{self.where} did not answer within {self.timeout:g} s "
+            "(TASKLOCK['SOCKET_TIMEOUT'])"
+        )

@@ -1,0 +1,260 @@
+"""The PostgreSQL store's own promises: never inside the caller's transaction,
+judged by the server's clock, bounded waits, a clear refusal when its table or
+database is wrong. (Every store test runs on it too: ``SHARED_STORES``.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+from django.core.cache import caches
+from django.core.management import call_command
+from django.db import connections, transaction
+from django.test import TestCase
+
+from django_tasklock import Lock, memcache_lock, orphans
+from django_tasklock.backends import close_thread_connections
+from django_tasklock.backends.postgres.statements import TABLE
+from django_tasklock.checks import check_settings
+from django_tasklock.exceptions import LockBackendError, LockConfigurationError
+from tests.helpers import wait_until
+from tests.services_pg import Postgres
+
+pytestmark = pytest.mark.usefixtures("postgres")
+
+
+@pytest.fixture
+def on_postgres(settings, postgres: Postgres) -> Postgres:
+    settings.TASKLOCK = {"CACHE": "postgres", "LOCK_EXPIRE": 60}
+    postgres.clear()
+    return postgres
+
+
+def _row(server: Postgres, lock_id: str, alias: str = "postgres") -> list[tuple]:
+    """The lock's row, read over a connection of its own (another session)."""
+    key = caches[alias].make_key(lock_id)
+    return server.execute(
+        f"SELECT value FROM {TABLE} WHERE key = %s AND expires > clock_timestamp()",
+        (key,),
+    )
+
+
+def test_a_lock_taken_inside_atomic_is_seen_at_once_and_outlives_the_rollback(
+    on_postgres, django_db_blocker
+):
+    lock = Lock("in-atomic")
+    with django_db_blocker.unblock():
+        with pytest.raises(ZeroDivisionError), transaction.atomic(using="pg"):
+            # The caller's own write in the same database, undone below.
+            connections["pg"].cursor().execute(
+                f"INSERT INTO {TABLE} (key, value, expires) "
+                "VALUES ('callers-row', 'x', clock_timestamp() + interval '1 hour')"
+            )
+            assert lock.acquire()
+            # Another session sees it while the caller's transaction is open.
+            assert _row(on_postgres, "in-atomic") == [(lock.token,)]
+            assert Lock("in-atomic").acquire() is False
+            1 / 0  # noqa: B018 - the caller's transaction rolls back
+        connections["pg"].close()
+    assert on_postgres.execute(f"SELECT 1 FROM {TABLE} WHERE key = 'callers-row'") == []
+    assert _row(on_postgres, "in-atomic") == [(lock.token,)]
+    assert lock.owned() and lock.release()
+    assert _row(on_postgres, "in-atomic") == []
+
+
+def test_holding_a_lock_holds_no_transaction_open(on_postgres):
+    with memcache_lock("no-open-transaction", "oid") as acquired:
+        assert acquired
+        sessions = on_postgres.execute(
+            "SELECT state, xact_start FROM pg_stat_activity "
+            "WHERE application_name = 'django_tasklock'"
+        )
+        assert sessions, "the lock's connection is not in pg_stat_activity"
+        assert all(state == "idle" and xact is None for state, xact in sessions)
+
+
+class TestInsideADjangoTestCase(TestCase):
+    """A TestCase wraps each test in a transaction (on its test database,
+    made by the migrations, ours among them): a lock taken in it is the
+    store's at once, and stays after the test's rollback."""
+
+    databases = {"default", "pg_tests"}
+    taken: dict[str, str] = {}
+
+    def test_a_lock_in_a_testcase_is_committed(self) -> None:
+        from django.test import override_settings
+
+        caches_setting = {
+            "tc": {
+                "BACKEND": "django_tasklock.backends.postgres.cache.PostgresCache",
+                "LOCATION": "pg_tests",
+            }
+        }
+        with override_settings(
+            CACHES={**_caches(), **caches_setting}, TASKLOCK={"CACHE": "tc"}
+        ):
+            lock = Lock("in-testcase")
+            assert lock.acquire()
+            type(self).taken["token"] = lock.token
+            type(self).taken["key"] = caches["tc"].make_key("in-testcase")
+            # The test database's name is the test runner's, not NAME.
+            name = connections["pg_tests"].settings_dict["NAME"]
+            assert name.startswith("test_")
+            type(self).taken["database"] = name
+            close_thread_connections()
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        super().tearDownClass()  # the test's transaction is gone by now
+        import psycopg
+
+        port = connections["pg_tests"].settings_dict["PORT"]
+        dsn = f"host=127.0.0.1 port={port} user=tasklock dbname={cls.taken['database']}"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                f"SELECT value FROM {TABLE} WHERE key = %s", (cls.taken["key"],)
+            ).fetchall()
+            conn.execute(f"DELETE FROM {TABLE}")
+        assert rows == [(cls.taken["token"],)], rows
+
+
+def _caches() -> dict:
+    from django.conf import settings
+
+    return {alias: dict(config) for alias, config in settings.CACHES.items()}
+
+
+def test_expiry_is_the_servers_clock_not_the_clients(on_postgres):
+    lock = Lock("server-clock", expire=1)
+    assert lock.acquire()
+    # A client whose clock jumps an hour ahead (or back) changes nothing.
+    with mock.patch("time.time", return_value=time.time() + 3600):
+        assert Lock("server-clock").acquire() is False
+        assert lock.owned()
+    deadline = time.monotonic() + 10
+    while Lock("server-clock").locked():
+        assert time.monotonic() < deadline, "the lock did not expire by its second"
+        time.sleep(0.05)
+    assert _row(on_postgres, "server-clock") == []
+
+
+def test_a_missing_lock_table_is_a_clear_refusal(settings):
+    settings.CACHES = {
+        **settings.CACHES,
+        "no_table": {
+            "BACKEND": "django_tasklock.backends.postgres.cache.PostgresCache",
+            "LOCATION": "pg_no_table",
+        },
+    }
+    settings.TASKLOCK = {"CACHE": "no_table"}
+    with pytest.raises(LockConfigurationError, match="migrate django_tasklock") as e:
+        Lock("no-table").acquire()
+    assert "--database pg_no_table" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("location", "found"),
+    [("default", "not PostgreSQL"), ("nowhere", "which DATABASES does not have")],
+)
+def test_a_location_that_is_no_postgresql_database_is_refused(
+    settings, location, found
+):
+    settings.CACHES = {
+        **settings.CACHES,
+        "wrong": {
+            "BACKEND": "django_tasklock.backends.postgres.cache.PostgresCache",
+            "LOCATION": location,
+        },
+    }
+    settings.TASKLOCK = {"CACHE": "wrong"}
+    errors = [e for e in check_settings() if e.id == "django_tasklock.E025"]
+    assert len(errors) == 1 and found in errors[0].msg
+    with pytest.raises(LockConfigurationError, match=found):
+        Lock("wrong-database").acquire()
+
+
+def test_the_migration_makes_the_table_on_postgresql_only(django_db_blocker):
+    with django_db_blocker.unblock():
+        call_command("migrate", "django_tasklock", database="default", verbosity=0)
+        tables = connections["default"].introspection.table_names()
+        connections["default"].close()
+    assert TABLE not in tables
+
+
+@pytest.fixture
+def own_postgres(settings) -> Iterator[Postgres]:
+    """A PostgreSQL of this test's (it freezes or restarts it), its table
+    made: the cache ``own_pg``, TASKLOCK's store."""
+    from django_tasklock.backends.postgres.statements import CREATE
+
+    server = Postgres().start()
+    server.execute(CREATE)
+    settings.DATABASES["pg_own"]["PORT"] = str(server.port)
+    settings.CACHES = {
+        **settings.CACHES,
+        "own_pg": {
+            "BACKEND": "django_tasklock.backends.postgres.cache.PostgresCache",
+            "LOCATION": "pg_own",
+        },
+    }
+    settings.TASKLOCK = {"CACHE": "own_pg", "LOCK_EXPIRE": 60, "SOCKET_TIMEOUT": 1}
+    yield server
+    close_thread_connections()
+    if server.process is not None:
+        server.thaw()
+    server.remove()
+
+
+def test_a_frozen_server_is_an_error_within_the_timeout_never_a_hang(own_postgres):
+    held = Lock("frozen")
+    assert held.acquire()
+    own_postgres.freeze()
+    try:
+        started = time.monotonic()
+        with pytest.raises(LockBackendError, match="did not answer within 1 s"):
+            Lock("frozen-other").acquire()
+        # One bound for the statement; a reconnect is bounded too.
+        assert time.monotonic() - started < 3
+        result: list[object] = []
+
+        def from_another_thread() -> None:
+            try:
+                result.append(Lock("frozen-third").acquire())
+            except LockBackendError as exc:
+                result.append(exc)
+            finally:
+                close_thread_connections()
+
+        thread = threading.Thread(target=from_another_thread)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive() and isinstance(result[0], LockBackendError)
+    finally:
+        own_postgres.thaw()
+    # Thawed, its holder still holds it and the store serves again. The takes
+    # sent into the frozen server may run now: their tokens, of unknown fate,
+    # are removed once it answers (``orphans``), so the locks come free.
+    assert held.owned() and held.release()
+    wait_until(lambda: orphans.watched_count() == 0, 15)
+    assert Lock("frozen-other").acquire()
+    assert Lock("frozen-third").acquire()
+
+
+def test_a_lock_outlives_a_server_restart_and_its_holder_releases_it(own_postgres):
+    held = Lock("restarted")
+    assert held.acquire()
+    own_postgres.restart()
+    # The first statement on the old connection fails (unknown): refused, told.
+    contender = Lock("restarted")
+    outcome = None
+    for _ in range(3):
+        try:
+            outcome = contender.acquire()
+            break
+        except LockBackendError:
+            continue
+    assert outcome is False, "a committed lock was lost in a restart"
+    assert held.owned() and held.release()
