@@ -67,8 +67,19 @@ def say(message: str = "") -> None:
 
 def start_lock_store(stack: ExitStack, store: str = "auto") -> str:
     """A private lock store: memcached (``auto``: Redis when memcached is
-    missing), Redis, or a Redis Cluster of three primaries with a replica each
-    (through django-valkey's ``ClusterValkeyCache``)."""
+    missing), Redis, a Redis Cluster of three primaries with a replica each
+    (through django-valkey's ``ClusterValkeyCache``), or PostgreSQL (the
+    project's database and its lock store at once)."""
+    if store == "postgres":
+        from tests.services_pg import Postgres
+
+        database = Postgres().start()
+        stack.callback(database.remove)
+        say(
+            f"Lock store and database: a private PostgreSQL on {database.address}, "
+            "the project's only store (PostgresCache on its default database)"
+        )
+        return f"postgres://{database.address}/tasklock"
     if store == "cluster":
         cluster = RedisCluster().start()
         stack.callback(cluster.stop)
@@ -445,10 +456,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--store",
-        choices=("auto", "memcached", "redis", "cluster"),
+        choices=("auto", "memcached", "redis", "cluster", "postgres"),
         default="auto",
         help="the lock store: memcached (auto: Redis when memcached is missing), "
-        "Redis, or a Redis Cluster through django-valkey",
+        "Redis, a Redis Cluster through django-valkey, or PostgreSQL as the "
+        "project's only store (its database and its locks)",
     )
     parser.add_argument(
         "--beat-seconds",
@@ -495,7 +507,10 @@ def main(argv: list[str] | None = None) -> int:
 
         call_command("migrate", verbosity=0)
         call_command("check")
-        say(f"Database: fresh SQLite at {os.environ['EXAMPLE_DATABASE']}")
+        if options.store == "postgres":
+            say("Database: the same PostgreSQL, migrated (the lock table with it)")
+        else:
+            say(f"Database: fresh SQLite at {os.environ['EXAMPLE_DATABASE']}")
         server = FeedServer(delay=options.delay).start()
         stack.callback(server.stop)
         urls = server.feed_urls()

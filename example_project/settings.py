@@ -2,8 +2,10 @@
 machine and the demo comes from the environment:
 
 - ``EXAMPLE_LOCK_STORE``: ``memcached://HOST:PORT`` (default 127.0.0.1:11211),
-  ``redis://HOST:PORT/DB`` or ``valkey-cluster://HOST:PORT`` (a node of a Redis
-  or Valkey Cluster, through django-valkey): the cache that holds the task locks;
+  ``redis://HOST:PORT/DB``, ``valkey-cluster://HOST:PORT`` (a node of a Redis
+  or Valkey Cluster, through django-valkey) or ``postgres://HOST:PORT/NAME``
+  (PostgreSQL as the only store: the database, and the locks in it): the
+  cache that holds the task locks;
 - ``EXAMPLE_DATABASE``: the SQLite file (default ``.tasklock-run/example.sqlite3``);
 - ``CELERY_BROKER_URL``: the broker; without it, kombu's filesystem transport in
   ``EXAMPLE_BROKER_DIR`` (default ``.tasklock-run/broker``), which needs no server;
@@ -78,7 +80,24 @@ DATABASES = {
 }
 
 LOCK_STORE = os.environ.get("EXAMPLE_LOCK_STORE", "memcached://127.0.0.1:11211")
-if LOCK_STORE.startswith("valkey-cluster://"):
+if LOCK_STORE.startswith("postgres://"):
+    # PostgreSQL only: the project's database holds its locks too.
+    _address, _name = LOCK_STORE.removeprefix("postgres://").split("/")
+    _host, _port = _address.split(":")
+    DATABASES["default"] = {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": _name,
+        "USER": "tasklock",
+        "HOST": _host,
+        "PORT": _port,
+    }
+    CACHES = {
+        "default": {
+            "BACKEND": "django_tasklock.backends.postgres.cache.PostgresCache",
+            "LOCATION": "default",
+        }
+    }
+elif LOCK_STORE.startswith("valkey-cluster://"):
     CACHES = {
         "default": {
             "BACKEND": "django_valkey.cluster_cache.cache.ClusterValkeyCache",

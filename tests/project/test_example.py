@@ -420,3 +420,15 @@ def test_demo_locks_on_a_redis_cluster():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Lock store: a private Redis Cluster (3 primaries" in result.stdout
     assert "RESULT: OK" in result.stdout
+
+
+@pytest.mark.slow
+def test_demo_on_postgresql_alone():
+    """``--store postgres``: the whole demo with PostgreSQL as the project's
+    only store: its database, and its locks, marks, limits, leadership and
+    console in the same database (PostgresCache on the default alias)."""
+    result = run_demo(None, "--store", "postgres")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Lock store and database: a private PostgreSQL on" in result.stdout
+    assert "Database: the same PostgreSQL, migrated" in result.stdout
+    assert "RESULT: OK" in result.stdout

@@ -4,6 +4,7 @@ database is wrong. (Every store test runs on it too: ``SHARED_STORES``.)"""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -258,3 +259,27 @@ def test_a_lock_outlives_a_server_restart_and_its_holder_releases_it(own_postgre
             continue
     assert outcome is False, "a committed lock was lost in a restart"
     assert held.owned() and held.release()
+
+
+def test_a_stalled_pgbouncer_is_an_error_within_the_timeout(own_postgres, settings):
+    from tests.services_pg import PgBouncer
+
+    bouncer = PgBouncer(own_postgres).start()
+    try:
+        settings.DATABASES["pg_own"]["PORT"] = str(bouncer.port)
+        close_thread_connections()
+        held = Lock("behind-bouncer")
+        assert held.acquire()
+        assert bouncer.process is not None
+        bouncer.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(LockBackendError, match="did not answer within 1 s"):
+                Lock("behind-bouncer-other").acquire()
+            assert time.monotonic() - started < 3
+        finally:
+            bouncer.process.send_signal(signal.SIGCONT)
+        assert held.owned() and held.release()
+    finally:
+        close_thread_connections()
+        bouncer.remove()
