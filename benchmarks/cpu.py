@@ -15,7 +15,9 @@ client, with nothing of start-up in it. Start-up runs uninstrumented
 (``benchmarks/valgrind.py``). The heap is frozen (``gc.freeze()``)
 before each operation's first mark. Ratios are to the raw floor of the same
 store in the same run: pymemcache ``add`` + ``delete`` on memcached, redis-py
-``SET NX PX`` + a Lua compare-and-delete on Redis.
+``SET NX PX`` + a Lua compare-and-delete on Redis, psycopg's ``execute`` of
+the store's own take (``INSERT ... ON CONFLICT``) and owner-checked
+``DELETE`` on PostgreSQL (a private server of the run's, as the others).
 
 The probe (``python -m benchmarks.cpu probe N OPERATION...``) is what runs under
 valgrind; it is not meant to be called by hand.
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 TABLE_START = ".. cpu-table-start"
 TABLE_END = ".. cpu-table-end"
 WARM_UP = 50
+_PG_FLOOR = "floor: psycopg INSERT ON CONFLICT + DELETE"
 #: Operation, its floor, and the target ratio to that floor (None: no target).
 OPERATIONS: list[tuple[str, str, float | None]] = [
     ("floor: raw add + delete", "", None),
@@ -81,6 +84,10 @@ OPERATIONS: list[tuple[str, str, float | None]] = [
         "async floor: redis.asyncio SET NX PX + Lua delete",
         1.1,
     ),
+    ("floor: psycopg INSERT ON CONFLICT + DELETE", "", None),
+    ("libpq's C, the same two (no Python)", _PG_FLOOR, None),
+    ("bare wire on PostgreSQL: the two, no lock", _PG_FLOOR, None),
+    ("Lock cycle on PostgreSQL", _PG_FLOOR, 1.1),
     ("floor: valkey-py cluster SET NX PX + Lua delete", "", None),
     (
         "Lock cycle on a cluster",
@@ -171,6 +178,9 @@ def _operations() -> dict[str, Callable[[], object]]:
         celery_bench.until_finished.delay(-1)
 
     cluster_floor, cluster_lock_cycle = _cluster_operations()
+    postgres_floor, postgres_psycopg, postgres_wire, postgres_lock_cycle = (
+        _postgres_operations()
+    )
     functions = [
         floor,
         recipe,
@@ -188,6 +198,10 @@ def _operations() -> dict[str, Callable[[], object]]:
         plain_delay,
         published_delay,
         joined_delay,
+        postgres_psycopg,
+        postgres_floor,
+        postgres_wire,
+        postgres_lock_cycle,
         cluster_floor,
         cluster_lock_cycle,
     ]
@@ -209,6 +223,66 @@ def _cluster_operations() -> tuple[Callable[[], object], Callable[[], object]]:
     from valkey.cluster import ValkeyCluster
 
     return _floor_and_cycle(ValkeyCluster.from_url(url), "cluster")
+
+
+def _postgres_operations() -> tuple[
+    Callable[[], object],
+    Callable[[], object],
+    Callable[[], object],
+    Callable[[], object],
+]:
+    """PostgreSQL: the store's own two statements (the take, an ``INSERT ...
+    ON CONFLICT ... DO UPDATE ... WHERE`` expired, and the owner-checked
+    ``DELETE``) by hand through libpq's C (``psycopg.pq``'s ``PQexecParams``,
+    blocking: what no Python client can undercut); the floor, the same two by
+    hand through psycopg's ``Connection.execute`` (autocommit, no prepared
+    statements, as through a pooler); the two through the store's own
+    connection (``wire``); and a Lock cycle on the ``postgres`` alias."""
+    import psycopg
+
+    from django_tasklock import Lock
+    from django_tasklock.backends.postgres import statements
+
+    port = os.environ["TASKLOCK_TEST_POSTGRES"]
+    dsn = f"host=127.0.0.1 port={port} user=tasklock dbname=tasklock"
+    raw = psycopg.connect(dsn, autocommit=True, prepare_threshold=None)
+    # (Its Connection kept: dropped, it would close the pgconn under us.)
+    libpq_owner = psycopg.connect(dsn, autocommit=True)
+    libpq = libpq_owner.pgconn
+    take_args = [b"cpu-pg-floor", b"token", b"60.0"]
+
+    def floor() -> None:
+        taken = libpq.exec_params(statements.TAKE, take_args)
+        released = libpq.exec_params(statements.RELEASE, take_args[:2])
+        if taken.ntuples != 1 or released.ntuples != 1:
+            raise RuntimeError(
+                f"the floor's statements failed: {libpq.error_message!r}"
+            )
+
+    take = statements.TAKE.decode().replace("$1", "%s").replace("$2", "%s")
+    take = take.replace("$3", "%s")
+    release = statements.RELEASE.decode().replace("$1", "%s").replace("$2", "%s")
+    take_params = ("cpu-pg-psycopg", "token", 60.0)
+
+    def with_psycopg() -> None:
+        raw.execute(take, take_params).fetchall()
+        raw.execute(release, take_params[:2]).fetchall()
+
+    from django_tasklock.backends.postgres.wire import Wire
+
+    wire = Wire(dsn, 2.0, "bench")
+    wire_args = ("cpu-pg-wire", "token", "60.0")
+
+    def bare_wire() -> None:
+        wire.query(statements.TAKE, wire_args)
+        wire.query(statements.RELEASE, wire_args[:2])
+
+    def lock_cycle() -> None:
+        lock = Lock("cpu-postgres-lock", cache="postgres")
+        lock.acquire()
+        lock.release()
+
+    return floor, with_psycopg, bare_wire, lock_cycle
 
 
 def _floor_and_cycle(
@@ -373,8 +447,13 @@ def measure(
             "valgrind is not installed: run `make bench-cpu` (it installs it), or "
             "apt-get install -y valgrind"
         )
+    from django_tasklock.backends.postgres.statements import CREATE
+    from tests.services_pg import Postgres
+
     memcached, redis_server = Memcached().start(), Redis().start()
-    servers: list[Any] = [memcached, redis_server]
+    postgres = Postgres().start()
+    postgres.execute(CREATE)
+    servers: list[Any] = [memcached, redis_server, postgres]
     # Every module the probe imports is compiled once, by the run outside
     # valgrind below, into a cache of this measurement's own (written even
     # under PYTHONDONTWRITEBYTECODE): compiling under valgrind is slow. It
@@ -393,6 +472,7 @@ def measure(
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "TASKLOCK_TEST_MEMCACHED": memcached.address,
         "TASKLOCK_TEST_REDIS": redis_server.url,
+        "TASKLOCK_TEST_POSTGRES": str(postgres.port),
     }
     if names is None:  # (the quick run's operations need no cluster)
         cluster = RedisCluster().start()
@@ -421,7 +501,7 @@ def measure(
             counts.update(instructions(group, iterations, env))
     finally:
         for server in servers:
-            server.stop()
+            getattr(server, "remove", server.stop)()
         bytecode.cleanup()
     return {name: count / iterations for name, count in counts.items()}
 

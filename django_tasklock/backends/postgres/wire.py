@@ -39,6 +39,8 @@ _POLL_OUT: Final = select.POLLOUT | select.POLLERR | select.POLLHUP
 _UNAVAILABLE: Final = ("08", "53", "57", "58", "25006")
 
 Row = tuple["str | None", ...]
+_TUPLES_OK: Final = int(pq.ExecStatus.TUPLES_OK)
+_COMMAND_OK: Final = int(pq.ExecStatus.COMMAND_OK)
 
 
 class Wire:
@@ -53,6 +55,8 @@ class Wire:
         self.where = where
         self._conn: pq.abc.PGconn | None = None
         self._pid = 0
+        #: A poll of the connection's socket for replies (made with it).
+        self._readable = select.poll()
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -64,17 +68,19 @@ class Wire:
         conn = self._conn
         if conn is None or self._pid != os.getpid():
             conn = self._connect()
-        deadline = time.monotonic() + self.timeout
         try:
             conn.send_query_params(
                 sql, [None if p is None else p.encode() for p in params]
             )
-            while conn.flush():
+            deadline = time.monotonic() + self.timeout
+            while conn.flush():  # (rare: a statement larger than the socket takes)
                 self._wait(conn, _POLL_OUT, deadline)
             result = None
             while True:
                 while conn.is_busy():
-                    self._wait(conn, _POLL_IN, deadline)
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._readable.poll(left * 1000):
+                        raise self._late()
                     conn.consume_input()
                 last = conn.get_result()
                 if last is None:
@@ -89,23 +95,23 @@ class Wire:
         if result is None:  # (the connection broke before any reply)
             self.close()
             raise Unreachable(f"{self.where}: {conn.get_error_message()}")
-        return self._rows(result)
-
-    def _rows(self, result: pq.abc.PGresult) -> list[Row]:
         status = result.status
-        if status == pq.ExecStatus.TUPLES_OK:
-            width = result.nfields
+        if status == _TUPLES_OK:
+            get = result.get_value
+            columns = range(result.nfields)
             return [
                 tuple(
-                    None
-                    if (value := result.get_value(row, column)) is None
-                    else value.decode()
-                    for column in range(width)
+                    None if (value := get(row, column)) is None else value.decode()
+                    for column in columns
                 )
                 for row in range(result.ntuples)
             ]
-        if status == pq.ExecStatus.COMMAND_OK:
+        if status == _COMMAND_OK:
             return []
+        return self._failed(result)
+
+    def _failed(self, result: pq.abc.PGresult) -> list[Row]:
+        """Raise what the error ``result`` means."""
         state = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
         message = (result.error_message or b"").decode().strip()
         if state == "42P01":
@@ -137,6 +143,8 @@ class Wire:
         except BaseException:
             conn.finish()
             raise
+        self._readable = select.poll()
+        self._readable.register(conn.socket, _POLL_IN)
         self._conn, self._pid = conn, os.getpid()
         return conn
 
@@ -147,7 +155,10 @@ class Wire:
             poller.register(conn.socket, events)
             if poller.poll(left * 1000):
                 return
-        raise Unreachable(
+        raise self._late()
+
+    def _late(self) -> Unreachable:
+        return Unreachable(
             f"{self.where} did not answer within {self.timeout:g} s "
             "(TASKLOCK['SOCKET_TIMEOUT'])"
         )
