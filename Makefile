@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test-quick soak demo demo-django6 lock-demo bench bench-cpu bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix matrix-envs pytest pytest-run coverage package services venv clean
+.PHONY: test-quick soak demo demo-django6 lock-demo bench bench-cpu bench-postgres bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix matrix-envs pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -112,6 +112,11 @@ bench: services $(STAMP)
 # Performance); BENCH_ARGS="--write-docs" updates its table.
 bench-cpu: services $(STAMP)
 	$(BIN)/python -m benchmarks.cpu $(BENCH_ARGS)
+
+# The PostgreSQL store's table after 100,000 lock cycles (size, dead rows),
+# beside releases that delete (docs/explanation/performance.rst).
+bench-postgres: services $(STAMP)
+	$(BIN)/python -m benchmarks.postgres_bloat --compare $(BENCH_ARGS)
 
 # Async locks: a cycle against the raw async floors and sync_to_async, and
 # 1,000 coroutines in each of 5 processes (overlaps, the loop's lag).

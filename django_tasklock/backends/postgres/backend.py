@@ -100,8 +100,7 @@ class PostgresBackend(LockBackend):
         return None
 
     def release(self, key: str, hold: Hold, token: object) -> bool:
-        rows = self._run(sql.RELEASE, key, str(hold))
-        return bool(rows) and rows[0][0] == "t"
+        return self._one(sql.RELEASE, key, str(hold))
 
     def discard(self, key: str, token: str) -> bool:
         return self._one(sql.DISCARD, key, token)

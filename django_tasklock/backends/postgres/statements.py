@@ -9,8 +9,12 @@ and takes it as such, and ``SWEEP`` removes such rows in batches.
 Each statement is one atomic step in autocommit: a take is an ``INSERT ... ON
 CONFLICT ... DO UPDATE ... WHERE`` the row expired (its row lock held for that
 statement only); a release, an extend and a replace act only ``WHERE`` the
-stored value is the holder's token; a fence is its lock's counter plus
-one, drawn in the statement that checks the lock is still the holder's.
+stored value is the holder's token. A release keeps the row and moves its
+expiry into the past: no indexed column changes, so the next take of the key
+is a HOT update on the same page (the fillfactor leaves it room), which the
+page prunes by itself, without waiting for autovacuum. A fence is its lock's
+counter plus one, drawn in the statement that checks the lock is still the
+holder's.
 """
 
 from __future__ import annotations
@@ -63,10 +67,11 @@ SET value = excluded.value, pickled = false, expires = excluded.expires
 WHERE t.expires <= {_NOW} OR (t.value = $4 AND NOT t.pickled)
 RETURNING 1""".encode()
 
-#: $1 key, $2 token: removed if it stores the token; whether it was still live.
+#: $1 key, $2 token: freed while the token holds it (the row kept, its expiry
+#: past: the next take of the key updates it in place, a HOT update).
 RELEASE: Final = f"""
-DELETE FROM {TABLE} AS t WHERE key = $1 AND value = $2 AND NOT pickled
-RETURNING {_LIVE}""".encode()
+UPDATE {TABLE} AS t SET expires = '-infinity'
+WHERE key = $1 AND value = $2 AND NOT pickled AND {_LIVE} RETURNING 1""".encode()
 
 #: $1 key, $2 token, $3 seconds: the expiry reset while the token holds it.
 EXTEND: Final = f"""
@@ -134,9 +139,10 @@ ON CONFLICT (key) DO UPDATE
 SET value = excluded.value, pickled = excluded.pickled, expires = excluded.expires
 WHERE t.expires <= {_NOW} RETURNING 1""".encode()
 
-#: $1 key, $2 token: removed while it stores the token, live or not.
+#: $1 key, $2 token: freed while it stores the token, live or not.
 DISCARD: Final = f"""
-DELETE FROM {TABLE} WHERE key = $1 AND value = $2 AND NOT pickled
+UPDATE {TABLE} SET expires = '-infinity'
+WHERE key = $1 AND value = $2 AND NOT pickled AND expires > '-infinity'
 RETURNING 1""".encode()
 
 #: $1 key: removed; whether a live row was.
