@@ -104,14 +104,13 @@ def measure(
         started = time.monotonic()
         workers = [
             subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.postgres_bloat", "worker"]
-                + [str(share), str(ids), str(seed)],
+                [sys.executable, "-m", "benchmarks.postgres_bloat", "worker", *args],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,
                 text=True,
             )
-            for seed in range(processes)
+            for args in ([str(share), str(ids), str(seed)] for seed in range(processes))
         ]
         samples = []
         while any(w.poll() is None for w in workers):
