@@ -10,8 +10,11 @@ every pair of holds of one id that overlapped while both holders believed.
 Flavours: ``memcached`` (one server), ``pool`` (three), ``twemproxy``
 (nutcracker over two), ``redis`` (a primary with a replica), ``sentinel``
 (a primary and a replica that a Sentinel fails over, through django-redis's
-SentinelClient) and ``cluster`` (a Redis Cluster, three primaries with a
-replica each). Every server sits behind a ``nemesis.Proxy`` but a cluster's
+SentinelClient), ``cluster`` (a Redis Cluster, three primaries with a
+replica each), ``postgres`` (a PostgreSQL server, ``PostgresCache``) and
+``pgbouncer`` (the same behind PgBouncer in transaction pooling mode). A
+paused PostgreSQL is every process of it stopped (a frozen VM); a killed one,
+its postmaster SIGKILLed (its backends follow), then started again. Every server sits behind a ``nemesis.Proxy`` but a cluster's
 and Sentinel's (whose nodes and Sentinel name the servers' own addresses). A
 violation prints the seed and the faults injected around it; the same seed
 draws the same schedule, options and client choices again (the timing of the
@@ -45,11 +48,21 @@ from typing import TYPE_CHECKING, Any
 
 from reliability.nemesis import Proxy
 from tests.services import Memcached, Nutcracker, Redis, RedisCluster, Sentinel
+from tests.services_pg import PgBouncer, Postgres
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-FLAVOURS = ("memcached", "pool", "twemproxy", "redis", "sentinel", "cluster")
+FLAVOURS = (
+    "memcached",
+    "pool",
+    "twemproxy",
+    "redis",
+    "sentinel",
+    "cluster",
+    "postgres",
+    "pgbouncer",
+)
 ROOT = Path(__file__).resolve().parent.parent
 MEMCACHED_BACKEND = "django.core.cache.backends.memcached.PyMemcacheCache"
 CLUSTER_CACHE = "django_valkey.cluster_cache.cache.ClusterValkeyCache"
@@ -61,7 +74,10 @@ BY_DESIGN = {
     "redis": {"flush", "kill-server"},
     "sentinel": {"flush", "kill-server", "failover"},
     "cluster": {"flush"},
+    "postgres": {"flush"},
+    "pgbouncer": {"flush"},
 }
+POSTGRES_CACHE = "django_tasklock.backends.postgres.cache.PostgresCache"
 
 
 @dataclass
@@ -127,7 +143,9 @@ class Deployment:
         self, flavour: str, chance: random.Random, pooling: bool | None = None
     ) -> None:
         self.flavour = flavour
-        self.servers: list[Memcached | Redis] = []
+        self.servers: list[Any] = []
+        #: The DATABASES entries the clients need (PostgreSQL's flavours).
+        self.databases: dict[str, dict[str, Any]] = {}
         self.proxies: list[Proxy] = []
         self.front: Nutcracker | None = None
         self.stack = contextlib.ExitStack()
@@ -161,6 +179,8 @@ class Deployment:
             self.cache = {"BACKEND": CLUSTER_CACHE, "LOCATION": cluster.url}
         elif flavour == "sentinel":
             self._sentinel()
+        elif flavour in ("postgres", "pgbouncer"):
+            self._postgres(bouncer=flavour == "pgbouncer")
         else:
             primary = self._serve(Redis())
             replica = Redis(args=["--replicaof", "127.0.0.1", str(primary.port)])
@@ -170,6 +190,27 @@ class Deployment:
                 "BACKEND": "django.core.cache.backends.redis.RedisCache",
                 "LOCATION": f"redis://{self.proxies[0].address}/0",
             }
+
+    def _postgres(self, *, bouncer: bool) -> None:
+        """A PostgreSQL server with the lock table (and PgBouncer before it),
+        the last of them behind a proxy."""
+        from django_tasklock.backends.postgres.statements import CREATE
+
+        database = Postgres().start()
+        self.stack.callback(_stop, database)
+        database.execute(CREATE)
+        self.servers.append(database)
+        self.postgres = database
+        front: Any = database
+        if bouncer:
+            front = PgBouncer(database).start()
+            self.stack.callback(_stop, front)
+            self.servers.append(front)
+        proxy = Proxy(front.port)
+        self.stack.callback(proxy.close)
+        self.proxies.append(proxy)
+        self.databases = {"checked": database.database_settings(proxy.port)}
+        self.cache = {"BACKEND": POSTGRES_CACHE, "LOCATION": "checked"}
 
     def _sentinel(self) -> None:
         """A primary, its replica and a Sentinel, no proxies (Sentinel hands
@@ -221,7 +262,9 @@ class Deployment:
 
     def flush(self, index: int) -> None:
         server = self.servers[index]
-        if self.flavour == "cluster":
+        if self.flavour in ("postgres", "pgbouncer"):
+            self.postgres.clear()
+        elif self.flavour == "cluster":
             self.cluster.flush()
         elif isinstance(server, Redis):
             import redis
@@ -240,7 +283,13 @@ def _at(port: int) -> Memcached:
     return Memcached(port=port)
 
 
-def _stop(server: Memcached | Redis) -> None:
+def _stop(server: Any) -> None:
+    if isinstance(server, Postgres):
+        if server.process is not None:
+            with contextlib.suppress(OSError):
+                server.thaw()
+        server.remove()
+        return
     if server.process is not None:
         with contextlib.suppress(ProcessLookupError):
             server.process.send_signal(signal.SIGCONT)
@@ -288,6 +337,7 @@ class Clients:
                 "PYTHONPATH": str(ROOT),
                 "TASKLOCK_CHECKER": json.dumps(config),
                 "TASKLOCK_TEST_EXTRA_CACHES": json.dumps({"checked": config["cache"]}),
+                "TASKLOCK_TEST_EXTRA_DATABASES": json.dumps(config["databases"]),
             },
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -428,6 +478,13 @@ class Nemesis:
                 server.stop(signal.SIGKILL)
                 self.stop.wait(min(seconds, 2.0))
                 server.start()
+            elif kind == "pause-server" and isinstance(server, Postgres):
+                self._note(kind, name, seconds)
+                server.freeze()
+                try:
+                    self.stop.wait(seconds)
+                finally:
+                    server.thaw()
             elif kind == "pause-server":
                 self._note(kind, name, seconds)
                 self._paused(server.process, seconds)
@@ -584,6 +641,7 @@ def check(
         config = {
             "alias": "checked",
             "cache": deployment.cache,
+            "databases": deployment.databases,
             "ids": [f"checked-{n}" for n in range(3)],
             "witness": str(path),
         }

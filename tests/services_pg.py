@@ -131,11 +131,21 @@ class Postgres(_Process):
         args = [postgres_bin("postgres"), "-D", str(self.data)]
         for name, value in options.items():
             args += ["-c", f"{name}={value}"]
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                args, stdout=log, stderr=log, start_new_session=True, **_as_owner()
-            )
-        wait_for_port(self.port, timeout=30, process=self.process)
+        # Started again after a SIGKILL, it may find the old backends still
+        # attached to its shared memory for a moment, and exit: tried again.
+        deadline = time.monotonic() + 30
+        while True:
+            with self.log.open("ab") as log:
+                self.process = subprocess.Popen(
+                    args, stdout=log, stderr=log, start_new_session=True, **_as_owner()
+                )
+            try:
+                wait_for_port(self.port, timeout=30, process=self.process)
+                break
+            except RuntimeError:
+                if self.process.poll() is None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         self._wait_ready()
         return self
 

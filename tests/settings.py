@@ -156,6 +156,11 @@ if os.environ.get("TASKLOCK_TEST_EXTRA_CACHES"):
     import json
 
     CACHES.update(json.loads(os.environ["TASKLOCK_TEST_EXTRA_CACHES"]))
+# And the databases a PostgresCache among them names (reliability/checker.py).
+if os.environ.get("TASKLOCK_TEST_EXTRA_DATABASES"):
+    import json
+
+    DATABASES.update(json.loads(os.environ["TASKLOCK_TEST_EXTRA_DATABASES"]))
 
 TASKLOCK: dict[str, object] = {"LOCK_EXPIRE": 60}
 # Worker processes of the cluster's fault cases (reliability/cluster.py) lock
