@@ -15,8 +15,8 @@ replica each), ``postgres`` (a PostgreSQL server, ``PostgresCache``) and
 ``pgbouncer`` (the same behind PgBouncer in transaction pooling mode). A
 paused PostgreSQL is every process of it stopped (a frozen VM); a killed one,
 its postmaster SIGKILLed (its backends follow), then started again. Every
-server sits behind a ``nemesis.Proxy`` but a cluster's and Sentinel's (whose nodes and Sentinel name the servers' own addresses). A
-violation prints the seed and the faults injected around it; the same seed
+server sits behind a ``nemesis.Proxy`` but a cluster's and Sentinel's
+(whose nodes and Sentinel name the servers' own addresses). A violation prints the seed and the faults injected around it; the same seed
 draws the same schedule, options and client choices again (the timing of the
 machine decides the rest).
 
