@@ -16,9 +16,10 @@ replica each), ``postgres`` (a PostgreSQL server, ``PostgresCache``) and
 paused PostgreSQL is every process of it stopped (a frozen VM); a killed one,
 its postmaster SIGKILLed (its backends follow), then started again. Every
 server sits behind a ``nemesis.Proxy`` but a cluster's and Sentinel's
-(whose nodes and Sentinel name the servers' own addresses). A violation prints the seed and the faults injected around it; the same seed
-draws the same schedule, options and client choices again (the timing of the
-machine decides the rest).
+(whose nodes and Sentinel name the servers' own addresses). A violation
+prints the seed and the faults injected around it; the same seed draws the
+same schedule, options and client choices again (the timing of the machine
+decides the rest).
 
 An overlap is "by design" when a fault the guarantees page names as losing
 locks came between the two holds (``flush_all`` anywhere; a server restarted
