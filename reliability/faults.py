@@ -1,4 +1,5 @@
-"""Fault cases for django_tasklock, against real memcached, Redis and workers.
+"""Fault cases for django_tasklock, against real memcached, Redis, PostgreSQL
+and workers.
 
     python -m reliability.faults [--quick] [--write-docs]
 
@@ -120,6 +121,7 @@ PARTS: dict[str, tuple[int, ...]] = {
     "recovery": tuple(range(30, 34)),
     "deployments": tuple(range(34, 44)),
     "cluster": tuple(range(44, 49)),
+    "postgres": tuple(range(49, 53)),
 }
 
 

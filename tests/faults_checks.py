@@ -21,7 +21,7 @@ from tests.services import module_run
 GROUPS: tuple[tuple[str, ...], ...] = (
     ("basics", "semaphores", "pools", "recovery"),
     ("calls", "limits", "unknown", "cluster"),
-    ("deployments", "lifecycle"),
+    ("deployments", "lifecycle", "postgres"),
 )
 #: The cases that make a holder outlive its lock on purpose.
 BY_DESIGN = {"2.", "3.", "9.", "31."}
@@ -255,6 +255,18 @@ def _cluster(out: str, rows: dict[str, Table]) -> None:
     assert far and float(far.group(2)) <= LIVENESS + 2 + SLACK
 
 
+def _postgres(out: str, rows: dict[str, Table]) -> None:
+    freed = re.search(r"lock free (\d+\.\d)-(\d+\.\d)s after the kill", rows["49."][5])
+    assert freed and float(freed.group(2)) <= 3 + 2
+    for number in ("50.", "51."):
+        kept = re.search(
+            r"second holders 0/(\d+); every holder kept its lock (\d+)/(\d+)",
+            rows[number][5],
+        )
+        assert kept and kept.group(2) == kept.group(3) == kept.group(1) != "0"
+    assert re.search(r"kept through the rollback (\d+)/\1", rows["52."][5])
+
+
 #: Each part's own figures, checked on the output of a run that included it.
 FIGURES: dict[str, Callable[[str, dict[str, Table]], None]] = {
     "basics": _basics,
@@ -267,4 +279,5 @@ FIGURES: dict[str, Callable[[str, dict[str, Table]], None]] = {
     "recovery": _recovery,
     "deployments": _deployments,
     "cluster": _cluster,
+    "postgres": _postgres,
 }

@@ -66,13 +66,20 @@ class Wire:
     def query(self, sql: bytes, params: Sequence[str | None]) -> list[Row]:
         """Run one statement; its rows, each a tuple of texts (None: NULL)."""
         conn = self._conn
+        now = time.monotonic()
         if conn is None or self._pid != os.getpid():
+            conn = self._connect()
+        elif self._readable.poll(0):
+            # Bytes unasked between statements: the server ended the session
+            # (a restart, a pooler's, an idle timeout). Nothing of this
+            # statement was sent yet, so a new connection sends it.
+            self.close()
             conn = self._connect()
         try:
             conn.send_query_params(
                 sql, [None if p is None else p.encode() for p in params]
             )
-            deadline = time.monotonic() + self.timeout
+            deadline = now + self.timeout
             while conn.flush():  # (rare: a statement larger than the socket takes)
                 self._wait(conn, _POLL_OUT, deadline)
             result = None
