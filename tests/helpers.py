@@ -21,7 +21,7 @@ LONGER = 3
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The stores whose take and release are the event loop's own round trips.
-NATIVE = {"memcached-meta", "redis", "django-redis"}
+NATIVE = {"memcached-meta", "redis", "django-redis", "postgres", "pgbouncer"}
 
 #: Django's memcached backend of pymemcache.
 MEMCACHED = "django.core.cache.backends.memcached.PyMemcacheCache"

@@ -5,7 +5,7 @@ trip, atomic on the primary and judged by its clock."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...exceptions import LockConfigurationError
 from ...keys import encodable_key, hashed_id
@@ -30,6 +30,7 @@ class PostgresBackend(LockBackend):
 
     kind = "PostgreSQL"
     errors = (Unreachable, StatementFailed)
+    async_client: ClassVar[str | None] = "django_tasklock.backends.postgres.aio"
     cache: PostgresCache
 
     alias_checks = staticmethod(checks.alias_checks)
@@ -136,7 +137,11 @@ class PostgresBackend(LockBackend):
         return max(0.0, float(rows[0][2])) if rows else None
 
     def peek(self, key: str) -> Peek | None:
-        rows = self._run(sql.READ, key)
+        return self.peeked(self._run(sql.READ, key))
+
+    def peeked(self, rows: list[Any]) -> Peek | None:
+        """The ``Peek`` of ``statements.READ``'s ``rows`` (the async client's
+        too)."""
         if not rows:
             return None
         value, pickled, _left = rows[0]

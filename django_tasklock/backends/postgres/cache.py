@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import math
 import pickle
+import threading
 from typing import Any, Literal
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT, BaseCache
@@ -56,7 +57,11 @@ class PostgresCache(BaseCache):
     def __init__(self, location: str, params: dict[str, Any]) -> None:
         super().__init__(params)
         self.database = location or "default"
-        self._wire: Wire | None = None
+        # Connections per thread, not per cache object: Django hands one
+        # cache object to an event loop's task and to the executor threads
+        # it starts (asgiref's Local follows the context), and a libpq
+        # connection serves one statement at a time.
+        self._threads = threading.local()
 
     @property
     def where(self) -> str:
@@ -67,19 +72,21 @@ class PostgresCache(BaseCache):
         return f"database {self.database!r} ({host}:{port}/{config.get('NAME')})"
 
     def wire(self) -> Wire:
-        """This cache object's (so this thread's) connection."""
-        wire = self._wire
+        """This thread's connection."""
+        wire: Wire | None = getattr(self._threads, "wire", None)
         if wire is None:
             problem = database_problem("A PostgresCache", self.database)
             if problem is not None:
                 raise LockConfigurationError(problem)
             timeout = tasklock_settings.SOCKET_TIMEOUT
             conninfo = conninfo_for(connections[self.database], timeout)
-            wire = self._wire = Wire(conninfo, timeout, self.where)
+            wire = self._threads.wire = Wire(conninfo, timeout, self.where)
         return wire
 
     def close(self, **kwargs: Any) -> None:
-        wire, self._wire = self._wire, None
+        """Close this thread's connection."""
+        wire = getattr(self._threads, "wire", None)
+        self._threads.wire = None
         if wire is not None:
             wire.close()
 

@@ -283,3 +283,35 @@ def test_a_stalled_pgbouncer_is_an_error_within_the_timeout(own_postgres, settin
     finally:
         close_thread_connections()
         bouncer.remove()
+
+
+def test_the_async_client_is_the_loops_own_and_bounded(own_postgres):
+    import asyncio
+
+    from django_tasklock.aio import loop_backend
+    from django_tasklock.backends.postgres.aio import AsyncPostgres
+
+    async def scenario() -> tuple[bool, list[bool], float]:
+        store = await loop_backend("own_pg", "auto")
+        locks = [Lock(f"async-{n}") for n in range(50)]
+        # Fifty coroutines at once take turns on the loop's one connection.
+        taken = await asyncio.gather(*(lock.aacquire() for lock in locks))
+        refused = await Lock("async-0").aacquire()
+        released = await asyncio.gather(*(lock.arelease() for lock in locks))
+        own_postgres.freeze()
+        try:
+            started = time.monotonic()
+            with pytest.raises(LockBackendError, match="did not answer within 1 s"):
+                await Lock("async-frozen").aacquire()
+            took = time.monotonic() - started
+        finally:
+            own_postgres.thaw()
+        assert await Lock("async-after").aacquire()
+        native = isinstance(store, AsyncPostgres) and store.native
+        await store.aclose()
+        return native, [*taken, not refused, *released], took
+
+    native, outcomes, took = asyncio.run(scenario())
+    assert native
+    assert all(outcomes)
+    assert took < 3

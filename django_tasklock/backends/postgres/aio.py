@@ -1,0 +1,177 @@
+"""Locks on PostgreSQL from an event loop: the sync backend's statements,
+over a libpq connection of the loop's own.
+
+The connection is libpq in nonblocking mode (as ``wire``'s), driven by the
+loop: ``wire.statement_steps`` says when the socket must be readable or
+writable, and the loop's reader and writer callbacks wake the statement, no
+thread between. One statement at a time on it (libpq's rule outside
+pipeline mode): the loop's coroutines take turns, each statement bounded by
+``TASKLOCK['SOCKET_TIMEOUT']``. A take or release whose caller is cancelled
+is carried to its end (``AsyncBackend.take``/``drop``), so no reply is left
+unread on the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import time
+from typing import TYPE_CHECKING, Any
+
+from psycopg import OperationalError
+
+from ...conf import settings as tasklock_settings
+from ..aio.base import AsyncBackend
+from . import statements as sql
+from .cache import conninfo_for
+from .errors import Unreachable
+from .wire import READ, WRITE, connect_steps, late, rows_of, statement_steps
+
+if TYPE_CHECKING:
+    from collections.abc import Generator, Sequence
+
+    from psycopg import pq
+
+    from ..base import Hold, Peek
+    from .backend import PostgresBackend
+    from .wire import Row
+
+__all__ = ["AsyncPostgres", "build"]
+
+
+class _LoopWire:
+    """The loop's connection to the alias's database, made when first needed
+    and again after it broke."""
+
+    def __init__(self, conninfo: str, timeout: float, where: str) -> None:
+        self.conninfo = conninfo.encode()
+        self.timeout, self.where = timeout, where
+        self._conn: pq.abc.PGconn | None = None
+        self._connecting: Any = None
+        self._turn = asyncio.Lock()
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.finish()
+
+    async def query(self, statement: bytes, params: Sequence[str | None]) -> list[Row]:
+        async with self._turn:
+            conn = self._conn
+            if conn is not None and _unasked(conn):
+                self.close()  # (the server ended the session: nothing sent yet)
+                conn = None
+            deadline = time.monotonic() + self.timeout
+            try:
+                if conn is None:
+                    steps: Generator[Any, None, Any] = connect_steps(self)
+                    self._conn = conn = await self._driven(steps, deadline, True)
+                steps = statement_steps(conn, statement, params)
+                result = await self._driven(steps, deadline, False)
+            except OperationalError as exc:
+                self.close()
+                raise Unreachable(f"{self.where}: {exc}") from None
+            except (Unreachable, asyncio.CancelledError):
+                self.close()  # (a statement cut short leaves its reply unread)
+                raise
+            return rows_of(self, result)
+
+    async def _driven(
+        self, steps: Generator[Any, None, Any], deadline: float, making: bool
+    ) -> Any:
+        """Drive ``steps`` (``connect_steps`` when ``making``, which return
+        their connection; else ``statement_steps``) on the loop."""
+        loop = asyncio.get_running_loop()
+        try:
+            want = next(steps)
+            while True:
+                if not making and want is not READ and want is not WRITE:
+                    return want  # (the statement's result, its last step)
+                conn: Any = self._connecting if making else self._conn
+                await self._ready(loop, conn.socket, want == WRITE, deadline)
+                want = steps.send(None)
+        except StopIteration as done:  # (connect_steps return their connection)
+            return done.value
+        except BaseException:
+            steps.close()  # (a connection half made is finished)
+            raise
+
+    async def _ready(
+        self, loop: asyncio.AbstractEventLoop, fd: int, write: bool, deadline: float
+    ) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise late(self)
+        ready = loop.create_future()
+        watch, unwatch = (
+            (loop.add_writer, loop.remove_writer)
+            if write
+            else (loop.add_reader, loop.remove_reader)
+        )
+        watch(fd, _wake, ready)
+        try:
+            await asyncio.wait_for(ready, left)
+        except asyncio.TimeoutError:
+            raise late(self) from None
+        finally:
+            unwatch(fd)
+
+
+def _wake(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
+
+
+def _unasked(conn: pq.abc.PGconn) -> bool:
+    """Whether bytes arrived on ``conn`` between statements (the server ended
+    the session)."""
+    readable, _, _ = select.select([conn.socket], [], [], 0)
+    return bool(readable)
+
+
+class AsyncPostgres(AsyncBackend):
+    """The loop's connection to the database of a PostgresCache alias."""
+
+    native = True
+
+    def __init__(self, sync: PostgresBackend) -> None:
+        super().__init__(sync)
+        self._peeked = sync.peeked
+        cache = sync.cache
+        timeout = tasklock_settings.SOCKET_TIMEOUT
+        from django.db import connections
+
+        conninfo = conninfo_for(connections[cache.database], timeout)
+        self._wire = _LoopWire(conninfo, timeout, cache.where)
+
+    async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
+        rows = await self._wire.query(sql.TAKE, (key, token, sql.seconds(expire)))
+        return token if rows else None
+
+    async def release(self, key: str, hold: Hold, token: object) -> bool:
+        return bool(await self._wire.query(sql.RELEASE, (key, str(hold))))
+
+    async def peek(self, key: str) -> Peek | None:
+        rows = await self._wire.query(sql.READ, (key,))
+        return self._peeked(rows)
+
+    async def replace(
+        self, key: str, hold: Hold, old: object, new: str, expire: float
+    ) -> Hold | None:
+        params = (key, str(hold), sql.seconds(expire), new)
+        return new if await self._wire.query(sql.REPLACE, params) else None
+
+    async def held_many(self, keys: list[str]) -> list[bool]:
+        if not keys:
+            return []
+        rows = await self._wire.query(sql.READ_MANY, (sql.array(keys),))
+        held = {row[0] for row in rows}
+        return [key in held for key in keys]
+
+    async def aclose(self) -> None:
+        self._wire.close()
+
+
+def build(sync: PostgresBackend) -> AsyncPostgres:
+    """A loop's client of ``sync``'s database."""
+    return AsyncPostgres(sync)
