@@ -3,8 +3,9 @@ installs the package from a wheel built from this checkout, in a virtual
 environment of its own, and its three tests (a duplicate call joined, a run
 refused while its lock is held, a rate-limited call admitted once the clock
 moved) use the pytest plugin's ``tasklock`` fixture, which the wheel's entry
-point enables with no line of the project's. They pass on memcached and on
-Redis, eagerly and with a real Celery worker."""
+point enables with no line of the project's. They pass on memcached, on
+Redis and on PostgreSQL alone (the project's database holding its locks),
+eagerly and with a real Celery worker."""
 
 from __future__ import annotations
 
@@ -84,29 +85,47 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         assert made.returncode == 0, made.stderr
         install = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     installed = _run(
-        [*install, f"{wheel}[celery,redis]", "pytest", "pytest-django"], timeout=600
+        [*install, f"{wheel}[celery,redis,postgres]", "pytest", "pytest-django"],
+        timeout=600,
     )
     assert installed.returncode == 0, installed.stdout + installed.stderr
     shutil.copytree(TEMPLATE, where / "project")
     return where / "project", venv / "bin" / "python"
 
 
+@pytest.fixture(scope="module")
+def project_database(postgres) -> str:
+    """A database of the project's own on the session's PostgreSQL, its lock
+    table made as ``migrate`` makes it (the project's tests use no database
+    of Django's test runner)."""
+    import psycopg
+
+    from django_tasklock.backends.postgres.statements import CREATE
+
+    postgres.execute("DROP DATABASE IF EXISTS newproject")
+    postgres.execute("CREATE DATABASE newproject")
+    with psycopg.connect(postgres.dsn("newproject"), autocommit=True) as conn:
+        conn.execute(CREATE)
+    return f"postgres://{postgres.address}/newproject"
+
+
 @pytest.mark.parametrize("eager", ["1", "0"], ids=["eager", "worker"])
-@pytest.mark.parametrize("store", ["memcached", "redis"])
+@pytest.mark.parametrize("store", ["memcached", "redis", "postgres"])
 def test_a_new_projects_three_tests_pass(
-    project, store, eager, memcached, redis_server
+    project, store, eager, memcached, redis_server, request
 ):
     directory, python = project
     base = redis_server.url.rsplit("/", 1)[0]
+    locations = {"memcached": f"memcached://{memcached.address}", "redis": f"{base}/6"}
+    if store == "postgres":
+        locations["postgres"] = request.getfixturevalue("project_database")
     env = {
         **{
             k: v
             for k, v in os.environ.items()
             if not k.startswith(("PYTEST_", "DJANGO_"))
         },
-        "PROJ_LOCK_STORE": (
-            f"memcached://{memcached.address}" if store == "memcached" else f"{base}/6"
-        ),
+        "PROJ_LOCK_STORE": locations[store],
         "PROJ_BROKER": f"{base}/7",
         "PROJ_RESULTS": f"{base}/8",
         "PROJ_EAGER": eager,

@@ -56,7 +56,11 @@ def run_sample(module: str, cache: str, *extra: str, **env: str) -> str:
     return f"exit {result.returncode}\n(seed {seed})\n{result.stdout}{result.stderr}"
 
 
-@pytest.mark.parametrize("cache", ["default", "redis"], ids=["memcached", "redis"])
+@pytest.mark.parametrize(
+    "cache",
+    ["default", "redis", "postgres"],
+    ids=["memcached", "redis", "postgres"],
+)
 def test_a_projects_tests_run_twice_in_random_order_and_leak_nothing(cache):
     """Every test leaves state that would break another, or its own second
     run: a held lock, a used-up 1/h limit, a full semaphore, a pending call.

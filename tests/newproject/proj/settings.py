@@ -11,7 +11,26 @@ INSTALLED_APPS = [
 DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
 
 STORE = os.environ["PROJ_LOCK_STORE"]
-if STORE.startswith("redis://"):
+if STORE.startswith("postgres://"):
+    # PostgreSQL alone: the project's database holds its locks.
+    address, name = STORE.removeprefix("postgres://").split("/")
+    host, port = address.split(":")
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": name,
+            "USER": "tasklock",
+            "HOST": host,
+            "PORT": port,
+        }
+    }
+    CACHES = {
+        "default": {
+            "BACKEND": "django_tasklock.backends.postgres.cache.PostgresCache",
+            "LOCATION": "default",
+        }
+    }
+elif STORE.startswith("redis://"):
     CACHES = {
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
