@@ -213,6 +213,24 @@ class Postgres(_Process):
         self.stop()
         self.start()
 
+    def standby(self) -> Postgres:
+        """A streaming standby of this server (``pg_basebackup -R``), started
+        on a port of its own."""
+        replica = Postgres()
+        subprocess.run(
+            [
+                postgres_bin("pg_basebackup"),
+                *("-h", "127.0.0.1", "-p", str(self.port), "-U", USER),
+                *("-D", str(replica.data), "-R", "-X", "stream", "--no-sync"),
+                *("--checkpoint", "fast"),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            **_as_owner(),
+        )
+        return replica.start()
+
     def _processes(self) -> list[int]:
         """The server's pid, then its children's (each backend is a process
         group of its own: PostgreSQL's children call setsid)."""

@@ -47,6 +47,10 @@ def conninfo_for(connection: Any, timeout: float) -> str:
         if name not in _NOT_LIBPQ and value is not None
     }
     params.setdefault("connect_timeout", max(2, math.ceil(timeout)))
+    # The primary only: a standby's rows lag behind (a liveness record not yet
+    # replicated would read as missing, its holder as dead), and libpq refuses
+    # a session it cannot write in when it connects.
+    params["target_session_attrs"] = "read-write"
     params.setdefault("application_name", "django_tasklock")
     return make_conninfo(**params)
 

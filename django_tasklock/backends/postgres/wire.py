@@ -185,15 +185,23 @@ def connect_steps(session: Any) -> Generator[int, None, pq.abc.PGconn]:
             if state == pq.PollingStatus.OK:
                 break
             if state == pq.PollingStatus.FAILED:
-                raise Unreachable(
-                    f"{session.where}: {conn.get_error_message().strip()}"
-                )
+                said = conn.get_error_message().strip()
+                if "read-only" in said:
+                    said += _READ_ONLY
+                raise Unreachable(f"{session.where}: {said}")
             yield READ if state == pq.PollingStatus.READING else WRITE
         conn.nonblocking = 1
     except BaseException:
         conn.finish()
         raise
     return conn
+
+
+_READ_ONLY: Final = (
+    " (a standby, or a server that cannot write: locks and liveness records "
+    "are read and written on the primary only. Point the DATABASES entry at "
+    "the primary)"
+)
 
 
 def late(session: Any) -> Unreachable:

@@ -315,3 +315,21 @@ def test_the_async_client_is_the_loops_own_and_bounded(own_postgres):
     assert native
     assert all(outcomes)
     assert took < 3
+
+
+def test_a_standby_is_refused_reads_and_writes_alike(own_postgres, settings):
+    """Safety state is read on the primary only: a standby (its rows behind
+    the primary's) is refused when the connection is made, for a take and for
+    a read alike."""
+    standby = own_postgres.standby()
+    try:
+        settings.DATABASES["pg_own"]["PORT"] = str(standby.port)
+        close_thread_connections()
+        refused = "session is read-only .a standby.+on the primary only"
+        with pytest.raises(LockBackendError, match=refused):
+            Lock("on-a-standby").acquire()
+        with pytest.raises(LockBackendError, match=refused):
+            Lock("on-a-standby").locked()
+    finally:
+        close_thread_connections()
+        standby.remove()
