@@ -25,10 +25,11 @@ from ..aio.base import AsyncBackend
 from . import statements as sql
 from .cache import conninfo_for
 from .errors import Unreachable
+from .runs import learning
 from .wire import READ, WRITE, connect_steps, late, rows_of, statement_steps
 
 if TYPE_CHECKING:
-    from collections.abc import Generator, Sequence
+    from collections.abc import Callable, Generator, Sequence
 
     from psycopg import pq
 
@@ -49,13 +50,21 @@ class _LoopWire:
         self._conn: pq.abc.PGconn | None = None
         self._connecting: Any = None
         self._turn = asyncio.Lock()
+        #: As ``Wire.run_started``.
+        self.run_started: float | None = None
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.finish()
 
-    async def query(self, statement: bytes, params: Sequence[str | None]) -> list[Row]:
+    async def query(
+        self,
+        statement: bytes,
+        params: Sequence[str | None],
+        guard: Callable[[Any], object] | None = None,
+    ) -> list[Row]:
+        """As ``Wire.query``, on the loop: one statement at a time."""
         async with self._turn:
             conn = self._conn
             if conn is not None and _unasked(conn):
@@ -66,6 +75,9 @@ class _LoopWire:
                 if conn is None:
                     steps: Generator[Any, None, Any] = connect_steps(self)
                     self._conn = conn = await self._driven(steps, deadline, True)
+                    await self._learn(conn, deadline)
+                    if guard is not None:
+                        guard(self)
                 steps = statement_steps(conn, statement, params)
                 result = await self._driven(steps, deadline, False)
             except OperationalError as exc:
@@ -75,6 +87,18 @@ class _LoopWire:
                 self.close()  # (a statement cut short leaves its reply unread)
                 raise
             return rows_of(self, result)
+
+    async def _learn(self, conn: pq.abc.PGconn, deadline: float) -> None:
+        """The run the new connection ``conn`` reached (``runs.learning``)."""
+        learn = learning(self.where)
+        try:
+            ask = next(learn)
+            while True:
+                steps = statement_steps(conn, *ask)
+                rows = rows_of(self, await self._driven(steps, deadline, False))
+                ask = learn.send(rows)
+        except StopIteration as done:
+            self.run_started = done.value
 
     async def _driven(
         self, steps: Generator[Any, None, Any], deadline: float, making: bool
@@ -136,7 +160,7 @@ class AsyncPostgres(AsyncBackend):
 
     def __init__(self, sync: PostgresBackend) -> None:
         super().__init__(sync)
-        self._peeked = sync.peeked
+        self._peeked, self._young = sync.peeked, sync.young
         cache = sync.cache
         timeout = tasklock_settings.SOCKET_TIMEOUT
         from django.db import connections
@@ -145,7 +169,10 @@ class AsyncPostgres(AsyncBackend):
         self._wire = _LoopWire(conninfo, timeout, cache.where)
 
     async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        rows = await self._wire.query(sql.TAKE, (key, token, sql.seconds(expire)))
+        wire, young = self._wire, self._young
+        if wire.run_started is not None:
+            young(wire)
+        rows = await wire.query(sql.TAKE, (key, token, sql.seconds(expire)), young)
         return token if rows else None
 
     async def release(self, key: str, hold: Hold, token: object) -> bool:

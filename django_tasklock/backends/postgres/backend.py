@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ...conf import settings as tasklock_settings
 from ...exceptions import LockConfigurationError
 from ...keys import encodable_key, hashed_id
 from ..base import FenceCounter, Hold, LockBackend, Peek
@@ -16,7 +17,10 @@ from . import statements as sql
 from .errors import MissingTable, StatementFailed, Unreachable
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .cache import PostgresCache
+    from .wire import Wire
 
 __all__ = ["PostgresBackend"]
 
@@ -39,12 +43,17 @@ class PostgresBackend(LockBackend):
         self, cache: PostgresCache, alias: str, protocol: str = "auto"
     ) -> None:
         super().__init__(cache, alias, protocol)
-        self.records = self.items = self
+        self.records = self.items = self.restarts = self
         self._swept = time.monotonic()
 
-    def _run(self, statement: bytes, *params: str | None) -> list[Any]:
+    def _run(
+        self,
+        statement: bytes,
+        *params: str | None,
+        guard: Callable[[Wire], object] | None = None,
+    ) -> list[Any]:
         try:
-            return self.cache.wire().query(statement, params)
+            return self.cache.wire().query(statement, params, guard)
         except MissingTable as exc:
             raise LockConfigurationError(
                 f"CACHES[{self.alias!r}]'s lock table {sql.TABLE} does not exist "
@@ -67,8 +76,36 @@ class PostgresBackend(LockBackend):
     def close(self) -> None:
         self.cache.close()
 
+    def young(self, wire: Wire | Any) -> None:
+        """Refuse a new lock while the run of the database ``wire`` reached is
+        younger than ``RESTART_GRACE`` (``runs``: a promoted standby, another
+        cluster), when live holders may still be putting back what it lacks."""
+        started = wire.run_started
+        if started is None:
+            return
+        grace = tasklock_settings.RESTART_GRACE
+        age = time.monotonic() - started
+        if age >= grace:
+            wire.run_started = None
+            return
+        raise Unreachable(
+            f"{wire.where} began a new run {age:.0f}s ago (a promoted standby, or "
+            "another cluster): it may lack the last locks its predecessor held, "
+            f"so new locks wait until it is {grace:g}s old "
+            "(TASKLOCK['RESTART_GRACE']) while their live holders put them back"
+        )
+
+    def restarted_at(self, key: str) -> float | None:
+        return self.cache.wire().run_started
+
+    def reassert(self, key: str, token: str, expire: float) -> Hold | None:
+        return token if self._one(sql.TAKE, key, token, sql.seconds(expire)) else None
+
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        taken = self._one(sql.TAKE, key, token, sql.seconds(expire))
+        wire = self.cache.wire()
+        if wire.run_started is not None:
+            self.young(wire)
+        taken = self._run(sql.TAKE, key, token, sql.seconds(expire), guard=self.young)
         if time.monotonic() - self._swept > SWEEP_EVERY:
             self.sweep()
         return token if taken else None
@@ -81,7 +118,9 @@ class PostgresBackend(LockBackend):
     def take_over(
         self, key: str, expected: str, token: str, expire: float
     ) -> Hold | None:
-        taken = self._one(sql.TAKE_OVER, key, token, sql.seconds(expire), expected)
+        self.young(self.cache.wire())
+        params = (key, token, sql.seconds(expire), expected)
+        taken = self._run(sql.TAKE_OVER, *params, guard=self.young)
         return token if taken else None
 
     def draw_fence(
@@ -166,7 +205,10 @@ class PostgresBackend(LockBackend):
         self._run(sql.WRITE, self.key_for(record_id), value, sql.seconds(ttl), "f")
 
     def read_record(self, key: str, record_id: str) -> object | None:
-        rows = self._run(sql.READ, self.key_for(record_id))
+        # A run that may lack what its predecessor held may lack the record
+        # too: its holder is not judged dead by it meanwhile.
+        self.young(self.cache.wire())
+        rows = self._run(sql.READ, self.key_for(record_id), guard=self.young)
         return self.cache.decode(rows[0][0], rows[0][1] == "t") if rows else None
 
     def delete_record(self, place: object, record_id: str) -> None:

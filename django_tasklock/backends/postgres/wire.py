@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, Final
 from psycopg import OperationalError, pq
 
 from .errors import MissingTable, StatementFailed, Unreachable
+from .runs import learning
 
 if TYPE_CHECKING:
-    from collections.abc import Generator, Sequence
+    from collections.abc import Callable, Generator, Sequence
 
 __all__ = [
     "READ",
@@ -63,6 +64,9 @@ class Wire:
         self.where = where
         self._conn: pq.abc.PGconn | None = None
         self._pid = 0
+        #: When the run of the database it reached started, if that run may
+        #: lack locks its predecessor held (``runs.learning``), else None.
+        self.run_started: float | None = None
         #: The connection being made (``connect_steps``).
         self._connecting: Any = None
         #: A poll of the connection's socket for replies (made with it).
@@ -73,18 +77,25 @@ class Wire:
         if conn is not None and self._pid == os.getpid():
             conn.finish()
 
-    def query(self, sql: bytes, params: Sequence[str | None]) -> list[Row]:
-        """Run one statement; its rows, each a tuple of texts (None: NULL)."""
+    def query(
+        self,
+        sql: bytes,
+        params: Sequence[str | None],
+        guard: Callable[[Wire], object] | None = None,
+    ) -> list[Row]:
+        """Run one statement; its rows, each a tuple of texts (None: NULL).
+        ``guard(wire)``, where given, runs after a new connection learnt its
+        run (``runs``) and before the statement is sent: it may refuse it."""
         conn = self._conn
-        now = time.monotonic()
         if conn is None or self._pid != os.getpid():
-            conn = self._connect()
+            conn = self._connect(guard)
         elif self._readable.poll(0):
             # Bytes unasked between statements: the server ended the session
             # (a restart, a pooler's, an idle timeout). Nothing of this
             # statement was sent yet, so a new connection sends it.
             self.close()
-            conn = self._connect()
+            conn = self._connect(guard)
+        now = time.monotonic()
         # ``statement_steps``, inlined: driven through the generator, a Lock
         # cycle took 7,100 more instructions (6.7 %; make bench-cpu's harness,
         # 59.1k -> 66.2k for the bare two statements). The async connection
@@ -115,7 +126,20 @@ class Wire:
             raise
         return rows_of(self, result)
 
-    def _connect(self) -> pq.abc.PGconn:
+    def _connect(self, guard: Callable[[Wire], object] | None) -> pq.abc.PGconn:
+        conn = self._connected()
+        steps = learning(self.where)
+        try:
+            ask = next(steps)
+            while True:
+                ask = steps.send(self.query(*ask))
+        except StopIteration as done:
+            self.run_started = done.value
+        if guard is not None:
+            guard(self)
+        return conn
+
+    def _connected(self) -> pq.abc.PGconn:
         self._conn = None
         deadline = time.monotonic() + self.timeout
         steps = connect_steps(self)

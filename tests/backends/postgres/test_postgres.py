@@ -333,3 +333,44 @@ def test_a_standby_is_refused_reads_and_writes_alike(own_postgres, settings):
     finally:
         close_thread_connections()
         standby.remove()
+
+
+def test_a_promoted_standby_waits_the_grace_and_holders_keep_their_locks(
+    own_postgres, settings
+):
+    """The primary gone, its streaming standby promoted (a new timeline) and
+    clients sent to it: new locks wait RESTART_GRACE, counted from when the
+    first process saw the new run, while the holder keeps its lock."""
+    from reliability.nemesis import Proxy
+
+    standby = own_postgres.standby()
+    proxy = Proxy(own_postgres.port)
+    try:
+        settings.DATABASES["pg_own"]["PORT"] = str(proxy.port)
+        settings.TASKLOCK = {**settings.TASKLOCK, "LIVENESS": 3, "RESTART_GRACE": 3}
+        close_thread_connections()
+        held = Lock("failover-held")
+        assert held.acquire()
+        key = caches["own_pg"].make_key("failover-held")
+        replicated = f"SELECT 1 FROM {TABLE} WHERE key = %s AND value = %s"
+        wait_until(lambda: standby.execute(replicated, (key, held.token)) != [], 10)
+        assert standby.execute("SELECT pg_promote()") == [(True,)]
+        own_postgres.stop()
+        proxy.upstream_port = standby.port
+        proxy.reset()
+        seen = time.monotonic()
+        with pytest.raises(LockBackendError, match="began a new run"):
+            Lock("failover-new").acquire()
+        taken = False
+        while not taken:
+            assert time.monotonic() - seen < 10, "still refused past the grace"
+            try:
+                taken = Lock("failover-new").acquire()
+            except LockBackendError:
+                time.sleep(0.1)
+        assert time.monotonic() - seen >= 3 - 0.5
+        assert held.owned() and held.release()
+    finally:
+        close_thread_connections()
+        proxy.close()
+        standby.remove()
