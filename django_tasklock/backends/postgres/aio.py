@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from ..base import Hold, Peek
     from .backend import PostgresBackend
-    from .wire import Row
+    from .statements import Row
 
 __all__ = ["AsyncPostgres", "build"]
 

@@ -25,7 +25,7 @@ from .statements import TABLE
 if TYPE_CHECKING:
     from collections.abc import Generator
 
-    from .wire import Row
+    from .statements import Row
 
 __all__ = ["IDENTITY", "RUN_KEY", "learning"]
 

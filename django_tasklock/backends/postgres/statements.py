@@ -25,11 +25,14 @@ __all__ = [
     "CREATE",
     "DROP",
     "TABLE",
+    "Row",
     "array",
     "seconds",
 ]
 
 TABLE: Final = "django_tasklock_item"
+#: A row of a statement's reply: its columns as text (None: NULL).
+Row = tuple["str | None", ...]
 
 #: The table, made by the app's migration. ``pickled``: a value Django's cache
 #: API stored pickled (base64), not text. A fillfactor below 100 leaves room

@@ -29,6 +29,8 @@ from .runs import learning
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator, Sequence
 
+    from .statements import Row
+
 __all__ = [
     "READ",
     "WRITE",
@@ -47,7 +49,6 @@ _POLL_OUT: Final = select.POLLOUT | select.POLLERR | select.POLLHUP
 #: and a read-only transaction (25006: a standby, not the primary).
 _UNAVAILABLE: Final = ("08", "53", "57", "58", "25006")
 
-Row = tuple["str | None", ...]
 _TUPLES_OK: Final = int(pq.ExecStatus.TUPLES_OK)
 _COMMAND_OK: Final = int(pq.ExecStatus.COMMAND_OK)
 
