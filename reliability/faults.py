@@ -121,7 +121,7 @@ PARTS: dict[str, tuple[int, ...]] = {
     "recovery": tuple(range(30, 34)),
     "deployments": tuple(range(34, 44)),
     "cluster": tuple(range(44, 49)),
-    "postgres": tuple(range(49, 53)),
+    "postgres": tuple(range(49, 54)),
 }
 
 

@@ -1,6 +1,6 @@
-"""Fault cases 49-52: the PostgreSQL store. A killed holder's lock free within
+"""Fault cases 49-53: the PostgreSQL store. A killed holder's lock free within
 LIVENESS; PostgreSQL and PgBouncer restarted under 20 live holders; a
-transaction rolled back around a take. Real holder processes
+transaction rolled back around a take; a standby promoted under 20 holders. Real holder processes
 (``tests.holder``) on the ``postgres`` and ``pgbouncer`` aliases, on another
 host by hostname (a UTS namespace of their own), over a PostgreSQL and a
 PgBouncer of this part's own.
@@ -230,6 +230,87 @@ def rolled_back(tries: int) -> Row:
     return row
 
 
+def standby_promoted(tries: int) -> Row:
+    """53. The primary stopped under 20 live holders and its streaming
+    standby promoted, the clients sent to it (a proxy re-pointed, as a
+    virtual IP moves); a rival here then tries a new id until it gets it, and
+    every held id. Overlaps: held ids it took. Wrong: a holder that lost its
+    lock, or new locks granted before RESTART_GRACE (LIVENESS, 10 s) or still
+    refused past it plus SLACK."""
+    from django.conf import settings
+
+    from django_tasklock import Lock
+    from django_tasklock.backends import close_thread_connections
+    from django_tasklock.backends.postgres.statements import CREATE
+    from django_tasklock.exceptions import LockBackendError
+    from reliability.nemesis import Proxy
+
+    attempts = overlapping = wrong = 0
+    waited: list[float] = []
+    for attempt in range(tries):
+        primary = Postgres().start()
+        primary.execute(CREATE)
+        standby = primary.standby()
+        proxy = Proxy(primary.port)
+        os.environ["TASKLOCK_TEST_POSTGRES"] = str(proxy.port)
+        settings.DATABASES["pg"]["PORT"] = str(proxy.port)
+        close_thread_connections()
+        try:
+            with _tasklock("postgres"):
+                ids = [f"promoted-{attempt}-{n}" for n in range(HOLDERS)]
+                holders = _start_holders("postgres", ids)
+                try:
+                    # Every lock on the standby first: this row is about the
+                    # promotion, not about what asynchronous replication lags.
+                    lsn = primary.execute("SELECT pg_current_wal_lsn()::text")[0][0]
+                    caught_up = "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn"
+                    deadline = time.monotonic() + 30
+                    while standby.execute(caught_up, (lsn,)) != [(True,)]:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("the standby never caught up")
+                        time.sleep(0.05)
+                    primary.stop()
+                    standby.execute("SELECT pg_promote()")
+                    proxy.upstream_port = standby.port
+                    proxy.reset()
+                    promoted = time.monotonic()
+                    while True:
+                        try:
+                            if Lock(f"promoted-fresh-{attempt}").acquire():
+                                break
+                        except LockBackendError:
+                            pass
+                        if time.monotonic() - promoted > 10 + SLACK + 5:
+                            break
+                        time.sleep(0.1)
+                    took = time.monotonic() - promoted
+                    waited.append(took)
+                    wrong += not 10 - 1 <= took <= 10 + SLACK
+                    for lock_id in ids:
+                        attempts += 1
+                        overlapping += Lock(lock_id).acquire()
+                    for holder in holders:
+                        wrong += holder.ask("check") != "check True False"
+                        wrong += holder.ask("release") != "released True"
+                finally:
+                    for holder in holders:
+                        holder.close()
+        finally:
+            from django_tasklock.locks.liveness import forget_records
+
+            forget_records()
+            close_thread_connections()
+            proxy.close()
+            standby.remove()
+            primary.remove()
+    row = Row("53. PostgreSQL: standby promoted under 20", attempts, overlapping, wrong)
+    row.figures.append(
+        f"new locks refused for {_spread(waited)}s after the promotion "
+        f"(RESTART_GRACE: LIVENESS, 10 s); second holders {overlapping}/{attempts}"
+    )
+    return row
+
+
 class _RollBack(Exception):
     """Raised inside the atomic block: the caller's transaction rolls back."""
 
@@ -266,4 +347,5 @@ def run(quick: bool) -> list[Row]:
             )
         )
         rows.append(rolled_back(2 if quick else 5))
+    rows.append(standby_promoted(1 if quick else 2))
     return rows

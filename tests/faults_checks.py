@@ -265,6 +265,9 @@ def _postgres(out: str, rows: dict[str, Table]) -> None:
         )
         assert kept and kept.group(2) == kept.group(3) == kept.group(1) != "0"
     assert re.search(r"kept through the rollback (\d+)/\1", rows["52."][5])
+    refused = re.search(r"refused for (\d+\.\d)-(\d+\.\d)s after", rows["53."][5])
+    assert refused and float(refused.group(1)) >= 9
+    assert "second holders 0/20" in rows["53."][5]
 
 
 #: Each part's own figures, checked on the output of a run that included it.
