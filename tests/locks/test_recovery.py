@@ -252,8 +252,19 @@ def test_a_lock_gone_from_the_store_is_told_to_its_holder_within_two_beats(
         wait_until(lambda: record.beats >= beats + 3)  # two reads after it
         assert lock.check() is False
     assert "renewing its liveness record" in caplog.text
-    assert kept.check() is True  # the other lock, still there, is not judged
-    assert kept.release()
+    # The other lock, still there, is not judged by the two reads. (Starved
+    # past LIVENESS on a loaded machine, its holder may be told its record
+    # lapsed: the fail-safe, a reason of its own, which one loaded fresh
+    # clone met; never "renewing its liveness record".)
+    if kept.check():
+        assert kept.release()
+    else:
+        told = [
+            r.getMessage()
+            for r in caplog.records
+            if "'kept-beside-it'" in r.getMessage()
+        ]
+        assert told and all("may have lapsed" in line for line in told), told
     assert lock.release() is False
     if then == "taken":
         assert thief.check() is True and thief.release()
