@@ -8,6 +8,7 @@ refuses root).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -241,12 +242,17 @@ class Postgres(_Process):
 
     def freeze(self) -> None:
         """Stop every process of the server where it is (SIGSTOP): a frozen VM."""
-        for pid in self._processes():
-            os.kill(pid, signal.SIGSTOP)
+        self._signal(signal.SIGSTOP)
 
     def thaw(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
         for pid in self._processes():
-            os.kill(pid, signal.SIGCONT)
+            # (A backend may end between the listing and its signal: the
+            # postmaster, resumed first, reaps one whose client went away.)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
 
 @dataclass

@@ -101,18 +101,21 @@ def test_send_task_by_name_joins_a_delay(workers):
 def test_retry_keeps_the_call_locked_and_the_last_try_frees_it(workers):
     lock_id = lock_id_for(tasks.finish_retrying, "retry", 2, 0.2, 0.5)
     first = tasks.finish_retrying.delay("retry", 2, 0.2, 0.5)
-    duplicates = []  # (when it was sent, its result)
+    duplicates = []  # (when its send returned, its result)
     while not first.ready():
-        sent_at = time.monotonic()
-        duplicates.append((sent_at, tasks.finish_retrying.delay("retry", 2, 0.2, 0.5)))
+        duplicate = tasks.finish_retrying.delay("retry", 2, 0.2, 0.5)
+        duplicates.append((time.monotonic(), duplicate))
         time.sleep(0.05)
     assert first.get(timeout=60) == 2
     runs = tasks.runs("retry")
     ours = [run for run in runs if run["task_id"] == first.id]
     assert [run["retries"] for run in ours] == [0, 1, 2]
-    # Through every retry a duplicate joins the call. Only one sent after the
-    # last try had ended may be a call of its own: the lock is freed before the
-    # result is stored, and ready() polled (a window a busy machine widens).
+    # Through every retry a duplicate joins the call. Only one whose send
+    # returned after the last try had ended may be a call of its own: the lock
+    # is freed before the result is stored, and ready() polled (a window a
+    # busy machine widens). (Judged by when the send began, a send begun just
+    # before the end that looked at the lock just after it was counted wrong,
+    # in one loaded fresh clone.)
     ended = ours[-1]["end"]
     late = {d.id for at, d in duplicates if at > ended}
     own = {d.id for _at, d in duplicates if d.id != first.id}
