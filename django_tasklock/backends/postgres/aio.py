@@ -76,8 +76,8 @@ class _LoopWire:
                     steps: Generator[Any, None, Any] = connect_steps(self)
                     self._conn = conn = await self._driven(steps, deadline, True)
                     await self._learn(conn, deadline)
-                    if guard is not None:
-                        guard(self)
+                if guard is not None and self.run_started is not None:
+                    guard(self)
                 steps = statement_steps(conn, statement, params)
                 result = await self._driven(steps, deadline, False)
             except OperationalError as exc:
@@ -169,10 +169,8 @@ class AsyncPostgres(AsyncBackend):
         self._wire = _LoopWire(conninfo, timeout, cache.where)
 
     async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        wire, young = self._wire, self._young
-        if wire.run_started is not None:
-            young(wire)
-        rows = await wire.query(sql.TAKE, (key, token, sql.seconds(expire)), young)
+        params = (key, token, sql.seconds(expire))
+        rows = await self._wire.query(sql.TAKE, params, self._young)
         return token if rows else None
 
     async def release(self, key: str, hold: Hold, token: object) -> bool:

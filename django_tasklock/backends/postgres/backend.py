@@ -102,9 +102,6 @@ class PostgresBackend(LockBackend):
         return token if self._one(sql.TAKE, key, token, sql.seconds(expire)) else None
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        wire = self.cache.wire()
-        if wire.run_started is not None:
-            self.young(wire)
         taken = self._run(sql.TAKE, key, token, sql.seconds(expire), guard=self.young)
         if time.monotonic() - self._swept > SWEEP_EVERY:
             self.sweep()
@@ -118,7 +115,6 @@ class PostgresBackend(LockBackend):
     def take_over(
         self, key: str, expected: str, token: str, expire: float
     ) -> Hold | None:
-        self.young(self.cache.wire())
         params = (key, token, sql.seconds(expire), expected)
         taken = self._run(sql.TAKE_OVER, *params, guard=self.young)
         return token if taken else None
@@ -207,7 +203,6 @@ class PostgresBackend(LockBackend):
     def read_record(self, key: str, record_id: str) -> object | None:
         # A run that may lack what its predecessor held may lack the record
         # too: its holder is not judged dead by it meanwhile.
-        self.young(self.cache.wire())
         rows = self._run(sql.READ, self.key_for(record_id), guard=self.young)
         return self.cache.decode(rows[0][0], rows[0][1] == "t") if rows else None
 

@@ -85,17 +85,20 @@ class Wire:
         guard: Callable[[Wire], object] | None = None,
     ) -> list[Row]:
         """Run one statement; its rows, each a tuple of texts (None: NULL).
-        ``guard(wire)``, where given, runs after a new connection learnt its
-        run (``runs``) and before the statement is sent: it may refuse it."""
+        ``guard(wire)``, where given, runs before the statement is sent
+        whenever the run of the database the connection reached (learnt when
+        it was made: ``runs``) may lack locks: it may refuse the statement."""
         conn = self._conn
         if conn is None or self._pid != os.getpid():
-            conn = self._connect(guard)
+            conn = self._connect()
         elif self._readable.poll(0):
             # Bytes unasked between statements: the server ended the session
             # (a restart, a pooler's, an idle timeout). Nothing of this
             # statement was sent yet, so a new connection sends it.
             self.close()
-            conn = self._connect(guard)
+            conn = self._connect()
+        if guard is not None and self.run_started is not None:
+            guard(self)
         now = time.monotonic()
         # ``statement_steps``, inlined: driven through the generator, a Lock
         # cycle took 7,100 more instructions (6.7 %; make bench-cpu's harness,
@@ -127,7 +130,7 @@ class Wire:
             raise
         return rows_of(self, result)
 
-    def _connect(self, guard: Callable[[Wire], object] | None) -> pq.abc.PGconn:
+    def _connect(self) -> pq.abc.PGconn:
         conn = self._connected()
         steps = learning(self.where)
         try:
@@ -136,8 +139,6 @@ class Wire:
                 ask = steps.send(self.query(*ask))
         except StopIteration as done:
             self.run_started = done.value
-        if guard is not None:
-            guard(self)
         return conn
 
     def _connected(self) -> pq.abc.PGconn:
