@@ -13,7 +13,11 @@ the ratios compare like with like on a shared, noisy machine:
 2. Contended: 8 processes on one lock id for a fixed time, acquisitions per
    second, for the floor (raw ``add``/``delete``) and for ``Lock``, alternated;
    the same on a private Redis Cluster (three primaries, a replica each),
-   against valkey-py's cluster client (SET NX PX + Lua compare-and-delete).
+   against valkey-py's cluster client (SET NX PX + Lua compare-and-delete);
+   and on a private PostgreSQL, directly and through PgBouncer in transaction
+   pooling mode, against psycopg running the store's own two statements (the
+   take, ``INSERT ... ON CONFLICT ... DO UPDATE ... WHERE`` expired, and the
+   owner-checked release) by hand on an autocommit connection.
 3. End to end: a storm of duplicate Celery tasks over real worker processes
    (prefork, on a private Redis broker), with and without ``@single_instance``,
    time until every task has finished, alternated.
@@ -32,6 +36,7 @@ import multiprocessing
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import sys
@@ -195,13 +200,16 @@ def p99(values: list[int]) -> float:
 # -- 2. contended ------------------------------------------------------------------
 
 
-def _tries(memcached: str, on_cluster: bool) -> dict[str, Callable[[], bool]]:
+def _tries(memcached: str, where: str) -> dict[str, Callable[[], bool]]:
     """One try at the contended lock, per variant: the floor (raw ``add`` and
     ``delete`` on memcached; on a cluster valkey-py's ``SET NX PX`` and a Lua
-    compare-and-delete) and ``Lock``; each True if it held the lock."""
+    compare-and-delete; on PostgreSQL the store's take and release by hand,
+    through psycopg) and ``Lock``; each True if it held the lock."""
     from django_tasklock import Lock
 
-    if on_cluster:
+    if where in ("postgres", "pgbouncer"):
+        floor = _postgres_floor(where)
+    elif where == "cluster":
         from valkey.cluster import ValkeyCluster
 
         raw = ValkeyCluster.from_url(os.environ["TASKLOCK_TEST_CLUSTER"])
@@ -228,7 +236,7 @@ def _tries(memcached: str, on_cluster: bool) -> dict[str, Callable[[], bool]]:
             client.delete("bench-contended-floor")
             return True
 
-    cache = "cluster" if on_cluster else None
+    cache = None if where == "memcached" else where
 
     def with_lock() -> bool:
         lock = Lock("bench-contended-lock", cache=cache)
@@ -240,16 +248,48 @@ def _tries(memcached: str, on_cluster: bool) -> dict[str, Callable[[], bool]]:
     return {"floor": floor, "Lock": with_lock}
 
 
+def _postgres_floor(where: str) -> Callable[[], bool]:
+    """The store's take and owner-checked release, by hand: psycopg on an
+    autocommit connection of its own, no prepared statements (as through a
+    pooler in transaction mode), to the server or to PgBouncer."""
+    import psycopg
+
+    from django_tasklock.backends.postgres import statements
+
+    port = os.environ[
+        "TASKLOCK_TEST_PGBOUNCER" if where == "pgbouncer" else "TASKLOCK_TEST_POSTGRES"
+    ]
+    raw = psycopg.connect(
+        f"host=127.0.0.1 port={port} user=tasklock dbname=tasklock",
+        autocommit=True,
+        prepare_threshold=None,
+    )
+    take, release = (
+        re.sub(r"\$\d", "%s", statement.decode())
+        for statement in (statements.TAKE, statements.RELEASE)
+    )
+    arguments = ("bench-contended-floor", f"{os.getpid()}", 60.0)
+
+    def floor() -> bool:
+        if not raw.execute(take, arguments).fetchall():
+            return False
+        if not raw.execute(release, arguments[:2]).fetchall():
+            raise RuntimeError("the floor's release found its take gone")
+        return True
+
+    return floor
+
+
 # A contending process's tries, made (and each tried once, so that every
 # client has connected) before any window opens: a cluster client's start,
 # slow on a busy machine, once left a whole window without a try.
 _prepared: dict[str, Callable[[], bool]] = {}
 
 
-def _prepare(memcached: str, on_cluster: bool) -> None:
+def _prepare(memcached: str, where: str) -> None:
     """The pool's initializer: Django set up, the tries made and warmed."""
     setup_django(memcached)
-    _prepared.update(_tries(memcached, on_cluster))
+    _prepared.update(_tries(memcached, where))
     for attempt in _prepared.values():
         attempt()
 
@@ -276,14 +316,14 @@ def measure_contended(
     processes: int,
     seconds: float,
     rounds: int,
-    on_cluster: bool = False,
+    where: str = "memcached",
 ) -> dict[str, float]:
     """Acquisitions a second of ``processes`` processes on one lock id, per
-    variant; on the cluster of TASKLOCK_TEST_CLUSTER with ``on_cluster``."""
+    variant: on memcached, or on the tests' CACHES alias ``where``."""
     context = multiprocessing.get_context("spawn")
     totals = {"floor": 0, "Lock": 0}
     with context.Pool(
-        processes, initializer=_prepare, initargs=(memcached, on_cluster)
+        processes, initializer=_prepare, initargs=(memcached, where)
     ) as pool:
         # Every process up, its tries made: a process runs a task only once
         # its initializer is done, so each pid seen is a ready process.
@@ -645,7 +685,7 @@ def render(
     storm: dict[str, float] | None,
     about: str,
     command: str,
-    cluster: dict[str, float] | None = None,
+    stores: dict[str, dict[str, float]] | None = None,
 ) -> tuple[str, list[str]]:
     floor = statistics.median(samples["floor (raw add+delete)"])
     misses: list[str] = []
@@ -692,15 +732,14 @@ def render(
         f"    {'Lock':<36} {contended['Lock']:>9.0f} {'':>9} {ratio:>7.2f}x  "
         f">= 0.9x {'met' if ratio >= 0.9 else 'MISSED'}",
     ]
-    if cluster is not None:
-        on_cluster = cluster["Lock"] / cluster["floor"]
+    for where, measured in (stores or {}).items():
+        title, floor_name, lock_name = STORE_ROWS[where]
+        versus = measured["Lock"] / measured["floor"]
         lines += [
             "",
-            f"    {'contended on a Redis Cluster':<36} {'acq/s':>9} {'':>9} {'x floor':>8}",
-            f"    {'floor (valkey-py SET NX + Lua del)':<36} {cluster['floor']:>9.0f} "
-            f"{'':>9} {1:>7.2f}x",
-            f"    {'Lock (ClusterValkeyCache)':<36} {cluster['Lock']:>9.0f} {'':>9} "
-            f"{on_cluster:>7.2f}x",
+            f"    {title:<36} {'acq/s':>9} {'':>9} {'x floor':>8}",
+            f"    {floor_name:<36} {measured['floor']:>9.0f} {'':>9} {1:>7.2f}x",
+            f"    {lock_name:<36} {measured['Lock']:>9.0f} {'':>9} {versus:>7.2f}x",
         ]
     if storm is not None:
         slower = storm["@single_instance"] / storm["without lock"] - 1
@@ -714,6 +753,40 @@ def render(
             f"{slower:>+7.0%}   <= +10% {'met' if slower <= 0.10 else 'MISSED'}",
         ]
     return "\n".join(lines) + "\n", misses
+
+
+#: A store's contention rows: their title and the names of their two rows.
+STORE_ROWS = {
+    "cluster": (
+        "contended on a Redis Cluster",
+        "floor (valkey-py SET NX + Lua del)",
+        "Lock (ClusterValkeyCache)",
+    ),
+    "postgres": (
+        "contended on PostgreSQL",
+        "floor (psycopg: take + release)",
+        "Lock (PostgresCache)",
+    ),
+    "pgbouncer": (
+        "contended through PgBouncer",
+        "floor (psycopg: take + release)",
+        "Lock (PostgresCache)",
+    ),
+}
+
+
+def measure_postgres(
+    memcached: str, seconds: float, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Contention on a private PostgreSQL (its lock table made) and through
+    a PgBouncer in transaction pooling mode in front of it."""
+    from tests.services_pg import lock_servers
+
+    with lock_servers():
+        return {
+            where: measure_contended(memcached, 8, seconds, rounds, where=where)
+            for where in ("postgres", "pgbouncer")
+        }
 
 
 def write_docs(table: str) -> None:
@@ -761,10 +834,14 @@ def main(argv: list[str] | None = None) -> int:
                 processes=8,
                 seconds=0.5 if quick else 3.0,
                 rounds=1 if quick else 2,
-                on_cluster=True,
+                where="cluster",
             )
         finally:
             cluster.stop()
+        print("contended on PostgreSQL, directly and through PgBouncer...", flush=True)
+        on_postgres = measure_postgres(
+            memcached.address, seconds=0.5 if quick else 3.0, rounds=1 if quick else 2
+        )
         print("what the store keeps per lock id...", flush=True)
         scale = measure_scale((1_000,) if quick else (10_000, 100_000))
         storm = peers = None
@@ -793,7 +870,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         command = "python -m benchmarks.bench" + (" --quick" if quick else "")
         table, misses = render(
-            samples, wire, contended, storm, versions(memcached), command, on_cluster
+            samples,
+            wire,
+            contended,
+            storm,
+            versions(memcached),
+            command,
+            {"cluster": on_cluster, **on_postgres},
         )
         table += "\n" + "\n".join(scale) + "\n"
         print()

@@ -98,7 +98,8 @@ KEY_BRACES: Final = "django_tasklock.E022"
 BEAT_MISSED_INVALID: Final = "django_tasklock.E023"
 #: TASKLOCK['ALLOW_PER_PROCESS'] is not True or False.
 ALLOW_PER_PROCESS_INVALID: Final = "django_tasklock.E024"
-#: a PostgresCache's LOCATION names no DATABASES entry, or one not on PostgreSQL.
+#: a PostgresCache's LOCATION names no DATABASES entry, or one not on PostgreSQL,
+#: or its OPTIONS["FAILOVER"] is neither "synchronous" nor "asynchronous".
 POSTGRES_DATABASE_INVALID: Final = "django_tasklock.E025"
 #: the lock cache is LocMemCache: locks hold within one process only.
 PER_PROCESS_CACHE: Final = "django_tasklock.W001"

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from reliability.faults import Row
-from tests.services_pg import PgBouncer, Postgres
+from tests.services_pg import PgBouncer, Postgres, lock_servers
 from tests.workers import Holder
 
 if TYPE_CHECKING:
@@ -41,25 +41,18 @@ def _servers() -> Iterator[tuple[Postgres, PgBouncer]]:
     from django.conf import settings
 
     from django_tasklock.backends import close_thread_connections
-    from django_tasklock.backends.postgres.statements import CREATE
 
-    database = Postgres().start()
-    bouncer = PgBouncer(database).start()
-    try:
-        database.execute(CREATE)
-        os.environ["TASKLOCK_TEST_POSTGRES"] = str(database.port)
-        os.environ["TASKLOCK_TEST_PGBOUNCER"] = str(bouncer.port)
-        settings.DATABASES["pg"]["PORT"] = str(database.port)
-        settings.DATABASES["pgbouncer"]["PORT"] = str(bouncer.port)
-        close_thread_connections()
-        yield database, bouncer
-    finally:
-        from django_tasklock.locks.liveness import forget_records
+    with lock_servers() as (database, bouncer):
+        try:
+            settings.DATABASES["pg"]["PORT"] = str(database.port)
+            settings.DATABASES["pgbouncer"]["PORT"] = str(bouncer.port)
+            close_thread_connections()
+            yield database, bouncer
+        finally:
+            from django_tasklock.locks.liveness import forget_records
 
-        forget_records()
-        close_thread_connections()
-        bouncer.remove()
-        database.remove()
+            forget_records()
+            close_thread_connections()
 
 
 def _tasklock(alias: str, liveness: float = 10.0) -> Any:

@@ -19,11 +19,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.services import free_port, wait_for_closed, wait_for_port
 
-__all__ = ["PgBouncer", "Postgres", "postgres_bin"]
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["PgBouncer", "Postgres", "lock_servers", "postgres_bin"]
 
 USER = "tasklock"
 DATABASE = "tasklock"
@@ -307,3 +310,23 @@ class PgBouncer(_Process):
         )
         wait_for_port(self.port, timeout=30, process=self.process)
         return self
+
+
+@contextlib.contextmanager
+def lock_servers() -> Iterator[tuple[Postgres, PgBouncer]]:
+    """A private PostgreSQL, its lock table made, and a PgBouncer in front of
+    it, named to this process and its children by TASKLOCK_TEST_POSTGRES and
+    TASKLOCK_TEST_PGBOUNCER (the ports tests/settings.py's ``pg`` and
+    ``pgbouncer`` databases read); both removed after."""
+    from django_tasklock.backends.postgres.statements import CREATE
+
+    database = Postgres().start()
+    bouncer = PgBouncer(database).start()
+    try:
+        database.execute(CREATE)
+        os.environ["TASKLOCK_TEST_POSTGRES"] = str(database.port)
+        os.environ["TASKLOCK_TEST_PGBOUNCER"] = str(bouncer.port)
+        yield database, bouncer
+    finally:
+        bouncer.remove()
+        database.remove()

@@ -383,8 +383,9 @@ def record_for(alias: str, bound: float, backend: LockBackend | None = None) -> 
 
 
 def reassert(record: Record, backend: LockBackend) -> None:
-    """Put back the locks of this process that a restart of their memcached
-    server (or a cluster failover) emptied, while their holders still hold
+    """Put back the locks of this process that a new run of their store (a
+    memcached restart, a cluster failover, a promoted PostgreSQL standby)
+    emptied, while their holders still hold
     them by their own clock, so that a contender after the restart's grace
     period (``RESTART_GRACE``) finds them held. A lock not there at two beats
     in a row, and not put back, is reported lost: gone for another reason
@@ -434,7 +435,8 @@ def reassert(record: Record, backend: LockBackend) -> None:
             acq.hold = hold
             record.met.discard(acq)
         logger.info(
-            "Put lock %r back on its restarted memcached server (%.0fs left)",
+            "Put lock %r back on its store's new run (a restart or a failover; "
+            "%.0fs left)",
             acq.lock_id,
             left,
         )

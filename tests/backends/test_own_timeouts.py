@@ -106,19 +106,28 @@ def stalls_within_bound(
         names = warm_ids or itertools.chain(
             [f"{lock_id}-warm"], (f"{lock_id}-warm-{n}" for n in itertools.count())
         )
-        wait_until(lambda: _warmed(Lock(next(names))), 60)
+        tried: list[object] = []
+        wait_until(
+            lambda: _warmed(Lock(next(names)), tried),
+            60,
+            about=lambda: f"{len(tried)} tries, the last: {tried[-1:]!r}",
+            every=0.05,
+        )
         with stopped(process):
             outcome, spent = answered_within(Lock(lock_id).acquire, 30)
     assert isinstance(outcome, LockBackendError), (outcome, spent)
     assert spent < bound, f"answered after {spent:.1f}s"
 
 
-def _warmed(lock: Lock) -> bool:
-    """Take and release ``lock``; False if the store would not answer yet."""
+def _warmed(lock: Lock, tried: list[object]) -> bool:
+    """Take and release ``lock``; False if the store would not answer yet
+    (what it answered kept in ``tried``, for the message if it never does)."""
     try:
-        return lock.acquire() and lock.release()
-    except LockBackendError:
-        return False
+        outcome: object = lock.acquire() and lock.release()
+    except LockBackendError as exc:
+        outcome = exc
+    tried.append(outcome)
+    return outcome is True
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +252,7 @@ def test_a_stalled_cluster_primary_holds_up_only_its_own_slots(settings):
         )
         stopped_node = next(node for node in cluster.nodes if node.port == stalled)
         elsewhere, first_seen = next(on(known)), next(on(unseen))
-        wait_until(lambda: _warmed(Lock(f"{elsewhere}-warm")), 60)
+        wait_until(lambda: _warmed(Lock(f"{elsewhere}-warm"), []), 60)
         bound = 2 * (client.cluster_error_retry_attempts + 1) * OURS + 2
         # The cluster client tries a command that timed out again, after
         # asking a node for the slots (which may be the stopped one), as many

@@ -26,6 +26,15 @@ def test_benchmark_quick_run_reports_every_variant():
     assert re.search(r"Python 3\.\d+\.\d+, Django \d", out)
     assert re.search(r"memcached 1\.\d+\.\d+", out)
     assert re.search(r"^\s+Lock\s+\d+\s+\d\.\d\dx", out, re.M), "contended row"
+    # The contended rows of every store, each a count of acquisitions made.
+    for title in ("on a Redis Cluster", "on PostgreSQL", "through PgBouncer"):
+        rows = re.search(
+            rf"^\s+contended {title}\s+acq/s\s+x floor\n\s+floor .*?(\d+)\s+1\.00x\n"
+            rf"\s+Lock \(\w+\)\s+(\d+)\s+\d+\.\d\dx$",
+            out,
+            re.M,
+        )
+        assert rows and int(rows.group(1)) > 0 and int(rows.group(2)) > 0, title
     # A released lock whose fence was never read leaves nothing in the store.
     released = re.search(r"1,000 ids, released\s+(-?[\d.]+)\s+(-?[\d.]+)", out)
     held = re.search(r"1,000 ids, held\s+([\d.]+)\s+([\d.]+)", out)

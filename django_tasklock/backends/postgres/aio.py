@@ -44,9 +44,12 @@ class _LoopWire:
     """The loop's connection to the alias's database, made when first needed
     and again after it broke."""
 
-    def __init__(self, conninfo: str, timeout: float, where: str) -> None:
+    def __init__(
+        self, conninfo: str, timeout: float, where: str, synchronous: bool
+    ) -> None:
         self.conninfo = conninfo.encode()
         self.timeout, self.where = timeout, where
+        self.synchronous = synchronous
         self._conn: pq.abc.PGconn | None = None
         self._connecting: Any = None
         self._turn = asyncio.Lock()
@@ -90,7 +93,7 @@ class _LoopWire:
 
     async def _learn(self, conn: pq.abc.PGconn, deadline: float) -> None:
         """The run the new connection ``conn`` reached (``runs.learning``)."""
-        learn = learning(self.where)
+        learn = learning(self.where, self.synchronous)
         try:
             ask = next(learn)
             while True:
@@ -166,7 +169,7 @@ class AsyncPostgres(AsyncBackend):
         from django.db import connections
 
         conninfo = conninfo_for(connections[cache.database], timeout)
-        self._wire = _LoopWire(conninfo, timeout, cache.where)
+        self._wire = _LoopWire(conninfo, timeout, cache.where, cache.synchronous)
 
     async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         params = (key, token, sql.seconds(expire))

@@ -2,7 +2,11 @@
 database, over a connection of its own.
 
 ``LOCATION`` names the DATABASES alias (default ``"default"``) whose
-database holds the table (``python manage.py migrate`` makes it). Unlike
+database holds the table (``python manage.py migrate`` makes it).
+``OPTIONS["FAILOVER"]``: ``"synchronous"`` declares that a standby is
+promoted only if it had every commit the primary acknowledged, so that a
+promoted standby of a synchronous primary is no restart (``runs``); by
+default ``"asynchronous"``. Unlike
 Django's ``DatabaseCache``, ``add`` is one atomic statement judged by the
 server's clock, so the Celery cookbook's recipe (``cache.add`` then
 ``cache.delete``) is as safe on it as on memcached; and no operation joins
@@ -61,6 +65,7 @@ class PostgresCache(BaseCache):
     def __init__(self, location: str, params: dict[str, Any]) -> None:
         super().__init__(params)
         self.database = location or "default"
+        self.failover = params.get("OPTIONS", {}).get("FAILOVER", "asynchronous")
         # Connections per thread, not per cache object: Django hands one
         # cache object to an event loop's task and to the executor threads
         # it starts (asgiref's Local follows the context), and a libpq
@@ -75,16 +80,23 @@ class PostgresCache(BaseCache):
         port = config.get("PORT") or 5432
         return f"database {self.database!r} ({host}:{port}/{config.get('NAME')})"
 
+    @property
+    def synchronous(self) -> bool:
+        """Whether only synchronous standbys are promoted (OPTIONS["FAILOVER"])."""
+        return bool(self.failover == "synchronous")
+
     def wire(self) -> Wire:
         """This thread's connection."""
         wire: Wire | None = getattr(self._threads, "wire", None)
         if wire is None:
-            problem = database_problem("A PostgresCache", self.database)
+            problem = database_problem("A PostgresCache", self.database, self.failover)
             if problem is not None:
                 raise LockConfigurationError(problem)
             timeout = tasklock_settings.SOCKET_TIMEOUT
             conninfo = conninfo_for(connections[self.database], timeout)
-            wire = self._threads.wire = Wire(conninfo, timeout, self.where)
+            wire = self._threads.wire = Wire(
+                conninfo, timeout, self.where, self.synchronous
+            )
         return wire
 
     def close(self, **kwargs: Any) -> None:

@@ -9,6 +9,7 @@ from django.core.checks import Error
 from django.db import connections
 
 from ...check_ids import POSTGRES_DATABASE_INVALID
+from .runs import FAILOVERS
 
 if TYPE_CHECKING:
     from django.core.checks import CheckMessage
@@ -16,9 +17,20 @@ if TYPE_CHECKING:
 __all__ = ["alias_checks", "database_problem"]
 
 
-def database_problem(what: str, database: str) -> str | None:
+def database_problem(
+    what: str, database: str, failover: object = "asynchronous"
+) -> str | None:
     """Why a PostgresCache (``what``: its name in the message) cannot lock in
-    the database its LOCATION names (``database``); None if it can."""
+    the database its LOCATION names (``database``) with its
+    ``OPTIONS["FAILOVER"]`` (``failover``); None if it can."""
+    if failover not in FAILOVERS:
+        return (
+            f"{what}: OPTIONS['FAILOVER'] is {failover!r}. Set it to "
+            "'synchronous' if a standby is promoted only when it has every commit "
+            "the primary acknowledged (synchronous replication, e.g. Patroni's "
+            "synchronous_mode_strict), or 'asynchronous' (the default: a promoted "
+            "standby is treated as a restart)."
+        )
     config = connections.settings.get(database)
     if config is None:
         found = "which DATABASES does not have"
@@ -37,9 +49,11 @@ def database_problem(what: str, database: str) -> str | None:
 def alias_checks(
     alias: str, config: dict[str, Any], protocol: object, hint: str
 ) -> list[CheckMessage]:
-    """E025: LOCATION names a PostgreSQL database."""
+    """E025: LOCATION names a PostgreSQL database, and OPTIONS["FAILOVER"]
+    is one this store knows."""
     where = f"CACHES[{alias!r}] (PostgresCache)"
-    problem = database_problem(where, config.get("LOCATION") or "default")
+    failover = (config.get("OPTIONS") or {}).get("FAILOVER", "asynchronous")
+    problem = database_problem(where, config.get("LOCATION") or "default", failover)
     if problem is None:
         return []
     return [Error(problem, hint=hint, id=POSTGRES_DATABASE_INVALID)]

@@ -12,6 +12,16 @@ and the first process to see it records the new run, with the server's time.
 So a process that never met the old primary still knows the new one is
 young. The reads are ``learning``'s steps (no I/O of its own): the sync and
 the async connections drive them alike.
+
+Where the project declares that only a synchronous standby is ever promoted
+(the alias's ``OPTIONS["FAILOVER"] = "synchronous"``), a promoted standby of
+the same cluster has every lock its predecessor acknowledged, and is not
+young, if the predecessor's recorded run was synchronous: each run's record
+says whether the primary waited for a standby's flush of every commit
+(``synchronous_standby_names`` set, ``synchronous_commit`` ``on``,
+``remote_write`` or ``remote_apply``) when it was first seen, and a new
+connection that finds it no longer waits marks the run asynchronous for
+good. Another cluster (a new system identifier) is always young.
 """
 
 from __future__ import annotations
@@ -27,20 +37,28 @@ if TYPE_CHECKING:
 
     from .statements import Row
 
-__all__ = ["IDENTITY", "RUN_KEY", "learning"]
+__all__ = ["FAILOVERS", "IDENTITY", "RUN_KEY", "learning"]
 
 logger = logging.getLogger("django_tasklock.backends.postgres")
 
 #: The row of the table that records the database's run.
 RUN_KEY: Final = "django_tasklock:run"
 
+#: What OPTIONS["FAILOVER"] may say of the alias's standbys: any may be
+#: promoted (the default), or only one that had every acknowledged commit.
+FAILOVERS: Final = ("asynchronous", "synchronous")
+
 #: $1 the run's key: the server's identity, the run the table records (NULL:
-#: none yet) and the server's time.
+#: none yet), the server's time, and whether its commits wait for a standby.
 IDENTITY: Final = f"""
 SELECT system_identifier::text || ':' ||
     substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8),
     (SELECT value FROM {TABLE} WHERE key = $1),
-    extract(epoch FROM clock_timestamp())::float8
+    extract(epoch FROM clock_timestamp())::float8,
+    CASE WHEN current_setting('synchronous_standby_names') <> ''
+        AND current_setting('synchronous_commit')
+            IN ('on', 'remote_write', 'remote_apply')
+    THEN 's' ELSE 'a' END
 FROM pg_control_system()""".encode()
 
 #: $1 the run's key, $2 the new run, $3 the run it replaces (NULL: none): the
@@ -52,32 +70,81 @@ WHERE t.value = $3 RETURNING 1""".encode()
 
 
 def learning(
-    where: str,
+    where: str, synchronous: bool = False
 ) -> Generator[tuple[bytes, tuple[str | None, ...]], list[Row], float | None]:
     """The steps that learn the run a new connection reached: each yields a
     statement and its parameters and is sent its rows. Returns when that run
     started (monotonic) if it may lack locks its predecessor held, else None
-    (the first run the table records, or one that started long ago)."""
-    identity, recorded, clock = (yield IDENTITY, (RUN_KEY,))[0]
+    (the first run the table records, one that started long ago, or, where
+    only synchronous standbys are promoted (``synchronous``), a promoted
+    standby of a run that was synchronous).
+
+    A record reads ``system_id:timeline:started:mode`` (``started`` 0: the
+    run loses nothing; ``mode`` ``s`` or ``a``; a record written before modes
+    were recorded has none: asynchronous)."""
+    identity, recorded, clock, mode = (yield IDENTITY, (RUN_KEY,))[0]
     assert identity is not None  # (never NULL)
     assert clock is not None
+    assert mode is not None
     now, server_now = time.monotonic(), float(clock)
     if recorded is None:  # a new table: its first run loses nothing
-        yield RECORD, (RUN_KEY, f"{identity}:0", None)
+        yield RECORD, (RUN_KEY, f"{identity}:0:{mode}", None)
         return None
-    known, _, since = recorded.rpartition(":")
+    system, timeline, since, was = [*recorded.split(":"), "a"][:4]
+    known = f"{system}:{timeline}"
     if known != identity:
-        # Recorded unless another process did first: either way, young now.
-        yield RECORD, (RUN_KEY, f"{identity}:{server_now}", recorded)
+        promoted = synchronous and was == "s" and identity.startswith(f"{system}:")
+        begun = "0" if promoted else f"{server_now}"
+        # Recorded unless another process did first: either way, as it says.
+        yield RECORD, (RUN_KEY, f"{identity}:{begun}:{mode}", recorded)
+        _tell_new_run(where, identity, known, synchronous, was)
+        return None if promoted else now
+    if was == "s" and mode == "a":  # no longer synchronous: for good
+        yield RECORD, (RUN_KEY, f"{identity}:{since}:a", recorded)
+        if synchronous:
+            logger.warning(
+                "%s commits without waiting for a synchronous standby "
+                "(synchronous_standby_names, synchronous_commit), so a standby "
+                "promoted after this run is treated as a restart despite "
+                "OPTIONS['FAILOVER'] = 'synchronous'.",
+                where,
+            )
+    started = float(since)
+    return None if started == 0 else now - max(0.0, server_now - started)
+
+
+def _tell_new_run(
+    where: str, identity: str, known: str, synchronous: bool, was: str
+) -> None:
+    """Log the new run ``identity`` met where the table recorded ``known``
+    (``was``: that run's mode), and whether its new locks wait."""
+    if not synchronous:
+        why = ""
+    elif not identity.startswith(known.partition(":")[0] + ":"):
+        why = " (Another cluster: OPTIONS['FAILOVER'] covers promotions only.)"
+    elif was != "s":
+        why = (
+            " (OPTIONS['FAILOVER'] is 'synchronous', but the run before it was "
+            "seen committing without waiting for a standby.)"
+        )
+    else:
         logger.warning(
-            "%s is a new run of the database (%s; the table recorded %s): a "
-            "promoted standby, or another cluster. It may lack the last locks "
-            "its predecessor took, so new locks wait TASKLOCK['RESTART_GRACE'] "
-            "while their live holders put them back.",
+            "%s is a promoted standby (%s; the table recorded %s), and the run "
+            "before it waited for a synchronous standby's flush of each commit: "
+            "with OPTIONS['FAILOVER'] = 'synchronous' it has every lock its "
+            "predecessor acknowledged, and new locks do not wait.",
             where,
             identity,
             known,
         )
-        return now
-    started = float(since)
-    return None if started == 0 else now - max(0.0, server_now - started)
+        return
+    logger.warning(
+        "%s is a new run of the database (%s; the table recorded %s): a "
+        "promoted standby, or another cluster. It may lack the last locks "
+        "its predecessor took, so new locks wait TASKLOCK['RESTART_GRACE'] "
+        "while their live holders put them back.%s",
+        where,
+        identity,
+        known,
+        why,
+    )

@@ -57,12 +57,16 @@ class Wire:
     """A connection to one PostgreSQL server (or pooler), opened when first
     needed and again after it broke; for one thread and one process."""
 
-    def __init__(self, conninfo: str, timeout: float, where: str) -> None:
+    def __init__(
+        self, conninfo: str, timeout: float, where: str, synchronous: bool = False
+    ) -> None:
         self.conninfo = conninfo.encode()
         #: Seconds a connect or a statement may take.
         self.timeout = timeout
         #: The server, for messages.
         self.where = where
+        #: Whether only synchronous standbys are promoted (``runs.learning``).
+        self.synchronous = synchronous
         self._conn: pq.abc.PGconn | None = None
         self._pid = 0
         #: When the run of the database it reached started, if that run may
@@ -132,7 +136,7 @@ class Wire:
 
     def _connect(self) -> pq.abc.PGconn:
         conn = self._connected()
-        steps = learning(self.where)
+        steps = learning(self.where, self.synchronous)
         try:
             ask = next(steps)
             while True:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from billiard.exceptions import TimeLimitExceeded, WorkerLostError
-
 from ...calls import call_of, store
 from ...locks.liveness import leave
 from ...locks.recovery import judge
@@ -110,6 +108,10 @@ def on_failure(
     semaphore slots of that call whose holder is dead, at once, rather than at
     the next contender. A holder still alive (a child not killed yet) keeps
     them."""
+    # (Celery's pool package, imported here: a signal of a worker, which has
+    # it; django_tasklock imports without Celery installed.)
+    from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+
     if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         return
     spec = spec_of(sender, any_mode=True) if sender is not None else None

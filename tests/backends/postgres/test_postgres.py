@@ -374,3 +374,85 @@ def test_a_promoted_standby_waits_the_grace_and_holders_keep_their_locks(
         close_thread_connections()
         proxy.close()
         standby.remove()
+
+
+@pytest.mark.parametrize("replication", ["synchronous", "asynchronous"])
+def test_a_promoted_synchronous_standby_is_no_restart_where_declared(
+    own_postgres, settings, replication, caplog
+):
+    """OPTIONS["FAILOVER"] = "synchronous" declares that only a standby with
+    every acknowledged commit is promoted. A primary that waited for its
+    standby's flush of each commit (synchronous_standby_names set): the
+    promoted standby has the held lock, and a new lock is taken at once. A
+    primary that did not wait (the declaration wrong): the promoted standby
+    is a new run as without it, new locks wait the grace, and the log says
+    the run before it was not synchronous."""
+    from reliability.nemesis import Proxy
+
+    standby = own_postgres.standby()
+    proxy = Proxy(own_postgres.port)
+    try:
+        if replication == "synchronous":
+            own_postgres.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            own_postgres.execute("SELECT pg_reload_conf()")
+            wait_until(
+                lambda: (
+                    own_postgres.execute("SELECT sync_state FROM pg_stat_replication")
+                    == [("sync",)]
+                ),
+                10,
+            )
+        settings.DATABASES["pg_own"]["PORT"] = str(proxy.port)
+        settings.CACHES = {
+            **settings.CACHES,
+            "own_pg": {
+                **settings.CACHES["own_pg"],
+                "OPTIONS": {"FAILOVER": "synchronous"},
+            },
+        }
+        settings.TASKLOCK = {**settings.TASKLOCK, "LIVENESS": 3, "RESTART_GRACE": 30}
+        close_thread_connections()
+        held = Lock("sync-failover-held")
+        assert held.acquire()
+        key = caches["own_pg"].make_key("sync-failover-held")
+        replicated = f"SELECT 1 FROM {TABLE} WHERE key = %s AND value = %s"
+        if replication == "synchronous":  # there at once: the commit waited
+            assert standby.execute(replicated, (key, held.token)) == [(1,)]
+        else:
+            wait_until(lambda: standby.execute(replicated, (key, held.token)), 10)
+        assert standby.execute("SELECT pg_promote()") == [(True,)]
+        own_postgres.stop()
+        proxy.upstream_port = standby.port
+        proxy.reset()
+        with caplog.at_level("WARNING", "django_tasklock.backends.postgres"):
+            if replication == "synchronous":
+                assert Lock("sync-failover-new").acquire()
+            else:
+                with pytest.raises(LockBackendError, match="began a new run"):
+                    Lock("sync-failover-new").acquire()
+        said = {
+            "synchronous": "it has every lock its predecessor acknowledged",
+            "asynchronous": "the run before it was seen committing without waiting",
+        }
+        assert said[replication] in caplog.text.replace("\n", " ")
+        assert held.owned() and held.release()
+    finally:
+        close_thread_connections()
+        proxy.close()
+        standby.remove()
+
+
+def test_an_unknown_failover_option_is_refused(settings):
+    settings.CACHES = {
+        **settings.CACHES,
+        "bad_failover": {
+            "BACKEND": "django_tasklock.backends.postgres.cache.PostgresCache",
+            "LOCATION": "pg",
+            "OPTIONS": {"FAILOVER": "sync"},
+        },
+    }
+    settings.TASKLOCK = {"CACHE": "bad_failover"}
+    errors = [m for m in check_settings() if m.id == "django_tasklock.E025"]
+    assert len(errors) == 1 and "OPTIONS['FAILOVER'] is 'sync'" in errors[0].msg
+    with pytest.raises(LockConfigurationError, match="Set it to 'synchronous'"):
+        Lock("bad-failover").acquire()

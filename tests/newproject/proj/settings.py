@@ -12,7 +12,8 @@ DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memor
 
 STORE = os.environ["PROJ_LOCK_STORE"]
 if STORE.startswith("postgres://"):
-    # PostgreSQL alone: the project's database holds its locks.
+    # PostgreSQL alone: the project's database holds its locks (the table
+    # made by django_tasklock's migration).
     address, name = STORE.removeprefix("postgres://").split("/")
     host, port = address.split(":")
     DATABASES = {
@@ -46,6 +47,12 @@ else:
     }
 TASKLOCK = {"LOCK_EXPIRE": 60}
 
-CELERY_BROKER_URL = os.environ["PROJ_BROKER"]
-CELERY_RESULT_BACKEND = os.environ["PROJ_RESULTS"]
-CELERY_TASK_ALWAYS_EAGER = os.environ.get("PROJ_EAGER") == "1"
+if os.environ.get("PROJ_TASKS") == "db":
+    # No broker at all: Django's tasks framework, its database backend
+    # (django-tasks-db) queueing in the project's database.
+    INSTALLED_APPS.append("django_tasks_db")
+    TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}
+else:
+    CELERY_BROKER_URL = os.environ["PROJ_BROKER"]
+    CELERY_RESULT_BACKEND = os.environ["PROJ_RESULTS"]
+    CELERY_TASK_ALWAYS_EAGER = os.environ.get("PROJ_EAGER") == "1"
