@@ -74,7 +74,7 @@ class PostgresBackend(LockBackend):
         return f"{self.kind} cache {self.alias!r} at {self.cache.where}"
 
     def close(self) -> None:
-        self.cache.close()
+        self.cache.disconnect()
 
     def young(self, wire: Wire | Any) -> None:
         """Refuse a new lock while the run of the database ``wire`` reached is

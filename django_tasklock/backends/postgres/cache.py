@@ -100,7 +100,14 @@ class PostgresCache(BaseCache):
         return wire
 
     def close(self, **kwargs: Any) -> None:
-        """Close this thread's connection."""
+        """Django's ``close_caches()``, at the end of every request and (by
+        Celery's Django fix-up) after every task: the connection is kept, as
+        Django's memcached and Redis caches keep theirs, so that neither a
+        request nor a task pays a connect (and, through PgBouncer, a login)
+        for its locks. ``disconnect`` closes it."""
+
+    def disconnect(self) -> None:
+        """Close this thread's connection (a later use opens another)."""
         wire = getattr(self._threads, "wire", None)
         self._threads.wire = None
         if wire is not None:

@@ -456,3 +456,30 @@ def test_an_unknown_failover_option_is_refused(settings):
     assert len(errors) == 1 and "OPTIONS['FAILOVER'] is 'sync'" in errors[0].msg
     with pytest.raises(LockConfigurationError, match="Set it to 'synchronous'"):
         Lock("bad-failover").acquire()
+
+
+def test_django_closing_its_caches_leaves_their_connections_open(on_postgres):
+    """Django's close_caches() (on ``request_finished``, and by Celery's
+    Django fix-up after every task) keeps the store's session, as
+    Django's Redis cache keeps its pool: the next use of the cache API (the
+    cookbook recipe's ``caches["postgres"]``) and of a lock runs on the same
+    server process, with no connect; only close_thread_connections() ends
+    it."""
+    from django.core.cache import close_caches
+
+    cache = caches["postgres"]
+
+    def session() -> int:
+        return int(cache.wire().query(b"SELECT pg_backend_pid()", ())[0][0])
+
+    assert cache.add("kept-recipe", "true", 60)
+    before = session()
+    close_caches()
+    assert cache.delete("kept-recipe")
+    assert session() == before
+    with Lock("kept-session"):
+        assert session() == before
+    close_thread_connections()
+    alive = "SELECT 1 FROM pg_stat_activity WHERE pid = %s"
+    wait_until(lambda: on_postgres.execute(alive, (before,)) == [], 10)
+    assert session() != before
