@@ -14,7 +14,13 @@ SentinelClient), ``cluster`` (a Redis Cluster, three primaries with a
 replica each), ``postgres`` (a PostgreSQL server, ``PostgresCache``) and
 ``pgbouncer`` (the same behind PgBouncer in transaction pooling mode). A
 paused PostgreSQL is every process of it stopped (a frozen VM); a killed one,
-its postmaster SIGKILLed (its backends follow), then started again. Every
+its postmaster SIGKILLed (its backends follow), then started again. The
+``postgres`` flavour's server has a streaming standby, and its ``promote``
+fault crashes the primary, promotes the standby and sends the clients to it
+(then makes the next standby); a run draws whether the primary replicates
+synchronously (``synchronous_standby_names = '*'``, the alias's
+``OPTIONS["FAILOVER"] = "synchronous"``: a promotion waits no grace) or
+asynchronously (new locks wait the grace while holders put theirs back). Every
 server sits behind a ``nemesis.Proxy`` but a cluster's and Sentinel's
 (whose nodes and Sentinel name the servers' own addresses). A violation
 prints the seed and the faults injected around it; the same seed draws the
@@ -181,7 +187,7 @@ class Deployment:
         elif flavour == "sentinel":
             self._sentinel()
         elif flavour in ("postgres", "pgbouncer"):
-            self._postgres(bouncer=flavour == "pgbouncer")
+            self._postgres(bouncer=flavour == "pgbouncer", chance=chance)
         else:
             primary = self._serve(Redis())
             replica = Redis(args=["--replicaof", "127.0.0.1", str(primary.port)])
@@ -192,9 +198,10 @@ class Deployment:
                 "LOCATION": f"redis://{self.proxies[0].address}/0",
             }
 
-    def _postgres(self, *, bouncer: bool) -> None:
-        """A PostgreSQL server with the lock table (and PgBouncer before it),
-        the last of them behind a proxy."""
+    def _postgres(self, *, bouncer: bool, chance: random.Random) -> None:
+        """A PostgreSQL server with the lock table (and PgBouncer before it,
+        or, without, a streaming standby to promote), the last of them behind
+        a proxy."""
         from django_tasklock.backends.postgres.statements import CREATE
 
         database = Postgres().start()
@@ -202,7 +209,16 @@ class Deployment:
         database.execute(CREATE)
         self.servers.append(database)
         self.postgres = database
+        self.standby: Postgres | None = None
+        options: dict[str, str] = {}
         front: Any = database
+        if not bouncer:
+            if chance.random() < 0.5:
+                database.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+                database.execute("SELECT pg_reload_conf()")
+                options["FAILOVER"] = "synchronous"
+            self.standby = database.standby()
+            self.stack.callback(self._remove_standby)
         if bouncer:
             front = PgBouncer(database).start()
             self.stack.callback(_stop, front)
@@ -211,7 +227,41 @@ class Deployment:
         self.stack.callback(proxy.close)
         self.proxies.append(proxy)
         self.databases = {"checked": database.database_settings(proxy.port)}
-        self.cache = {"BACKEND": POSTGRES_CACHE, "LOCATION": "checked"}
+        self.cache = {
+            "BACKEND": POSTGRES_CACHE,
+            "LOCATION": "checked",
+            "OPTIONS": options,
+        }
+
+    def _remove_standby(self) -> None:
+        if self.standby is not None:
+            _stop(self.standby)
+
+    def promote(self, lag: float, stop: threading.Event) -> None:
+        """The primary's WAL sender stopped for ``lag`` seconds (the standby
+        falls behind: an asynchronous primary commits on, a synchronous one's
+        commits wait), then the primary crashed (SIGKILL), its standby
+        promoted, the proxy sent to it (every client connection cut), and a
+        new standby of it made for the next promotion (a synchronous
+        primary's commits wait for it meanwhile)."""
+        standby, old = self.standby, self.postgres
+        if standby is None:
+            return
+        self.standby = None
+        senders = [pid for (pid,) in old.execute("SELECT pid FROM pg_stat_replication")]
+        for pid in senders:
+            os.kill(pid, signal.SIGSTOP)
+        stop.wait(lag)
+        old.stop(signal.SIGKILL)
+        for pid in senders:  # (stopped, they outlive the postmaster)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert standby.execute("SELECT pg_promote()") == [(True,)]
+        self.postgres = self.servers[0] = standby
+        self.proxies[0].upstream_port = standby.port
+        self.proxies[0].reset()
+        old.remove()
+        self.standby = standby.standby()
 
     def _sentinel(self) -> None:
         """A primary, its replica and a Sentinel, no proxies (Sentinel hands
@@ -410,6 +460,8 @@ class Nemesis:
             kinds = [kind for kind in kinds if not kind.startswith("proxy-")]
         if self.deployment.flavour == "sentinel":
             kinds.append("failover")
+        if self.deployment.flavour == "postgres":
+            kinds.append("promote")
         return self.only or kinds
 
     def run(self) -> None:
@@ -417,12 +469,18 @@ class Nemesis:
             if time.monotonic() > self.until - 2:
                 return
             kind = self.chance.choice(self.kinds())
-            if kind == "failover" and time.monotonic() < self.next_failover:
+            failing_over = ("failover", "promote")
+            if kind in failing_over and time.monotonic() < self.next_failover:
                 # A failover's loss lasts until Sentinel has made the old primary
-                # a replica (about 11 s): one in 30 s leaves time to judge.
-                kind = self.chance.choice([k for k in self.kinds() if k != kind])
-            if kind == "failover":
-                self.next_failover = time.monotonic() + 30
+                # a replica (about 11 s), a promotion's grace LIVENESS: one in
+                # 30 s (15 s) leaves time to judge.
+                others = [k for k in self.kinds() if k != kind]
+                if not others:
+                    continue
+                kind = self.chance.choice(others)
+            if kind in failing_over:
+                pause = 30 if kind == "failover" else 15
+                self.next_failover = time.monotonic() + pause
             index = self.chance.randrange(len(self.deployment.servers))
             seconds = round(self.chance.uniform(0.3, 6.0), 2)
             thread = threading.Thread(
@@ -444,7 +502,9 @@ class Nemesis:
                 span = time.monotonic() - began
                 self.log.append(Fault(began, kind, "sentinel", round(span, 2)))
             return
-        if kind in ("kill-server", "pause-server", "flush"):
+        if kind == "promote":
+            index = 0  # (the primary's lock: no kill or pause of it meanwhile)
+        if kind in ("kill-server", "pause-server", "flush", "promote"):
             if not self.busy[index].acquire(blocking=False):
                 return  # that server is in another fault of its process
             try:
@@ -474,7 +534,15 @@ class Nemesis:
         server = self.deployment.servers[index]
         name = f"server-{index}"
         with contextlib.suppress(Exception):
-            if kind == "kill-server":
+            if kind == "promote":
+                # Its span: from the crash until the new standby is made.
+                began = time.monotonic()
+                try:
+                    self.deployment.promote(seconds, self.stop)
+                finally:
+                    span = round(time.monotonic() - began, 2)
+                    self.log.append(Fault(began, kind, name, span))
+            elif kind == "kill-server":
                 self._note(kind, name)
                 server.stop(signal.SIGKILL)
                 self.stop.wait(min(seconds, 2.0))
@@ -636,6 +704,9 @@ def check(
     chance = random.Random(f"{seed}-{flavour}")
     result = Result(flavour, seed)
     deployment = Deployment(flavour, chance, pooling)
+    if flavour == "postgres" and not quiet:
+        drawn = deployment.cache["OPTIONS"].get("FAILOVER", "asynchronous")
+        print(f"postgres: the primary replicates to its standby {drawn}ly")
     workdir = Path(tempfile.mkdtemp(prefix="tasklock-checker-"))
     path = workdir / "witness.jsonl"
     try:
