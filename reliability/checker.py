@@ -258,6 +258,7 @@ class Deployment:
                 os.kill(pid, signal.SIGKILL)
         assert standby.execute("SELECT pg_promote()") == [(True,)]
         self.postgres = self.servers[0] = standby
+        self.stack.callback(_stop, standby)  # (now the primary: removed at the end)
         self.proxies[0].upstream_port = standby.port
         self.proxies[0].reset()
         old.remove()
