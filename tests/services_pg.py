@@ -209,9 +209,9 @@ class Postgres(_Process):
     def clear(self) -> None:
         """Empty the lock table (every lock, record and item of the aliases
         ``postgres`` and ``pgbouncer``)."""
-        from django_tasklock.backends.postgres.statements import TABLE
+        from django_tasklock.backends.postgres.statements import RUN_KEY, TABLE
 
-        self.execute(f"DELETE FROM {TABLE}")
+        self.execute(f"DELETE FROM {TABLE} WHERE key <> '{RUN_KEY}'")
 
     def restart(self) -> None:
         self.stop()
@@ -271,8 +271,12 @@ class PgBouncer(_Process):
         self.port = self.port or free_port()
         self.root = _own_dir("tasklock-pgbouncer-")
         self.config = self.root / "pgbouncer.ini"
-        users = self.root / "users.txt"
-        users.write_text(f'"{USER}" ""\n')
+        self.users = self.root / "users.txt"
+        self.users.write_text(f'"{USER}" ""\n')
+        self._configure()
+
+    def _configure(self) -> None:
+        users = self.users
         self.config.write_text(
             "[databases]\n"
             f"* = host=127.0.0.1 port={self.upstream.port}\n"
@@ -295,6 +299,30 @@ class PgBouncer(_Process):
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def point_at(self, upstream: Postgres) -> None:
+        """Send new transactions to ``upstream`` (its configuration reloaded,
+        SIGHUP): its clients keep their connections, as behind a failover
+        manager that re-points the pooler."""
+        assert self.process is not None
+        self.upstream = upstream
+        self._configure()
+        before = self.log_size()
+        self.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while b"re-reading config" not in self.log_since(before):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pgbouncer did not reload: {self.log_since(0)!r}")
+            time.sleep(0.05)
+
+    def log_size(self) -> int:
+        log = self.root / "pgbouncer.log"
+        return log.stat().st_size if log.exists() else 0
+
+    def log_since(self, offset: int) -> bytes:
+        with open(self.root / "pgbouncer.log", "rb") as log:
+            log.seek(offset)
+            return log.read()
 
     def start(self) -> PgBouncer:
         binary = shutil.which("pgbouncer") or shutil.which(

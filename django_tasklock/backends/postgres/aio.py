@@ -25,8 +25,16 @@ from ..aio.base import AsyncBackend
 from . import statements as sql
 from .cache import conninfo_for
 from .errors import Unreachable
-from .runs import learning
-from .wire import READ, WRITE, connect_steps, late, rows_of, statement_steps
+from .runs import learning, taken_on_run
+from .wire import (
+    READ,
+    WRITE,
+    connect_steps,
+    late,
+    rows_of,
+    run_changed,
+    statement_steps,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator, Sequence
@@ -53,8 +61,9 @@ class _LoopWire:
         self._conn: pq.abc.PGconn | None = None
         self._connecting: Any = None
         self._turn = asyncio.Lock()
-        #: As ``Wire.run_started``.
+        #: As ``Wire.run_started`` and ``Wire.mark``.
         self.run_started: float | None = None
+        self.mark: str | None = None
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -66,8 +75,11 @@ class _LoopWire:
         statement: bytes,
         params: Sequence[str | None],
         guard: Callable[[Any], object] | None = None,
+        on_run: bool = False,
+        relearn: bool = False,
     ) -> list[Row]:
-        """As ``Wire.query``, on the loop: one statement at a time."""
+        """As ``Wire.query``, on the loop: one statement at a time; with
+        ``relearn``, the run learnt again first (``Wire.relearn``)."""
         async with self._turn:
             conn = self._conn
             if conn is not None and _unasked(conn):
@@ -79,8 +91,12 @@ class _LoopWire:
                     steps: Generator[Any, None, Any] = connect_steps(self)
                     self._conn = conn = await self._driven(steps, deadline, True)
                     await self._learn(conn, deadline)
+                elif relearn:
+                    await self._learn(conn, deadline)
                 if guard is not None and self.run_started is not None:
                     guard(self)
+                if on_run:
+                    params = (*params, self.mark)
                 steps = statement_steps(conn, statement, params)
                 result = await self._driven(steps, deadline, False)
             except OperationalError as exc:
@@ -101,7 +117,7 @@ class _LoopWire:
                 rows = rows_of(self, await self._driven(steps, deadline, False))
                 ask = learn.send(rows)
         except StopIteration as done:
-            self.run_started = done.value
+            self.run_started, self.mark = done.value
 
     async def _driven(
         self, steps: Generator[Any, None, Any], deadline: float, making: bool
@@ -173,8 +189,13 @@ class AsyncPostgres(AsyncBackend):
 
     async def acquire(self, key: str, token: str, expire: float) -> Hold | None:
         params = (key, token, sql.seconds(expire))
-        rows = await self._wire.query(sql.TAKE, params, self._young)
-        return token if rows else None
+        wire = self._wire
+        for again in (False, True):
+            rows = await wire.query(sql.TAKE_ON_RUN, params, self._young, True, again)
+            taken = taken_on_run(wire.mark, rows)
+            if taken is not None:
+                return token if taken else None
+        raise run_changed(wire)
 
     async def release(self, key: str, hold: Hold, token: object) -> bool:
         return bool(await self._wire.query(sql.RELEASE, (key, str(hold))))

@@ -15,6 +15,8 @@ from ..capabilities import ONE_PLACE
 from . import checks
 from . import statements as sql
 from .errors import MissingTable, StatementFailed, Unreachable
+from .runs import taken_on_run
+from .wire import run_changed
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -51,9 +53,10 @@ class PostgresBackend(LockBackend):
         statement: bytes,
         *params: str | None,
         guard: Callable[[Wire], object] | None = None,
+        on_run: bool = False,
     ) -> list[Any]:
         try:
-            return self.cache.wire().query(statement, params, guard)
+            return self.cache.wire().query(statement, params, guard, on_run)
         except MissingTable as exc:
             raise LockConfigurationError(
                 f"CACHES[{self.alias!r}]'s lock table {sql.TABLE} does not exist "
@@ -64,6 +67,20 @@ class PostgresBackend(LockBackend):
 
     def _one(self, statement: bytes, *params: str | None) -> bool:
         return bool(self._run(statement, *params))
+
+    def _take(self, statement: bytes, *params: str | None) -> bool:
+        """A take made only on the run the connection learnt (``TAKE_ON_RUN``,
+        ``TAKE_OVER_ON_RUN``): where the server is on another (a pooler sent
+        the connection to a promoted standby), the run is learnt again and
+        judged (``young`` may refuse), then the take tried once more."""
+        wire = self.cache.wire()
+        for _ in range(2):
+            rows = self._run(statement, *params, guard=self.young, on_run=True)
+            taken = taken_on_run(wire.mark, rows)
+            if taken is not None:
+                return taken
+            wire.relearn()
+        raise run_changed(wire)
 
     def key_for(self, lock_id: str) -> str:
         # Text holds any UTF-8 but NUL: ids that are not such are hashed.
@@ -89,20 +106,26 @@ class PostgresBackend(LockBackend):
             wire.run_started = None
             return
         raise Unreachable(
-            f"{wire.where} began a new run {age:.0f}s ago (a promoted standby, or "
-            "another cluster): it may lack the last locks its predecessor held, "
+            f"{wire.where} began a new run {age:.0f}s ago (a promoted standby, "
+            "another cluster, or the record of its run deleted): it may lack the "
+            "last locks its predecessor held, "
             f"so new locks wait until it is {grace:g}s old "
             "(TASKLOCK['RESTART_GRACE']) while their live holders put them back"
         )
 
     def restarted_at(self, key: str) -> float | None:
-        return self.cache.wire().run_started
+        # Asked of a held lock found gone: first whether the server is still
+        # on the run learnt (a pooler may have sent the connection on).
+        wire = self.cache.wire()
+        if wire.run_started is None and self._run(sql.READ_RUN_MARK)[0][0] != wire.mark:
+            wire.relearn()
+        return wire.run_started
 
     def reassert(self, key: str, token: str, expire: float) -> Hold | None:
         return token if self._one(sql.TAKE, key, token, sql.seconds(expire)) else None
 
     def acquire(self, key: str, token: str, expire: float) -> Hold | None:
-        taken = self._run(sql.TAKE, key, token, sql.seconds(expire), guard=self.young)
+        taken = self._take(sql.TAKE_ON_RUN, key, token, sql.seconds(expire))
         if time.monotonic() - self._swept > SWEEP_EVERY:
             self.sweep()
         return token if taken else None
@@ -116,7 +139,7 @@ class PostgresBackend(LockBackend):
         self, key: str, expected: str, token: str, expire: float
     ) -> Hold | None:
         params = (key, token, sql.seconds(expire), expected)
-        taken = self._run(sql.TAKE_OVER, *params, guard=self.young)
+        taken = self._take(sql.TAKE_OVER_ON_RUN, *params)
         return token if taken else None
 
     def draw_fence(

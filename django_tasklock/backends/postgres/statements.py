@@ -34,10 +34,23 @@ TABLE: Final = "django_tasklock_item"
 #: A row of a statement's reply: its columns as text (None: NULL).
 Row = tuple["str | None", ...]
 
-#: The table, made by the app's migration. ``pickled``: a value Django's cache
-#: API stored pickled (base64), not text. A fillfactor below 100 leaves room
-#: for the new row version of an update on the same page (a HOT update: no
-#: index touched, no bloat of the primary key).
+#: The row of the table that records the database's run (``runs``).
+RUN_KEY: Final = "django_tasklock:run"
+#: The server's identity: its system identifier and current timeline.
+SERVER_RUN: Final = (
+    "system_identifier::text || ':' || "
+    "substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8)"
+)
+#: Whether its commits wait for a standby's flush: 's', else 'a'.
+REPLICATION: Final = """CASE WHEN current_setting('synchronous_standby_names') <> ''
+    AND current_setting('synchronous_commit') IN ('on', 'remote_write', 'remote_apply')
+    THEN 's' ELSE 'a' END"""
+
+#: The table, made by the app's migration, with the record of the run it was
+#: made on (so that a record gone later is known gone: ``runs``). ``pickled``:
+#: a value Django's cache API stored pickled (base64), not text. A fillfactor
+#: below 100 leaves room for the new row version of an update on the same
+#: page (a HOT update: no index touched, no bloat of the primary key).
 CREATE: Final = f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
     key text PRIMARY KEY,
@@ -45,6 +58,10 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     pickled boolean NOT NULL DEFAULT false,
     expires timestamptz NOT NULL
 ) WITH (fillfactor = 70);
+INSERT INTO {TABLE} (key, value, expires)
+SELECT '{RUN_KEY}', {SERVER_RUN} || ':0:' || {REPLICATION}, 'infinity'
+FROM pg_control_system()
+ON CONFLICT (key) DO NOTHING;
 """
 DROP: Final = f"DROP TABLE IF EXISTS {TABLE};"
 
@@ -69,6 +86,37 @@ ON CONFLICT (key) DO UPDATE
 SET value = excluded.value, pickled = false, expires = excluded.expires
 WHERE t.expires <= {_NOW} OR (t.value = $4 AND NOT t.pickled)
 RETURNING 1""".encode()
+
+#: The server's run, read from shared memory (no file, no table): its
+#: timeline and when its postmaster started. Any change (a promotion, a
+#: restart, another server behind a pooler's same connection) has the
+#: connection learn the run again (``runs``), which then judges it.
+RUN_MARK: Final = (
+    "substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || ':' || "
+    "extract(epoch FROM pg_postmaster_start_time())::text"
+)
+#: The server's run mark alone (``RUN_MARK``).
+READ_RUN_MARK: Final = f"SELECT {RUN_MARK}".encode()
+
+
+def _on_run(take: bytes, mark: str) -> bytes:
+    """``take`` made only on the run whose mark is the parameter ``mark``:
+    one row, whether it took (1 or 0) and the server's run mark."""
+    values = f"VALUES ($1, $2, {_UNTIL})"
+    statement = take.decode()
+    assert values in statement
+    only_here = f"SELECT $1, $2, {_UNTIL} FROM here WHERE here.run = {mark}"
+    return (
+        f"WITH here AS (SELECT {RUN_MARK} AS run), took AS ("
+        f"{statement.replace(values, only_here)}) "
+        "SELECT (SELECT count(*) FROM took), here.run FROM here"
+    ).encode()
+
+
+#: TAKE and TAKE_OVER, each on the run the connection knows (a pooler may
+#: send its connection to another server): $4 (TAKE_OVER: $5) the run mark.
+TAKE_ON_RUN: Final = _on_run(TAKE, "$4")
+TAKE_OVER_ON_RUN: Final = _on_run(TAKE_OVER, "$5")
 
 #: $1 key, $2 token: freed while the token holds it (the row kept, its expiry
 #: past: the next take of the key updates it in place, a HOT update).
@@ -159,7 +207,8 @@ TOUCH: Final = f"""
 UPDATE {TABLE} AS t SET expires = {_UNTIL}
 WHERE key = $1 AND $2::text IS NULL AND {_LIVE} RETURNING 1""".encode()
 
-CLEAR: Final = f"DELETE FROM {TABLE}".encode()
+#: Every row but the run's record (Django's ``cache.clear()``).
+CLEAR: Final = f"DELETE FROM {TABLE} WHERE key <> '{RUN_KEY}'".encode()
 
 #: At most a batch of rows expired a minute or more ago, removed (a minute:
 #: a client's statement in flight on a row just expired has ended by then).

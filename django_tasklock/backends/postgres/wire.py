@@ -72,6 +72,8 @@ class Wire:
         #: When the run of the database it reached started, if that run may
         #: lack locks its predecessor held (``runs.learning``), else None.
         self.run_started: float | None = None
+        #: The run mark of the server it learnt (``statements.RUN_MARK``).
+        self.mark: str | None = None
         #: The connection being made (``connect_steps``).
         self._connecting: Any = None
         #: A poll of the connection's socket for replies (made with it).
@@ -87,11 +89,14 @@ class Wire:
         sql: bytes,
         params: Sequence[str | None],
         guard: Callable[[Wire], object] | None = None,
+        on_run: bool = False,
     ) -> list[Row]:
         """Run one statement; its rows, each a tuple of texts (None: NULL).
         ``guard(wire)``, where given, runs before the statement is sent
         whenever the run of the database the connection reached (learnt when
-        it was made: ``runs``) may lack locks: it may refuse the statement."""
+        it was made: ``runs``) may lack locks: it may refuse the statement.
+        ``on_run``: the run mark learnt is sent as the last parameter (a
+        statement made only on that run)."""
         conn = self._conn
         if conn is None or self._pid != os.getpid():
             conn = self._connect()
@@ -103,6 +108,8 @@ class Wire:
             conn = self._connect()
         if guard is not None and self.run_started is not None:
             guard(self)
+        if on_run:
+            params = (*params, self.mark)
         now = time.monotonic()
         # ``statement_steps``, inlined: driven through the generator, a Lock
         # cycle took 7,100 more instructions (6.7 %; make bench-cpu's harness,
@@ -136,14 +143,19 @@ class Wire:
 
     def _connect(self) -> pq.abc.PGconn:
         conn = self._connected()
+        self.relearn()
+        return conn
+
+    def relearn(self) -> None:
+        """Learn the run of the server the connection reaches (``runs``):
+        when it is made, and when a pooler sent it to another server."""
         steps = learning(self.where, self.synchronous)
         try:
             ask = next(steps)
             while True:
                 ask = steps.send(self.query(*ask))
         except StopIteration as done:
-            self.run_started = done.value
-        return conn
+            self.run_started, self.mark = done.value
 
     def _connected(self) -> pq.abc.PGconn:
         self._conn = None
@@ -239,6 +251,15 @@ def late(session: Any) -> Unreachable:
     return Unreachable(
         f"{session.where} did not answer within {session.timeout:g} s "
         "(TASKLOCK['SOCKET_TIMEOUT'])"
+    )
+
+
+def run_changed(session: Any) -> Unreachable:
+    """The error of a take whose server changed runs again while its
+    connection learnt the run it had changed to (``runs.taken_on_run``)."""
+    return Unreachable(
+        f"{session.where} changed runs twice during one take (a pooler sending "
+        "the connection from server to server?): nothing was taken"
     )
 
 

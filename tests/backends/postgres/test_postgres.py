@@ -483,3 +483,70 @@ def test_django_closing_its_caches_leaves_their_connections_open(on_postgres):
     alive = "SELECT 1 FROM pg_stat_activity WHERE pid = %s"
     wait_until(lambda: on_postgres.execute(alive, (before,)) == [], 10)
     assert session() != before
+
+
+def test_a_pooler_sent_to_a_promoted_standby_is_a_new_run_on_the_same_connection(
+    own_postgres, settings
+):
+    """PgBouncer re-pointed to the promoted standby (as a failover manager
+    does), its clients' connections kept: the connection this process had
+    learnt the old run on takes nothing on the new one. The take sees the
+    run mark changed, learns the run again, and is refused for the grace;
+    the holder keeps its lock, and after the grace a new lock is taken."""
+    from tests.services_pg import PgBouncer
+
+    standby = own_postgres.standby()
+    bouncer = PgBouncer(own_postgres).start()
+    try:
+        settings.DATABASES["pg_own"]["PORT"] = str(bouncer.port)
+        settings.TASKLOCK = {**settings.TASKLOCK, "LIVENESS": 3, "RESTART_GRACE": 3}
+        close_thread_connections()
+        held = Lock("pooled-failover-held")
+        assert held.acquire()
+        wire = caches["own_pg"].wire()
+        connection = wire._conn  # (its libpq connection: kept, not made again)
+        key = caches["own_pg"].make_key("pooled-failover-held")
+        replicated = f"SELECT 1 FROM {TABLE} WHERE key = %s AND value = %s"
+        wait_until(lambda: standby.execute(replicated, (key, held.token)) != [], 10)
+        assert standby.execute("SELECT pg_promote()") == [(True,)]
+        bouncer.point_at(standby)
+        own_postgres.stop()
+        seen = time.monotonic()
+        with pytest.raises(LockBackendError, match="began a new run"):
+            Lock("pooled-failover-new").acquire()
+        assert wire._conn is connection, "the take reconnected: not the case tried"
+        taken = False
+        while not taken:
+            assert time.monotonic() - seen < 10, "still refused past the grace"
+            try:
+                taken = Lock("pooled-failover-new").acquire()
+            except LockBackendError:
+                time.sleep(0.1)
+        assert time.monotonic() - seen >= 3 - 0.5
+        assert held.owned() and held.release()
+    finally:
+        close_thread_connections()
+        bouncer.remove()
+        standby.remove()
+
+
+def test_a_table_emptied_behind_the_store_is_a_run_not_known(
+    own_postgres, settings, caplog
+):
+    """The table is made with its run's record, and Django's cache.clear()
+    keeps it: a connection made after it takes at once. Its rows deleted
+    behind the store (a TRUNCATE), which run lost what since is not known:
+    a new connection refuses new locks for the grace, as after a failover."""
+    settings.TASKLOCK = {**settings.TASKLOCK, "RESTART_GRACE": 30}
+    caches["own_pg"].clear()
+    close_thread_connections()
+    with Lock("emptied"):
+        pass
+    own_postgres.execute(f"TRUNCATE {TABLE}")
+    close_thread_connections()
+    with (
+        caplog.at_level("WARNING", "django_tasklock.backends.postgres"),
+        pytest.raises(LockBackendError, match="or the record of its run deleted"),
+    ):
+        Lock("emptied").acquire()
+    assert "holds no record of the database's run" in caplog.text
