@@ -53,10 +53,13 @@ class PostgresBackend(LockBackend):
         statement: bytes,
         *params: str | None,
         guard: Callable[[Wire], object] | None = None,
-        on_run: bool = False,
+        on_run: Wire | None = None,
     ) -> list[Any]:
+        """``statement`` run on this thread's connection (``on_run``: that
+        connection, its run mark sent as the last parameter)."""
+        wire = on_run or self.cache.wire()
         try:
-            return self.cache.wire().query(statement, params, guard, on_run)
+            return wire.query(statement, params, guard, on_run is not None)
         except MissingTable as exc:
             raise LockConfigurationError(
                 f"CACHES[{self.alias!r}]'s lock table {sql.TABLE} does not exist "
@@ -75,7 +78,7 @@ class PostgresBackend(LockBackend):
         judged (``young`` may refuse), then the take tried once more."""
         wire = self.cache.wire()
         for _ in range(2):
-            rows = self._run(statement, *params, guard=self.young, on_run=True)
+            rows = self._run(statement, *params, guard=self.young, on_run=wire)
             taken = taken_on_run(wire.mark, rows)
             if taken is not None:
                 return taken
