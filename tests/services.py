@@ -70,9 +70,18 @@ def free_port() -> int:
     to port 0 handed two workers' servers the same port: a Sentinel whose
     port another server had was found listening and never asked who it was;
     MasterNotFoundError in CI.)"""
-    while (port := _free_below_ephemeral(1024, 10000, (0,))) in WELL_KNOWN:
+    while (port := _free_below_ephemeral(1024, 10000, (0,))) in _HANDED:
         pass
+    # Never twice in one process: a lock backend remembers the run of the
+    # server it met at an address, so a new server on a port an earlier one
+    # had looks restarted there, and is refused for the grace (a fault part
+    # that started ~100 servers drew a port twice, and refused its lock).
+    _HANDED.add(port)
     return port
+
+
+#: The ports handed out by free_port in this process, and the well-known ones.
+_HANDED: set[int] = set(WELL_KNOWN)
 
 
 def wait_for_port(

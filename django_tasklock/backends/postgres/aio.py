@@ -24,7 +24,7 @@ from ...conf import settings as tasklock_settings
 from ..aio.base import AsyncBackend
 from . import statements as sql
 from .cache import conninfo_for
-from .errors import Unreachable
+from .errors import Unreachable, run_changed
 from .runs import learning, taken_on_run
 from .wire import (
     READ,
@@ -32,7 +32,6 @@ from .wire import (
     connect_steps,
     late,
     rows_of,
-    run_changed,
     statement_steps,
 )
 

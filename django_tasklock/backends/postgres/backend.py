@@ -14,9 +14,8 @@ from ..base import FenceCounter, Hold, LockBackend, Peek
 from ..capabilities import ONE_PLACE
 from . import checks
 from . import statements as sql
-from .errors import MissingTable, StatementFailed, Unreachable
+from .errors import MissingTable, StatementFailed, Unreachable, run_changed
 from .runs import taken_on_run
-from .wire import run_changed
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["MissingTable", "PostgresError", "StatementFailed", "Unreachable"]
+from typing import Any
+
+__all__ = [
+    "MissingTable",
+    "PostgresError",
+    "StatementFailed",
+    "Unreachable",
+    "run_changed",
+]
 
 
 class PostgresError(Exception):
@@ -21,3 +29,12 @@ class MissingTable(PostgresError):
 class StatementFailed(PostgresError):
     """The server refused a statement for a reason of ours (a bug, or a table
     changed by hand)."""
+
+
+def run_changed(session: Any) -> Unreachable:
+    """The error of a take whose server changed runs again while its
+    connection learnt the run it had changed to (``runs.taken_on_run``)."""
+    return Unreachable(
+        f"{session.where} changed runs twice during one take (a pooler sending "
+        "the connection from server to server?): nothing was taken"
+    )

@@ -254,15 +254,6 @@ def late(session: Any) -> Unreachable:
     )
 
 
-def run_changed(session: Any) -> Unreachable:
-    """The error of a take whose server changed runs again while its
-    connection learnt the run it had changed to (``runs.taken_on_run``)."""
-    return Unreachable(
-        f"{session.where} changed runs twice during one take (a pooler sending "
-        "the connection from server to server?): nothing was taken"
-    )
-
-
 def rows_of(session: Any, result: pq.abc.PGresult | None) -> list[Row]:
     """``result``'s rows, each a tuple of texts (None: NULL); its error
     raised as what it means (``session``: its connection, closed where the

@@ -394,6 +394,9 @@ def test_a_promoted_synchronous_standby_is_no_restart_where_declared(
     try:
         if replication == "synchronous":
             own_postgres.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            # (remote_apply: a commit returns once the standby shows it too,
+            # so the read there below sees the lock at once.)
+            own_postgres.execute("ALTER SYSTEM SET synchronous_commit = 'remote_apply'")
             own_postgres.execute("SELECT pg_reload_conf()")
             wait_until(
                 lambda: (
@@ -416,7 +419,7 @@ def test_a_promoted_synchronous_standby_is_no_restart_where_declared(
         assert held.acquire()
         key = caches["own_pg"].make_key("sync-failover-held")
         replicated = f"SELECT 1 FROM {TABLE} WHERE key = %s AND value = %s"
-        if replication == "synchronous":  # there at once: the commit waited
+        if replication == "synchronous":  # there at once: the commit waited for it
             assert standby.execute(replicated, (key, held.token)) == [(1,)]
         else:
             wait_until(lambda: standby.execute(replicated, (key, held.token)), 10)
