@@ -428,11 +428,21 @@ def test_a_promoted_synchronous_standby_is_no_restart_where_declared(
         proxy.upstream_port = standby.port
         proxy.reset()
         with caplog.at_level("WARNING", "django_tasklock.backends.postgres"):
+            # (The first statement may meet the proxy's reset of its old
+            # connection: that error is not the outcome tried; once more.)
+            outcome: object = None
+            for _ in range(3):
+                try:
+                    outcome = Lock("sync-failover-new").acquire()
+                except LockBackendError as exc:
+                    outcome = exc
+                if "closed the connection" not in str(outcome):
+                    break
             if replication == "synchronous":
-                assert Lock("sync-failover-new").acquire()
+                assert outcome is True, outcome
             else:
-                with pytest.raises(LockBackendError, match="began a new run"):
-                    Lock("sync-failover-new").acquire()
+                assert isinstance(outcome, LockBackendError), outcome
+                assert "began a new run" in str(outcome), outcome
         said = {
             "synchronous": "it has every lock its predecessor acknowledged",
             "asynchronous": "the run before it was seen committing without waiting",
