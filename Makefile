@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test-quick soak demo demo-django6 lock-demo bench bench-cpu bench-postgres bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix matrix-envs pytest pytest-run coverage package services venv clean
+.PHONY: test-quick soak demo demo-django6 lock-demo bench bench-handoff bench-cpu bench-postgres bench-fenced bench-async bench-rates bench-console bench-beat bench-beat-peers faults test lint shape typecheck docs matrix matrix-envs pytest pytest-run coverage package services venv clean
 
 demo: services $(STAMP)
 	$(BIN)/python -m example_project.demo $(DEMO_ARGS)
@@ -108,6 +108,11 @@ package: $(STAMP)
 bench: services $(STAMP)
 	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS)
 
+# Waiting in line: handoff, holds per process and requests per hold, beside
+# polling and python-redis-lock (docs/howto/waiting.rst); BENCH_ARGS="--write-docs".
+bench-handoff: services $(STAMP)
+	$(BIN)/python -m benchmarks.handoff $(BENCH_ARGS)
+
 # Client CPU per operation in instructions (valgrind's callgrind; see the docs,
 # Performance); BENCH_ARGS="--write-docs" updates its table.
 bench-cpu: services $(STAMP)
@@ -117,6 +122,11 @@ bench-cpu: services $(STAMP)
 # beside releases that delete (docs/explanation/performance.rst).
 bench-postgres: services $(STAMP)
 	$(BIN)/python -m benchmarks.postgres_bloat --compare $(BENCH_ARGS)
+
+# Fenced writes: the same update with and without the fence condition, on
+# PostgreSQL and SQLite (docs/explanation/performance.rst).
+bench-fenced: services $(STAMP)
+	$(BIN)/python -m benchmarks.fenced_writes $(BENCH_ARGS)
 
 # Async locks: a cycle against the raw async floors and sync_to_async, and
 # 1,000 coroutines in each of 5 processes (overlaps, the loop's lag).

@@ -13,7 +13,9 @@ from .exceptions import (
     LockLost,
     LockNotAcquired,
     LockUsageError,
+    NoFence,
     RateLimited,
+    StaleFence,
     TaskLockError,
 )
 from .leader import Leadership
@@ -39,9 +41,11 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockUsageError",
+    "NoFence",
     "RateLimited",
     "RateLimiter",
     "Semaphore",
+    "StaleFence",
     "TaskLockError",
     "__version__",
     "current_admission",

@@ -14,6 +14,7 @@ __all__ = [
     "CACHE_UNKNOWN",
     "CLASSIC_FALLBACK",
     "EXPIRE_INVALID",
+    "FENCE_FIELDS_AMBIGUOUS",
     "GRACE_SHORT",
     "IGNORE_EXC_SET",
     "KEY_BRACES",
@@ -39,6 +40,7 @@ __all__ = [
     "TASKLOCK_INVALID",
     "TASKS_UNIMPORTABLE",
     "TASK_RATE_INVALID",
+    "WAITING_INVALID",
     "WAIT_TIMEOUT_INVALID",
 ]
 
@@ -122,3 +124,8 @@ PER_PROCESS_ALLOWED: Final = "django_tasklock.W006"
 SETTING_MISSPELT: Final = "django_tasklock.W007"
 #: a memcached server of the lock cache did not answer the check's probe.
 SERVER_SILENT: Final = "django_tasklock.W008"
+#: a model has more than one FenceField without lock=, so a fenced write could
+#: not tell which holder's fence goes in which.
+FENCE_FIELDS_AMBIGUOUS: Final = "django_tasklock.E026"
+#: TASKLOCK['WAITING'] is not "line" or "poll".
+WAITING_INVALID: Final = "django_tasklock.E027"

@@ -52,6 +52,7 @@ from .check_ids import (
     TASKLOCK_INVALID,
     TASKS_UNIMPORTABLE,
     WAIT_TIMEOUT_INVALID,
+    WAITING_INVALID,
 )
 from .conf import DEFAULTS, setting_problems, suggested_key
 from .declared import import_task_modules, named_aliases
@@ -66,6 +67,7 @@ _SETTING_IDS = {
     "MEMCACHED_PROTOCOL": PROTOCOL_INVALID,
     "ON_CONTENTION": ON_CONTENTION_INVALID,
     "WAIT_TIMEOUT": WAIT_TIMEOUT_INVALID,
+    "WAITING": WAITING_INVALID,
     "RETRY_COUNTDOWN": RETRY_COUNTDOWN_INVALID,
     "RENEW": RENEW_INVALID,
     "RESTART_GRACE": RESTART_GRACE_INVALID,

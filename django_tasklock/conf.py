@@ -43,6 +43,8 @@ TIMEOUT_POLICIES: Final = ("skip", "raise")
 RATE_KINDS: Final = ("window", "smooth")
 LIMIT_POLICIES: Final = ("retry", "raise", "wait", "skip")
 MISSED_POLICIES: Final = ("send", "skip")
+Waiting = Literal["line", "poll"]
+WAITING_KINDS: Final = ("line", "poll")
 
 DEFAULTS: Final[dict[str, Any]] = {
     "LOCK_EXPIRE": 600,
@@ -50,6 +52,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "MEMCACHED_PROTOCOL": "auto",
     "ON_CONTENTION": "skip",
     "WAIT_TIMEOUT": 60,
+    "WAITING": "line",
     "RETRY_COUNTDOWN": 5,
     "RENEW": False,
     "RESTART_GRACE": None,
@@ -138,6 +141,9 @@ _VALIDATORS: Final[dict[str, Callable[[object], object]]] = {
         v, name="TASKLOCK['ON_CONTENTION']", choices=CONTENTION_POLICIES
     ),
     "WAIT_TIMEOUT": lambda v: validate_seconds(v, name="TASKLOCK['WAIT_TIMEOUT']"),
+    "WAITING": lambda v: validate_choice(
+        v, name="TASKLOCK['WAITING']", choices=WAITING_KINDS
+    ),
     "RETRY_COUNTDOWN": lambda v: validate_seconds(
         v, name="TASKLOCK['RETRY_COUNTDOWN']", allow_zero=True
     ),
@@ -431,6 +437,16 @@ class Settings:
     def WAIT_TIMEOUT(self) -> float:
         """How long ``on_contention="wait"`` waits for the lock, in seconds."""
         value: float = self._get("WAIT_TIMEOUT")
+        return value
+
+    @property
+    def WAITING(self) -> Waiting:
+        """How a blocking acquire waits: ``"line"``, in the lock's waiting
+        line where the store keeps one (Redis, memcached), woken by the
+        release (across processes on Redis; on memcached within one, polled
+        across them), first come first served; ``"poll"``, trying again after growing pauses
+        (every store), in no order."""
+        value: Waiting = self._get("WAITING")
         return value
 
     @property

@@ -21,7 +21,9 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockUsageError",
+    "NoFence",
     "RateLimited",
+    "StaleFence",
     "TaskLockError",
 ]
 
@@ -176,3 +178,33 @@ class InvalidLockExpire(InvalidArgument):
 
 class LockUsageError(TaskLockError, RuntimeError):
     """A Lock object was used out of order, e.g. released without being acquired."""
+
+
+class StaleFence(TaskLockError):
+    """A fenced write (``django_tasklock.fenced``) refused by the database: the
+    row was written by a newer holder of the lock than this writer.
+
+    This writer's lock was lost (it expired while the process was paused, or
+    the store lost it) and another holder took it and wrote since; the write
+    would have put older data over newer. Nothing was written. ``row`` names
+    the row (model label and lookup), ``field`` its fence field, ``stored`` the
+    fence stored there, ``fence`` this writer's.
+    """
+
+    def __init__(self, row: str, field: str, stored: int, fence: int) -> None:
+        self.row, self.field, self.stored, self.fence = row, field, stored, fence
+        super().__init__(row, field, stored, fence)
+
+    def __str__(self) -> str:
+        return (
+            f"Refused a stale write to {self.row}: its {self.field} is "
+            f"{self.stored}, newer than this writer's fence {self.fence}. A newer "
+            "holder of the lock wrote it after this writer's lock was lost; "
+            "nothing was written. Stop this work: its result is superseded."
+        )
+
+
+class NoFence(LockUsageError):
+    """A fenced write found no fence to carry: no lock is held in this context,
+    or no holder here is the one its ``FenceField(lock=...)`` names. Nothing was
+    written; the message says how to give one."""

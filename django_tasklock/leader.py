@@ -27,15 +27,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .backends import refuse_per_process
 from .conf import settings, validate_seconds
-from .exceptions import InvalidArgument, LockBackendError, LockUsageError
+from .exceptions import InvalidArgument, LockBackendError, LockLost, LockUsageError
 from .locks import Lock
+from .locks.fencing import holders, push_holder
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from contextvars import Token
 
 __all__ = ["LOCK_PREFIX", "Leadership"]
 
@@ -98,6 +100,7 @@ class Leadership:
         self._thread: threading.Thread | None = None
         #: Whether a try was refused since this process last led (logged once).
         self._standing = False
+        self._fence_reset: Token[Any] | None = None
 
     def __repr__(self) -> str:
         state = f"leader since {self.since:.0f}" if self.is_leader else "standing by"
@@ -117,6 +120,15 @@ class Leadership:
         """The epoch of this leadership (larger for every later leader), or
         None while not leader."""
         return self._fence if self.is_leader else None
+
+    def held_fence(self) -> int:
+        """``fence``, for a write now: raises ``LockLost`` unless this process
+        leads (``is_leader``)."""
+        fence = self.fence
+        if fence is None:
+            since = self.since
+            raise LockLost(self.lock_id, 0.0 if since is None else time.time() - since)
+        return fence
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until this process leads; whether it does."""
@@ -148,9 +160,16 @@ class Leadership:
             thread.join()
 
     def __enter__(self) -> Leadership:
-        return self.start()
+        """Start; inside the block, fenced writes carry the leader's fence
+        (refused while this process does not lead)."""
+        self.start()
+        self._fence_reset = push_holder(self, self.name)
+        return self
 
     def __exit__(self, *exc: object) -> None:
+        reset, self._fence_reset = self._fence_reset, None
+        if reset is not None:
+            holders.reset(reset)
         self.stop()
 
     def _run(self) -> None:

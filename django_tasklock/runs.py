@@ -11,13 +11,14 @@ host only through the methods here, so they never import a framework.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from .exceptions import InvalidArgumentType, LockNotAcquired
+from .locks.fencing import held as fencing_held
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from contextvars import ContextVar
 
     from .locks import Lock
     from .options import Options
@@ -40,9 +41,10 @@ __all__ = [
 DROP, FREED, DEFER = object(), object(), object()
 
 # The runs in progress in this context (thread, greenlet or asyncio task),
-# innermost last: current_lock() is the last one's lock, and a task's
-# self.retry() releases the innermost run of that task, the one calling it.
-held: ContextVar[tuple[Run, ...]] = ContextVar("tasklock_held", default=())
+# innermost last (``locks.fencing.held``, where fenced writes read them too):
+# current_lock() is the last one's lock, and a task's self.retry() releases
+# the innermost run of that task, the one calling it.
+held: ContextVar[tuple[Run, ...]] = fencing_held
 
 
 def current_lock() -> Lock | Semaphore | None:

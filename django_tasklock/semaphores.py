@@ -129,6 +129,15 @@ class Semaphore(Holding):
         """The fencing token of this acquisition (its slot's counter)."""
         return None if self.lock is None else self.lock.fence
 
+    def held_fence(self) -> int:
+        """The held slot's ``Lock.held_fence()``."""
+        if self.lock is None:
+            raise LockUsageError(
+                f"Semaphore {self.lock_id!r} holds no slot here, so it has no "
+                "fence to write with; write while a slot is held."
+            )
+        return self.lock.held_fence()
+
     @property
     def token(self) -> str | None:
         return None if self.lock is None else self.lock.token

@@ -43,6 +43,7 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -122,11 +123,26 @@ class Result:
     client_seconds: float = 0.0
     faults: Counter[str] = field(default_factory=Counter)
     holds: int = 0
+    #: Holds taken by blocking acquires (in the lock's line, where kept).
+    waited: int = 0
     by_design: int = 0
     violations: list[str] = field(default_factory=list)
     fence_inversions: list[str] = field(default_factory=list)
+    #: The fenced register's writes (applied, refused, failed), and each
+    #: write the database took with an older fence than one it took before.
+    writes: Counter[str] = field(default_factory=Counter)
+    regressions: list[str] = field(default_factory=list)
     #: Where the witness and the clients' logs were kept (runs that found any).
     kept: str = ""
+
+    def register_row(self) -> str:
+        """The fenced register's line: its writes, and its regressions."""
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(self.writes.items()))
+        return (
+            f"fenced register: {counts or 'no writes'}; "
+            f"{len(self.regressions)} regressions; "
+            f"{self.waited} holds taken by waiters"
+        )
 
     def row(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items()))
@@ -624,6 +640,46 @@ def holds_of(path: Path) -> list[Hold]:
     return list(holds.values())
 
 
+def waited_for(path: Path) -> int:
+    """How many holds the witness says a blocking acquire took."""
+    if not path.exists():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return sum(1 for line in lines if json.loads(line).get("wt"))
+
+
+def writes_of(path: Path) -> Counter[str]:
+    """The fenced register's writes the holds' ``end`` lines count."""
+    writes: Counter[str] = Counter()
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            writes.update(json.loads(line).get("w") or {})
+    return writes
+
+
+def regressions(path: Path) -> list[str]:
+    """Each write the register took whose fence is older than one it took
+    before (its history is in the order the database took them)."""
+    if not path.exists():
+        return []
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        rows = db.execute(
+            "SELECT register, fence, client FROM fenced_registerwrite ORDER BY id"
+        ).fetchall()
+    newest: dict[str, tuple[int, str]] = {}
+    found = []
+    for register, fence, client in rows:
+        if register in newest and fence < newest[register][0]:
+            top, by = newest[register]
+            found.append(
+                f"register {register}: {client} wrote fence {fence} after {by} "
+                f"wrote fence {top}"
+            )
+        if register not in newest or fence > newest[register][0]:
+            newest[register] = (fence, client)
+    return found
+
+
 def verdict(result: Result, holds: list[Hold], faults: list[Fault]) -> None:
     """Every pair of holds of one id that both believed at once, judged."""
     by_id: dict[str, list[Hold]] = {}
@@ -711,10 +767,15 @@ def check(
     workdir = Path(tempfile.mkdtemp(prefix="tasklock-checker-"))
     path = workdir / "witness.jsonl"
     try:
+        register = {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(workdir / "register.sqlite3"),
+            "OPTIONS": {"timeout": 60},
+        }
         config = {
             "alias": "checked",
             "cache": deployment.cache,
-            "databases": deployment.databases,
+            "databases": {**deployment.databases, "register": register},
             "ids": [f"checked-{n}" for n in range(3)],
             "witness": str(path),
         }
@@ -735,16 +796,20 @@ def check(
         result.faults = Counter(f.kind for f in nemesis.log)
         holds = holds_of(path)
         result.holds = len(holds)
+        result.waited = waited_for(path)
         verdict(result, holds, nemesis.log)
+        result.writes = writes_of(path)
+        result.regressions = regressions(workdir / "register.sqlite3")
     finally:
         deployment.close()
-        if not (result.violations or result.fence_inversions):
+        if not (result.violations or result.fence_inversions or result.regressions):
             shutil.rmtree(workdir, ignore_errors=True)
         else:  # the witness and the clients' logs, for the violations' story
             result.kept = str(workdir)
     if not quiet:
         print(result.row(), flush=True)
-        for line in result.violations + result.fence_inversions:
+        print("  " + result.register_row(), flush=True)
+        for line in result.violations + result.fence_inversions + result.regressions:
             print("  " + line, flush=True)
         if result.kept:
             print(f"  witness and clients' logs kept in {result.kept}", flush=True)
@@ -785,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     for result in runs(flavours, args.seconds, args.clients, args.seed, **options):
         bad += len(result.violations) + len(result.fence_inversions)
+        bad += len(result.regressions)
     return 1 if bad else 0
 
 

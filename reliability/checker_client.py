@@ -6,11 +6,20 @@ to the witness file, outside the store.
     TASKLOCK_CHECKER='{...}' python -m reliability.checker_client
 
 Each hold is two lines, appended under ``flock``: ``start`` when ``acquire()``
-returned True (with the token and, when it could be drawn, the fence), and
+returned True (with the token, whether it waited for it, blocking, and,
+when it could be drawn, the fence), and
 ``end`` with the last moment the holder still believed it held (the time just
 before its last ``check()`` that said True) and whether its release found the
 lock its own. A holder killed mid-hold leaves only its ``start``: it believed
 then, and nothing after is known.
+
+Every hold whose fence could be drawn also writes the fenced register (a row
+per lock id in a SQLite file, ``tests.fenced.models.Register``) through
+``fenced_update_or_create`` with that fence, given by hand as by a holder
+that never checks: now and then while it holds, and once more after it stops
+believing, just before its release. Each write that the database took is
+appended to the register's history in the same transaction; the ``end`` line
+counts the writes taken, refused (``StaleFence``) and failed.
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ def main() -> None:
     from django_tasklock import Lock, LockBackendError
 
     settings.TASKLOCK = {"CACHE": config["alias"], **config["tasklock"]}
+    _register_tables(config["witness"])
     chance = random.Random(config["seed"])
     client = config["client"]
     path = config["witness"]
@@ -76,8 +86,12 @@ def main() -> None:
             expire=chance.choice([3, 4, 6, 8]),
             renew=chance.random() < 0.5,
         )
+        # Some wait (in the lock's line, on a store that keeps one), up to a
+        # timeout: a waiter woken into an overlap is a violation as any.
+        blocking = chance.random() < 0.4
+        timeout = chance.uniform(0.2, 3) if blocking else None
         try:
-            taken = lock.acquire()
+            taken = lock.acquire(blocking=blocking, timeout=timeout)
         except LockBackendError:
             time.sleep(chance.uniform(0.05, 0.3))
             continue
@@ -95,14 +109,16 @@ def main() -> None:
                 "t": start,
                 "tok": token,
                 "vu": _valid_until(lock),
+                "wt": blocking,
             },
         )
         fence = None
-        if chance.random() < 0.5:
+        if chance.random() < 0.7:
             try:
                 fence = lock.fence
             except LockBackendError:
                 fence = None
+        writes = {"applied": 0, "refused": 0, "failed": 0}
         last = start
         hold_for = chance.uniform(0.1, 6)
         while True:
@@ -112,13 +128,54 @@ def main() -> None:
             last = now
             if now - start >= hold_for:
                 break
+            if fence is not None and chance.random() < 0.3:
+                writes[_write(lock_id, fence, client)] += 1
             time.sleep(chance.uniform(0.02, 0.3))
+        if fence is not None:  # believed or not: the database judges
+            writes[_write(lock_id, fence, client)] += 1
         try:
             released: bool | None = lock.release()
         except LockBackendError:
             released = None
         ended = {"e": "end", "tok": token, "last": last, "released": released}
-        witness(path, {**ended, "f": fence, "end": time.monotonic()})
+        witness(path, {**ended, "f": fence, "end": time.monotonic(), "w": writes})
+
+
+def _register_tables(witness_path: str) -> None:
+    """The register's tables, made by the first client (under a file lock)."""
+    from django.db import connections
+
+    from tests.fenced.models import Register, RegisterWrite
+
+    connection = connections["register"]
+    with open(Path(witness_path).with_name("register.lock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if Register._meta.db_table not in connection.introspection.table_names():
+            with connection.schema_editor() as editor:
+                editor.create_model(Register)
+                editor.create_model(RegisterWrite)
+
+
+def _write(lock_id: str, fence: int, client: str) -> str:
+    """One fenced write of the register ``lock_id``: applied, refused, failed."""
+    from django.db import DatabaseError, transaction
+
+    from django_tasklock import StaleFence
+    from tests.fenced.models import Register, RegisterWrite
+
+    try:
+        with transaction.atomic(using="register"):
+            Register.objects.using("register").fenced_update_or_create(  # type: ignore[attr-defined]
+                name=lock_id, defaults={"note": client}, fence=fence
+            )
+            RegisterWrite.objects.using("register").create(
+                register=lock_id, fence=fence, client=client
+            )
+    except StaleFence:
+        return "refused"
+    except DatabaseError:
+        return "failed"
+    return "applied"
 
 
 def _valid_until(lock: Any) -> float | None:

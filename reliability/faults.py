@@ -122,6 +122,7 @@ PARTS: dict[str, tuple[int, ...]] = {
     "deployments": tuple(range(34, 44)),
     "cluster": tuple(range(44, 49)),
     "postgres": tuple(range(49, 54)),
+    "fenced": (54,),
 }
 
 

@@ -21,10 +21,10 @@ from tests.services import module_run
 GROUPS: tuple[tuple[str, ...], ...] = (
     ("basics", "semaphores", "pools", "recovery"),
     ("calls", "limits", "unknown", "cluster"),
-    ("deployments", "lifecycle", "postgres"),
+    ("deployments", "lifecycle", "postgres", "fenced"),
 )
 #: The cases that make a holder outlive its lock on purpose.
-BY_DESIGN = {"2.", "3.", "9.", "31."}
+BY_DESIGN = {"2.", "3.", "9.", "31.", "54."}
 #: The cases with no second holder to overlap with (shown as "-").
 NO_OVERLAP = {"19.", "20.", "21.", "24.", "27.", "36.", "43."}
 
@@ -270,6 +270,18 @@ def _postgres(out: str, rows: dict[str, Table]) -> None:
     assert "second holders 0/20" in rows["53."][5]
 
 
+def _fenced(out: str, rows: dict[str, Table]) -> None:
+    figures = rows["54."][5]
+    late = re.search(
+        r"late writes refused (\d+)/(\d+) \((\d+) by the database", figures
+    )
+    assert late and late.group(1) == late.group(2) != "0"
+    # The flushed half's holders were told nothing: the database refused them.
+    assert int(late.group(3)) >= int(late.group(2)) // 2
+    kept = re.search(r"new holder's row kept (\d+)/(\d+)", figures)
+    assert kept and kept.group(1) == kept.group(2)
+
+
 #: Each part's own figures, checked on the output of a run that included it.
 FIGURES: dict[str, Callable[[str, dict[str, Table]], None]] = {
     "basics": _basics,
@@ -283,4 +295,5 @@ FIGURES: dict[str, Callable[[str, dict[str, Table]], None]] = {
     "deployments": _deployments,
     "cluster": _cluster,
     "postgres": _postgres,
+    "fenced": _fenced,
 }

@@ -8,6 +8,7 @@ environment, so that worker processes spawned by the tests see the same CACHES.
 from __future__ import annotations
 
 import os
+import tempfile
 
 SECRET_KEY = "django_tasklock-tests-not-secret"
 USE_TZ = True
@@ -20,6 +21,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_tasklock",
     "example_project.feeds",
+    # Models for the fenced-write tests (tests/fenced).
+    "tests.fenced",
 ]
 # The admin, for the lock console's tests (tests/test_console*.py).
 MIDDLEWARE = [
@@ -46,6 +49,16 @@ TEMPLATES = [
 STATIC_URL = "static/"
 DATABASES = {
     "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
+    # A file, which the fenced-write tests' processes share (tests/fenced).
+    "sqlite_file": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": "unused",
+        "TEST": {
+            "NAME": os.path.join(
+                tempfile.gettempdir(), f"tasklock-test-{os.getpid()}.sqlite3"
+            )
+        },
+    },
     # The session's PostgreSQL (tests/services_pg.py), directly and through
     # PgBouncer in transaction pooling mode: the PostgreSQL store's databases.
     "pg": {
@@ -157,6 +170,17 @@ if os.environ.get("TASKLOCK_TEST_EXTRA_CACHES"):
 
     CACHES.update(json.loads(os.environ["TASKLOCK_TEST_EXTRA_CACHES"]))
 # And the databases a PostgresCache among them names (reliability/checker.py).
+# A MariaDB for the fenced writes' data (tests/fenced/test_on_mariadb.py runs
+# their tests again in a session of their own with it): only then, since
+# Django 6's system checks ask every MySQL alias's server for its version.
+if os.environ.get("TASKLOCK_TEST_MARIADB"):
+    DATABASES["mysql"] = {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": "tasklock",
+        "USER": "root",
+        "HOST": "127.0.0.1",
+        "PORT": os.environ["TASKLOCK_TEST_MARIADB"],
+    }
 if os.environ.get("TASKLOCK_TEST_EXTRA_DATABASES"):
     import json
 

@@ -12,6 +12,7 @@ from .capabilities import (
     ONE_PLACE,
     CacheItems,
     Hold,
+    KeepsLines,
     KeepsRecords,
     KeepsRecordsBeside,
     PlainItems,
@@ -58,6 +59,7 @@ class LockBackend(abc.ABC):
     restarts: TellsRestarts | None = None
     uptime: TellsUptimes | None = None
     scripts: RunsScripts | None = None
+    lines: KeepsLines | None = None
     items: PlainItems
     #: The module of the store's own client for event loops, whose
     #: ``build(backend)`` makes one for a loop (or None where this alias's

@@ -10,6 +10,8 @@ provides or not, found on its backend by capability (``backend.records``,
   live holder's lock it lost (memcached, a cluster's primaries);
 - ``TellsUptimes``: how long each server has run (the lock console's notice
   that a young server's roster may be incomplete);
+- ``KeepsLines``: a waiting line beside each lock, woken on release (a
+  blocking acquire waits its turn there instead of polling);
 - ``RunsScripts``: Lua run atomically in the store (rate limits decide there,
   on its clock);
 - ``PlainItems``: plain writes and reads (the lock console's roster: no safety
@@ -21,6 +23,7 @@ A store's backend sets the ones it has in its ``__init__`` (most to itself).
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
@@ -28,15 +31,19 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ONE_PLACE",
+    "WAITING_HERE",
     "CacheItems",
     "CacheRecords",
     "Hold",
+    "KeepsLines",
     "KeepsRecords",
     "KeepsRecordsBeside",
     "PlainItems",
     "RunsScripts",
     "TellsRestarts",
     "TellsUptimes",
+    "wait_here",
+    "wake_here",
 ]
 
 #: The place of a store whose every lock is on one server (or one primary).
@@ -73,6 +80,78 @@ class KeepsRecords(Protocol):
 
     def delete_record(self, place: object, record_id: str) -> None:
         """Remove the record ``record_id`` at ``place``."""
+
+
+class KeepsLines(Protocol):
+    """A lock's waiting line, in the store beside the lock: the blocking
+    acquires it refused, in the order they came. While a waiter in line has
+    the turn (the first whose mark has not expired), the lock, once free, is
+    refused to everybody else; a release wakes that waiter. The line decides
+    only who may take a free lock, never who holds one: the lock's own item
+    does, as ever, and a line lost (a flush, a failover) costs order, never
+    safety (``locks.line``)."""
+
+    #: True where a plain take refuses a free lock while a waiter has the turn
+    #: (a script does both: Redis); False where it cannot (memcached), so a
+    #: blocking acquire starts in line, lest a holder coming back at once
+    #: take the lock past every waiter.
+    guards_takes: bool
+    #: True where an event loop's waiters can wait in line without a
+    #: connection or an executor thread each. None can yet: on Redis a
+    #: blocking pop per waiter (a thousand coroutines of one loop opened a
+    #: connection each per wait, and took under one lock a second between
+    #: them), on memcached an executor thread per step. Async waiters poll.
+    wakes_async: bool
+
+    def take_in_line(
+        self, key: str, token: str, expire: float, waiter: str, mark: float
+    ) -> tuple[Hold | None, float]:
+        """Take the lock at ``key`` for ``token`` (as ``acquire``) if it is
+        free and it is ``waiter``'s turn (or nobody's): its hold, and
+        ``waiter`` leaves the line. Else None and how long, in seconds, to
+        wait at most before the next try; ``waiter`` is then in the line (at
+        its end the first time), its mark renewed for ``mark`` seconds."""
+
+    def wait_turn(self, key: str, waiter: str, timeout: float) -> bool:
+        """Block until ``waiter`` is woken (a release, its turn come) or
+        ``timeout`` seconds have passed: True if woken. ``timeout`` is below
+        the store's reply timeout."""
+
+    def leave_line(self, key: str, waiter: str) -> None:
+        """Take ``waiter`` out of the line (it gave up); the next waiter is
+        woken if the lock is free."""
+
+
+#: (alias, lock key) -> this process's waiters blocked in that lock's line by
+#: ``wait_here``, each an event: what a release here sets (``wake_here``),
+#: where the store cannot wake them.
+WAITING_HERE: dict[tuple[str, str], dict[str, threading.Event]] = {}
+_here = threading.Lock()
+
+
+def wait_here(alias: str, key: str, waiter: str, timeout: float) -> bool:
+    """Block ``waiter`` of this process until a release of the lock at ``key``
+    here (``wake_here``) or ``timeout`` seconds: True if woken."""
+    event, place = threading.Event(), (alias, key)
+    with _here:
+        WAITING_HERE.setdefault(place, {})[waiter] = event
+    try:
+        return event.wait(timeout)
+    finally:
+        with _here:
+            events = WAITING_HERE.get(place)
+            if events is not None:
+                events.pop(waiter, None)
+                if not events:
+                    del WAITING_HERE[place]
+
+
+def wake_here(alias: str, key: str) -> None:
+    """Wake this process's waiters on the lock at ``key`` (it was released, or
+    a waiter left its line): each tries again at once."""
+    with _here:
+        for event in WAITING_HERE.get((alias, key), {}).values():
+            event.set()
 
 
 class KeepsRecordsBeside(Protocol):

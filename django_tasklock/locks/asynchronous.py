@@ -33,6 +33,7 @@ from ..tokens import new_live_token, new_token
 from .acquisition import Acquisition
 from .fencing import draw_fence
 from .holds import extend_hold
+from .line import WAITING_HERE, AsyncPlace, aleft_line, async_place_for, wake_here
 from .liveness import record_beside
 from .loss import report_lost, take_failed
 from .recovery import LOOK_EVERY, take_from_dead
@@ -113,23 +114,25 @@ class AsyncLocking:
         store = warm_backend(alias, protocol) or await loop_backend(alias, protocol)
         key = (backend := store.sync).keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else None
-        record = record_beside(alias, bound, backend, key)
-        tried_at = started = time.monotonic()
-        if record is not None and started >= record.due:
-            record = await _kept(alias, backend, record)
-            tried_at = started = time.monotonic()  # (after the record's trip)
+        record, started = await _recorded(alias, bound, backend, key)
+        tried_at = started
         make_token = new_token if record is None else new_live_token
         deadline = None if timeout is None else started + timeout
         pause = POLL_MIN if blocking else None
-        take = store.take if self._take_over is None else self._taking_over(store)
+        # In the lock's line once refused, or at once (see Lock.acquire).
+        place = async_place_for(store, key, blocking and not self._take_over, True)
+        take = place.atake if place else self._first_take(store)
         while True:
             token = make_token(self.owner)
             cancel = _LetGo((self, store, key, token))
             try:
                 hold = await take(key, token, expire, cancel)
                 if hold is None and store.looks.get(key, 0.0) <= tried_at:
-                    hold = await self._from_dead(store, key, token, expire, cancel)
+                    hold = await self._from_dead(
+                        store, key, token, expire, cancel, place
+                    )
             except store.errors as exc:
+                await aleft_line(place)
                 raise take_failed(self, alias, backend, key, token, exc) from exc
             if hold is not None:
                 acq = Acquisition(
@@ -145,9 +148,21 @@ class AsyncLocking:
                     continue
             wait = after_refusal(self, backend, key, pause, deadline, started)
             if wait is None:
+                await aleft_line(place)
                 return False
-            await asyncio.sleep(wait[0])
+            if place is not None:
+                await place.await_turn(deadline)
+            elif place := async_place_for(store, key, blocking and not self._take_over):
+                take = place.atake  # (its first try in line at once)
+            else:
+                await asyncio.sleep(wait[0])
             pause, tried_at = wait[1], time.monotonic()
+
+    def _first_take(
+        self, store: AsyncBackend
+    ) -> Callable[[str, str, float, Cancel | None], Awaitable[Hold | None]]:
+        """A try's take out of line: the store's, or a take-over."""
+        return store.take if self._take_over is None else self._taking_over(store)
 
     def _taking_over(
         self, store: AsyncBackend
@@ -179,19 +194,23 @@ class AsyncLocking:
         token: str,
         expire: float,
         cancel: Cancel,
+        place: AsyncPlace | None,
     ) -> Hold | None:
         """After a refused take, when due (and not a ``take_over``): the lock's
         holder looked at, in a thread, and the lock taken from it if it is
-        dead (carried through a cancel, as a take)."""
+        dead (carried through a cancel, as a take), which takes the waiter
+        out of the line (``place``)."""
         if self._take_over is not None:
             return None
         store.looks[key] = time.monotonic() + LOOK_EVERY
+        free_too = place is None or place.lines.guards_takes
         work = asyncio.to_thread(
-            _take_from_dead, self.lock_id, store, key, token, expire
+            _take_from_dead, self.lock_id, store, key, token, expire, free_too
         )
         hold = await carried_through(work, cancel.taken, cancel.failed)
         if hold is not None:
             store.looks.pop(key, None)
+            await aleft_line(place)
         return hold
 
     async def arelease(self) -> bool:
@@ -231,6 +250,8 @@ class AsyncLocking:
             acq.hold = acq.lock = None  # no cycle left (see Acquisition.lock)
             if acq.record is not None:  # forgotten now, not at the next beat
                 acq.record.held.pop(id(self), None)
+            if WAITING_HERE:  # this process's waiters on it woken at once
+                wake_here(acq.alias, acq.key)
         finally:
             acq.guard.release()
         if lock_released.receivers:
@@ -276,6 +297,20 @@ class AsyncLocking:
             logger.exception("Could not release lock %r", self.lock_id)
 
 
+async def _recorded(
+    alias: str, bound: float | None, backend: LockBackend, key: str
+) -> tuple[Record | None, float]:
+    """The liveness record beside the lock at ``key`` (``record_beside``),
+    written first when it is due; and when the acquire starts (after the
+    record's trip, if it made one)."""
+    record = record_beside(alias, bound, backend, key)
+    started = time.monotonic()
+    if record is not None and started >= record.due:
+        record = await _kept(alias, backend, record)
+        started = time.monotonic()
+    return record, started
+
+
 async def _kept(alias: str, backend: LockBackend, record: Record) -> Record | None:
     """``record`` written (it is due, as in ``Lock.acquire``), on an executor
     thread; None if it could not be."""
@@ -287,11 +322,16 @@ async def _kept(alias: str, backend: LockBackend, record: Record) -> Record | No
 
 
 def _take_from_dead(
-    lock_id: str, store: AsyncBackend, key: str, token: str, expire: float
+    lock_id: str,
+    store: AsyncBackend,
+    key: str,
+    token: str,
+    expire: float,
+    free_too: bool,
 ) -> Hold | None:
     backend = backend_for(store.alias, protocol=store.sync.protocol)
     backend.looks.pop(key, None)  # (the loop's ``looks`` decided it is due)
-    return take_from_dead(lock_id, backend, key, token, expire)
+    return take_from_dead(lock_id, backend, key, token, expire, free_too)
 
 
 class _LetGo(tuple[Any, ...]):

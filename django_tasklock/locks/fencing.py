@@ -7,16 +7,84 @@ acquisition whose token was read (see docs, Fencing tokens).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextvars import ContextVar, Token
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..exceptions import LockLost
+from ..exceptions import LockLost, LockUsageError
 from ..tokens import fence_counter
-from .loss import report_lost
+from .loss import held_time, report_lost
 
 if TYPE_CHECKING:
     from .acquisition import Acquisition
 
-__all__ = ["draw_fence"]
+__all__ = [
+    "FenceHolder",
+    "draw_fence",
+    "fence_to_write",
+    "held",
+    "holders",
+    "in_reach",
+    "push_holder",
+]
+
+
+class FenceHolder(Protocol):
+    """What a fenced write reads of the holder whose fence it carries: a
+    ``Lock``, a ``Semaphore``'s slot or a ``Leadership``."""
+
+    lock_id: str
+
+    def held_fence(self) -> int:
+        """The fence of the hold now, for a write: raises ``LockLost`` once
+        the hold is known lost, ``LockUsageError`` if nothing is held."""
+        ...
+
+
+class HeldRun(Protocol):
+    """What a fenced write reads of a ``runs.Run`` in progress."""
+
+    name: str
+
+    @property
+    def lock(self) -> FenceHolder: ...
+
+
+# The runs of decorated calls in progress in this context (thread, greenlet
+# or asyncio task), innermost last: ``runs.Run`` objects, pushed by the
+# modes (``runs.held`` is this variable; it lives here, below the runs, so
+# that fenced writes find a run's lock without a push of their own).
+held: ContextVar[tuple[Any, ...]] = ContextVar("tasklock_held", default=())
+
+#: The other holders a fenced write in this context finds, innermost last: a
+#: ``with`` block's Lock or Semaphore, a Leadership, ``fenced_by``'s holder;
+#: each with the names besides its lock id a ``FenceField(lock=...)`` may
+#: claim it by, and how many runs were in progress when it was pushed (it is
+#: inside those, and outside any run pushed after it).
+holders: ContextVar[tuple[tuple[FenceHolder, tuple[str, ...], int], ...]] = ContextVar(
+    "tasklock_fence_holders", default=()
+)
+
+
+def push_holder(holder: FenceHolder, *names: str) -> Token[Any]:
+    """Make ``holder`` the innermost one fenced writes here find; pass the
+    token to ``holders.reset`` when its block ends."""
+    return holders.set((*holders.get(), (holder, names, len(held.get()))))
+
+
+def in_reach() -> list[tuple[FenceHolder, tuple[str, ...]]]:
+    """Every holder in reach here, innermost first, with its other names: the
+    runs in progress and the other holders, in the order they were entered."""
+    runs = held.get()
+    found: list[tuple[FenceHolder, tuple[str, ...]]] = []
+    others = list(holders.get())
+    for depth in range(len(runs), -1, -1):
+        while others and others[-1][2] >= depth:
+            holder, names, _depth = others.pop()
+            found.append((holder, names))
+        if depth:
+            run = runs[depth - 1]
+            found.append((run.lock, (run.name,)))
+    return found
 
 
 def draw_fence(acq: Acquisition) -> int | None:
@@ -43,3 +111,35 @@ def draw_fence(acq: Acquisition) -> int | None:
             raise LockLost(lock.lock_id, acq.held_for())
         acq.fence = drawn
         return drawn
+
+
+class _Fenced(Protocol):
+    """What ``fence_to_write`` reads of a ``Lock``."""
+
+    lock_id: str
+
+    @property
+    def acquisition(self) -> Acquisition | None: ...
+
+    @property
+    def lost(self) -> bool: ...
+
+    @property
+    def fence(self) -> int | None: ...
+
+
+def fence_to_write(lock: _Fenced) -> int:
+    """``Lock.held_fence()``: the fence of the lock held now; ``LockLost`` once
+    it is known lost, ``LockUsageError`` when nothing is held."""
+    acq = lock.acquisition
+    if acq is None or (acq.hold is None and not acq.lost):
+        raise LockUsageError(
+            f"Lock {lock.lock_id!r} is not held here (never taken, or released), "
+            "so it has no fence to write with; write while the lock is held."
+        )
+    if lock.lost:
+        raise LockLost(lock.lock_id, held_time(acq))
+    fence = lock.fence
+    if fence is None:  # lost as the fence was drawn
+        raise LockLost(lock.lock_id, held_time(acq))
+    return fence

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..exceptions import LockNotAcquired
+from .fencing import holders, push_holder
 
 if TYPE_CHECKING:
+    from contextvars import Token
     from types import TracebackType
 
 __all__ = ["Holding"]
@@ -17,9 +19,12 @@ _Holder = TypeVar("_Holder", bound="Holding")
 class Holding:
     """The ``with`` and ``async with`` statements of Lock and Semaphore:
     acquire without waiting or raise ``LockNotAcquired``; release quietly on
-    the way out."""
+    the way out. Inside the block, fenced writes (``django_tasklock.fenced``)
+    carry this holder's fence."""
 
     lock_id: str
+    #: Ends this holder's turn as the one fenced writes find (its block's end).
+    _fence_reset: Token[Any] | None = None
 
     if TYPE_CHECKING:  # each class's own (Lock's in a mixin after this one)
 
@@ -35,10 +40,19 @@ class Holding:
     def release_quietly(self) -> None:
         raise NotImplementedError
 
+    def held_fence(self) -> int:
+        raise NotImplementedError
+
     def __enter__(self: _Holder) -> _Holder:
         if not self.acquire():
             raise LockNotAcquired(self.lock_id)
+        self._fence_reset = push_holder(self)
         return self
+
+    def _end_fencing(self) -> None:
+        reset, self._fence_reset = self._fence_reset, None
+        if reset is not None:
+            holders.reset(reset)
 
     def __exit__(
         self,
@@ -46,11 +60,13 @@ class Holding:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._end_fencing()
         self.release_quietly()
 
     async def __aenter__(self: _Holder) -> _Holder:
         if not await self.aacquire():
             raise LockNotAcquired(self.lock_id)
+        self._fence_reset = push_holder(self)
         return self
 
     async def __aexit__(
@@ -59,4 +75,5 @@ class Holding:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._end_fencing()
         await self.arelease_quietly()

@@ -476,12 +476,18 @@ _RUN_SLACK: Final = 4.0
 
 
 def record_beside(
-    alias: str, bound: float | None, backend: LockBackend, key: str
+    alias: str,
+    bound: float | None,
+    backend: LockBackend,
+    key: str,
+    now: float | None = None,
 ) -> Record | None:
     """This process's record beside the lock at ``key`` in ``alias``'s store,
     found with no round trip: None if ``bound`` (``TASKLOCK['LIVENESS']``)
     is None or the store cannot keep one there. Written (``Record.ensure``)
-    before a lock is taken when ``now >= record.due``."""
+    before a lock is taken when ``now >= record.due``: given ``now``, it is
+    written here then, and None returned if the server would not take it
+    (the lock is then left to its expiry: tokens that promise no record)."""
     if bound is None:
         return None
     records = _records.get(alias)
@@ -492,6 +498,8 @@ def record_beside(
         if records.keeper is None:  # records cannot be kept beside locks here
             return None
         record = records.beside(kept_by(backend).record_place(key))
+    if now is not None and now >= record.due and not record.ensure(backend):
+        return None
     return record
 
 

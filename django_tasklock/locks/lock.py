@@ -24,9 +24,18 @@ from ..signals import lock_released
 from ..tokens import new_live_token, new_token
 from .acquisition import Acquisition
 from .asynchronous import AsyncLocking
-from .fencing import draw_fence
+from .fencing import draw_fence, fence_to_write
 from .holding import Holding
 from .holds import extend_hold, hand_over_hold
+from .line import (
+    WAITING_HERE,
+    Place,
+    first_place,
+    left_line,
+    place_for,
+    wait_here,
+    wake_here,
+)
 from .liveness import record_beside
 from .loss import held_time, lapsed, lapsed_why, report_lost, take_failed
 from .reads import StoreReads
@@ -50,6 +59,8 @@ from .waiting import POLL_MIN
 if TYPE_CHECKING:
     from django.dispatch import Signal
 
+    from ..backends import LockBackend
+    from ..backends.capabilities import Hold
     from .heartbeat import Heartbeat
 
 
@@ -234,6 +245,12 @@ class Lock(StoreReads, Holding, AsyncLocking):
         fence = acq.fence
         return fence if fence is not None else draw_fence(acq)
 
+    def held_fence(self) -> int:
+        """``fence``, for a write now: raises ``LockLost`` once the lock is
+        known lost (``lost``), and ``LockUsageError`` if this object holds no
+        lock (never taken, or released)."""
+        return fence_to_write(self)
+
     @property
     def lost(self) -> bool:
         """True once the lock is known lost: the heartbeat, a release or an extend
@@ -280,25 +297,26 @@ class Lock(StoreReads, Holding, AsyncLocking):
         beat = beat_for(backend, expire) if renew else None
         tried_at = started = time.monotonic()
         # This process's liveness record beside the lock, written first when
-        # it is due: contenders on other hosts judge a holder by it. One the
-        # server would not take leaves the lock to its expiry (no record, and
-        # tokens that promise none).
-        record = record_beside(alias, bound, backend, key)
-        if record is not None and started >= record.due and not record.ensure(backend):
-            record = None
+        # due: contenders on other hosts judge a holder by it.
+        record = record_beside(alias, bound, backend, key, started)
         make_token = new_token if record is None else new_live_token
         deadline = None if timeout is None else started + timeout
         pause = POLL_MIN if blocking else None
+        # In the lock's line once refused (or at once: KeepsLines.guards_takes).
+        place = first_place(backend, key, self._take_over) if blocking else None
         while True:
             token = make_token(self.owner)
             try:
-                if self._take_over is None:
+                if place is None and self._take_over is None:  # (the hot path)
                     hold = backend.acquire(key, token, expire)
+                    if hold is None and backend.looks.get(key, 0.0) <= tried_at:
+                        hold = take_from_dead(self.lock_id, backend, key, token, expire)
                 else:
-                    hold = backend.take_over(key, self._take_over, token, expire)
-                if hold is None and backend.looks.get(key, 0.0) <= tried_at:
-                    hold = take_from_dead(self.lock_id, backend, key, token, expire)
+                    hold = _take_once(
+                        self, backend, key, token, expire, tried_at, place
+                    )
             except backend.errors as exc:
+                left_line(place)
                 raise take_failed(self, alias, backend, key, token, exc) from exc
             if hold is not None:
                 taken = Acquisition(
@@ -313,8 +331,13 @@ class Lock(StoreReads, Holding, AsyncLocking):
                     continue
             wait = after_refusal(self, backend, key, pause, deadline, started)
             if wait is None:
+                if place is not None:
+                    place.leave()
                 return False
-            time.sleep(wait[0])
+            if place is not None:
+                place.wait(deadline)
+            elif (place := place_for(backend, key, blocking, self._take_over)) is None:
+                wait_here(alias, key, token, wait[0])  # (in line: tried at once)
             pause, tried_at = wait[1], time.monotonic()
 
     def hand_over(self, value: str, expire: float) -> bool:
@@ -371,6 +394,8 @@ class Lock(StoreReads, Holding, AsyncLocking):
             acq.hold = acq.lock = None  # no cycle left (see Acquisition.lock)
             if acq.record is not None:  # forgotten now, not at the next beat
                 acq.record.held.pop(id(self), None)
+            if WAITING_HERE:  # this process's waiters on it woken at once
+                wake_here(acq.alias, key)
         if lock_released.receivers:
             self._send(lock_released, token, fence=acq.fence, held=acq.held_for())
         return True
@@ -428,3 +453,29 @@ class Lock(StoreReads, Holding, AsyncLocking):
             self.release()
         except LockBackendError:
             logger.exception("Could not release lock %r", self.lock_id)
+
+
+def _take_once(
+    lock: Lock,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    expire: float,
+    tried_at: float,
+    place: Place | None,
+) -> Hold | None:
+    """One try of ``lock.acquire`` off its hot path: in the lock's line
+    (``place``) or a take-over; then, when due, the lock taken from its holder
+    if that one is dead (``locks.recovery``), which takes the waiter out of
+    the line."""
+    if place is not None:
+        hold = place.take(token, expire)
+    else:
+        assert lock._take_over is not None
+        hold = backend.take_over(key, lock._take_over, token, expire)
+    if hold is None and backend.looks.get(key, 0.0) <= tried_at:
+        free_too = place is None or place.lines.guards_takes
+        hold = take_from_dead(lock.lock_id, backend, key, token, expire, free_too)
+        if hold is not None:
+            left_line(place)
+    return hold

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .fencing import held, holders
 from .lock import Lock
 
 if TYPE_CHECKING:
@@ -54,10 +55,24 @@ class memcache_lock:
         )
 
     def __enter__(self) -> bool:
-        return self.lock.acquire()
+        # Written out, not a call of _fencing: the hot path of the recipe.
+        lock = self.lock
+        if not lock.acquire():
+            return False
+        lock._fence_reset = holders.set((*holders.get(), (lock, (), len(held.get()))))
+        return True
 
     async def __aenter__(self) -> bool:
-        return await self.lock.aacquire()
+        return self._fencing(await self.lock.aacquire())
+
+    def _fencing(self, acquired: bool) -> bool:
+        """A taken lock is the one fenced writes in the block find."""
+        if acquired:
+            lock = self.lock
+            lock._fence_reset = holders.set(
+                (*holders.get(), (lock, (), len(held.get())))
+            )
+        return acquired
 
     async def __aexit__(
         self,
@@ -65,6 +80,7 @@ class memcache_lock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.lock._end_fencing()
         await self.lock.arelease_quietly()
 
     def __exit__(
@@ -73,4 +89,9 @@ class memcache_lock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.lock.release_quietly()
+        lock = self.lock
+        reset = lock._fence_reset
+        if reset is not None:
+            lock._fence_reset = None
+            holders.reset(reset)
+        lock.release_quietly()

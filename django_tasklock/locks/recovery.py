@@ -92,10 +92,17 @@ def judge(value: object, backend: LockBackend, key: str) -> tuple[bool | None, s
 
 
 def take_from_dead(
-    lock_id: str, backend: LockBackend, key: str, token: str, expire: float
+    lock_id: str,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    expire: float,
+    free_too: bool = True,
 ) -> Hold | None:
     """After an acquire was refused: the lock, taken for ``token``, if its
-    holder is dead; None if it lives, cannot be judged, or was looked at less
+    holder is dead (or it was freed in between, unless not ``free_too``: a
+    waiter in a line its store's takes do not guard leaves a free lock to
+    the line); None if it lives, cannot be judged, or was looked at less
     than ``LOOK_EVERY`` ago (the caller may test ``backend.looks`` first, as
     ``Lock.acquire`` does). Raises ``backend.errors``."""
     now = time.monotonic()
@@ -107,7 +114,7 @@ def take_from_dead(
     looks[key] = now + LOOK_EVERY
     peek = backend.peek(key)
     if peek is None:  # freed in between
-        return backend.acquire(key, token, expire)
+        return backend.acquire(key, token, expire) if free_too else None
     alive, why = judge(peek.value, backend, key)
     if alive is not False:
         logger.debug("Left lock %r to its holder: %s", lock_id, why)

@@ -25,23 +25,11 @@ from .models import Entry, Feed
 if TYPE_CHECKING:
     import time
 
+    from django_tasklock.fenced import FenceGiven
+
 
 class FeedImportError(Exception):
     """The feed could not be fetched or is not RSS/Atom; nothing was changed."""
-
-
-class StaleFence(FeedImportError):
-    """A write carried an older fencing token than the feed's last import: its
-    lock was lost (paused, expired, released by force) and a newer holder has
-    written since. Nothing was changed."""
-
-    def __init__(self, url: str, fence: int, newer: int) -> None:
-        self.url, self.fence, self.newer = url, fence, newer
-        super().__init__(
-            f"Refused a stale write to {url}: fence {fence} is older than {newer}, "
-            "the fence of the import that wrote it last. This import's lock was "
-            "lost while it ran; its data is dropped, the newer import's kept."
-        )
 
 
 @dataclass(frozen=True)
@@ -140,7 +128,7 @@ def guid_of(entry: Any, link: str) -> str:
     return "sha1:" + hashlib.sha1(basis.encode()).hexdigest()
 
 
-def import_feed(url: str, fence: int | None = None) -> ImportResult:
+def import_feed(url: str, fence: FenceGiven | None = None) -> ImportResult:
     """Fetch, parse and store the feed at ``url`` (see ``store`` for ``fence``)."""
     return store(url, fetch_and_parse(url), fence)
 
@@ -150,24 +138,28 @@ def fetch_and_parse(url: str) -> Any:
     return parse(url, body, headers)
 
 
-def store(url: str, parsed: Any, fence: int | None = None) -> ImportResult:
-    """Upsert a parsed feed in one transaction.
+def store(url: str, parsed: Any, fence: FenceGiven | None = None) -> ImportResult:
+    """Upsert a parsed feed in one transaction, fenced.
 
-    ``fence`` is the fencing token of the lock this import holds. The feed row
-    keeps the largest fence that wrote it; a write with a smaller one is refused
-    (``StaleFence``) before anything changes. The check and the writes share one
-    transaction that locks the row (SQLite: the database), so a newer holder
-    cannot write in between.
+    The feed row is written first, by a fenced upsert: with the fence of the
+    lock this import holds (found in reach, inside the task's lock; or
+    ``fence``, given by hand). The database refuses it if a newer holder wrote
+    the feed (``django_tasklock.StaleFence``), before anything changes; a write
+    with no fence in reach is refused too (``NoFence``). The upsert's row lock
+    (SQLite: the database's) holds to the end of the transaction, so the
+    entries written after it are ordered behind any newer holder's as well.
     """
     created = updated = 0
     with transaction.atomic():
-        feed, _ = Feed.objects.select_for_update().get_or_create(url=url)
-        if fence is not None:
-            if feed.fence is not None and fence < feed.fence:
-                raise StaleFence(url, fence, feed.fence)
-            feed.fence = fence
-        feed.title = text(parsed.feed.get("title"))[:300]
-        feed.link = urljoin(url, parsed.feed.get("link", ""))[:500]
+        Feed.objects.fenced_update_or_create(
+            url=url,
+            defaults={
+                "title": text(parsed.feed.get("title"))[:300],
+                "link": urljoin(url, parsed.feed.get("link", ""))[:500],
+            },
+            fence=fence,
+        )
+        feed = Feed.objects.select_for_update().get(url=url)
         for item in parsed.entries:
             link = urljoin(url, item["link"])[:500] if item.get("link") else ""
             values = {
@@ -192,5 +184,12 @@ def store(url: str, parsed: Any, fence: int | None = None) -> ImportResult:
         feed.entries_created += created
         feed.entries_updated += updated
         feed.last_imported_at = django_timezone.now()
-        feed.save()
+        feed.save(
+            update_fields=[
+                "imports",
+                "entries_created",
+                "entries_updated",
+                "last_imported_at",
+            ]
+        )
     return ImportResult(feed, created, updated)

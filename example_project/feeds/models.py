@@ -6,19 +6,24 @@ from typing import TYPE_CHECKING, ClassVar
 
 from django.db import models
 
+from django_tasklock.fenced import FencedQuerySet, FenceField
+
 if TYPE_CHECKING:
+    from django_tasklock.fenced import FenceGiven
+
     from .importer import ImportResult
 
 
-class FeedManager(models.Manager["Feed"]):
-    def import_feed(self, url: str, fence: int | None = None) -> ImportResult:
+class FeedManager(models.Manager.from_queryset(FencedQuerySet)):  # type: ignore[misc]
+    def import_feed(self, url: str, fence: FenceGiven | None = None) -> ImportResult:
         """Download, parse and upsert the RSS 2.0 or Atom feed at ``url``.
 
         Idempotent: entries are matched on their guid (or a stand-in for feeds
         without one), so importing twice stores nothing twice. A feed that cannot
-        be fetched or parsed raises ``FeedImportError`` and changes nothing; so does
-        one whose ``fence`` (its lock's fencing token) is older than the last
-        import's (``StaleFence``).
+        be fetched or parsed raises ``FeedImportError`` and changes nothing; so
+        does an import whose lock was lost to a newer import that wrote the feed
+        since (``django_tasklock.StaleFence``: the fence of the lock in reach,
+        or ``fence``, is older than the feed's).
         """
         from .importer import import_feed
 
@@ -33,9 +38,7 @@ class Feed(models.Model):
     imports = models.PositiveIntegerField(default=0)
     entries_created = models.PositiveIntegerField(default=0)
     entries_updated = models.PositiveIntegerField(default=0)
-    fence = models.BigIntegerField(
-        null=True,
-        blank=True,
+    fence = FenceField(
         help_text="the fencing token of the lock held by the last import that wrote "
         "this feed; imports with an older one are refused",
     )

@@ -15,16 +15,16 @@ from typing import Any
 from celery import shared_task
 from celery.utils.log import get_task_logger
 
-from django_tasklock import current_lock, memcache_lock, single_instance
+from django_tasklock import memcache_lock, single_instance
 
 from .models import BeatRun, ImportRun
 
 logger = get_task_logger(__name__)
 
 
-def _import_and_record(feed_url: str, task_name: str, fence: int | None) -> str:
-    """Import with the lock's fencing token, and record when the import ran, so
-    overlaps can be measured."""
+def _import_and_record(feed_url: str, task_name: str, fence: int | None = None) -> str:
+    """Import, fenced by the lock held (or ``fence``), and record when the
+    import ran, so overlaps can be measured."""
     from .models import Feed
 
     started = time.monotonic()
@@ -49,7 +49,7 @@ def import_feed(self, feed_url: str) -> str | None:  # type: ignore[no-untyped-d
     lock = memcache_lock(lock_id, self.app.oid)
     with lock as acquired:
         if acquired:
-            return _import_and_record(feed_url, self.name, lock.lock.fence)
+            return _import_and_record(feed_url, self.name)
     logger.info("Feed %s is already being imported by another worker", feed_url)
     return None
 
@@ -59,9 +59,7 @@ def import_feed(self, feed_url: str) -> str | None:  # type: ignore[no-untyped-d
 def import_feed_single(self, feed_url: str) -> str:  # type: ignore[no-untyped-def]
     # A short expiry, renewed while the import runs: a crashed worker's lock goes
     # within 30 s, and a slow feed keeps its lock however long it takes.
-    lock = current_lock()
-    assert lock is not None
-    return _import_and_record(feed_url, self.name, lock.fence)
+    return _import_and_record(feed_url, self.name)
 
 
 @shared_task(bind=True)
@@ -70,9 +68,7 @@ def refresh_feed(self, feed_url: str) -> str:  # type: ignore[no-untyped-def]
     # "Refresh this feed", clicked again and again: a click while an import of
     # the feed runs queues one follow-up import, which picks up whatever the feed
     # gained meanwhile; further clicks join that follow-up instead of piling up.
-    lock = current_lock()
-    assert lock is not None
-    return _import_and_record(feed_url, self.name, lock.fence)
+    return _import_and_record(feed_url, self.name)
 
 
 def _beat_run(task: Any, entry: str) -> None:

@@ -8,9 +8,20 @@ few commits; ``make soak`` runs them all for as long as it is given.
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
+
 import pytest
 
-from reliability.checker import FLAVOURS, Fault, Hold, Result, check, verdict
+from reliability.checker import (
+    FLAVOURS,
+    Fault,
+    Hold,
+    Result,
+    check,
+    regressions,
+    verdict,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.long(seconds=95)]
 
@@ -79,6 +90,25 @@ def test_with_the_restart_grace_off_the_checker_finds_robbed_holders():
     )
     assert result.faults["kill-server"] >= 3, result.faults
     assert result.violations, (result.row(), result.holds)
+    # The robbed holders wrote the fenced register too: the database took
+    # no write older than one it took before.
+    assert result.writes["applied"] >= 10, result.register_row()
+    assert result.regressions == [], "\n".join(result.regressions)
+
+
+def test_the_register_history_names_a_write_older_than_one_before(tmp_path):
+    path = tmp_path / "register.sqlite3"
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute(
+            "CREATE TABLE fenced_registerwrite (id INTEGER PRIMARY KEY, "
+            "register TEXT, fence INTEGER, client TEXT)"
+        )
+        db.executemany(
+            "INSERT INTO fenced_registerwrite (register, fence, client) "
+            "VALUES (?, ?, ?)",
+            [("x", 5, "a"), ("y", 1, "b"), ("x", 7, "b"), ("x", 7, "b"), ("x", 6, "a")],
+        )
+    assert regressions(path) == ["register x: a wrote fence 6 after b wrote fence 7"]
 
 
 def test_the_short_run_finds_no_violation(request):
@@ -90,3 +120,6 @@ def test_the_short_run_finds_no_violation(request):
     assert result.holds >= 10 and sum(result.faults.values()) >= 5, result.row()
     assert result.violations == [], "\n".join(result.violations)
     assert result.fence_inversions == [], "\n".join(result.fence_inversions)
+    print(result.register_row())
+    assert result.writes["applied"] >= 10, result.register_row()
+    assert result.regressions == [], "\n".join(result.regressions)

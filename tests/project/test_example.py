@@ -17,12 +17,11 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 from django.db import OperationalError, connections
 
-from django_tasklock import Lock, lock_id_for
+from django_tasklock import Lock, NoFence, StaleFence, lock_id_for
 from example_project.celery import app as example_app
 from example_project.feeds import tasks
 from example_project.feeds.importer import (
     FeedImportError,
-    StaleFence,
     fetch_and_parse,
     store,
 )
@@ -45,7 +44,7 @@ def test_every_fixture_feed_imports(feeds):
     assert len(urls) >= 5
     assert {Path(u).suffix for u in urls} == {".rss", ".atom"}
     for url in urls:
-        result = Feed.objects.import_feed(url)
+        result = Feed.objects.import_feed(url, fence=1)
         assert result.created >= 2, url
         assert result.updated == 0, f"{url}: entries collided on one guid"
         assert result.feed.title
@@ -53,7 +52,7 @@ def test_every_fixture_feed_imports(feeds):
 
 
 def test_rss_fields(feeds):
-    feed = Feed.objects.import_feed(feeds.url("feeds/python-news.rss")).feed
+    feed = Feed.objects.import_feed(feeds.url("feeds/python-news.rss"), fence=1).feed
     assert feed.title == "Python Insider"
     assert feed.link == "https://blog.python.example/"
     entry = feed.entries.get(guid="tag:blog.python.example,2026:post-sprint")
@@ -63,7 +62,9 @@ def test_rss_fields(feeds):
 
 
 def test_html_in_titles_is_stripped(feeds):
-    feed = Feed.objects.import_feed(feeds.url("feeds/relative-links.atom")).feed
+    feed = Feed.objects.import_feed(
+        feeds.url("feeds/relative-links.atom"), fence=1
+    ).feed
     assert feed.title == "Relative Links Weekly"
     titles = set(feed.entries.values_list("title", flat=True))
     assert titles == {"Issue 42: links without a host", "Issue 41 & friends"}
@@ -71,7 +72,7 @@ def test_html_in_titles_is_stripped(feeds):
 
 def test_relative_links_are_resolved_against_the_feed(feeds):
     url = feeds.url("feeds/relative-links.atom")
-    feed = Feed.objects.import_feed(url).feed
+    feed = Feed.objects.import_feed(url, fence=1).feed
     base = f"http://127.0.0.1:{feeds.port}"
     assert set(feed.entries.values_list("link", flat=True)) == {
         f"{base}/feeds/issues/42.html",
@@ -81,18 +82,20 @@ def test_relative_links_are_resolved_against_the_feed(feeds):
 
 
 def test_declared_non_utf8_encodings_are_decoded(feeds):
-    cafe = Feed.objects.import_feed(feeds.url("feeds/cafe-latin1.rss")).feed
+    cafe = Feed.objects.import_feed(feeds.url("feeds/cafe-latin1.rss"), fence=1).feed
     assert cafe.title == "Le Café des Développeurs"
     assert "Crème brûlée et compilateurs" in cafe.entries.values_list(
         "title", flat=True
     )
-    notes = Feed.objects.import_feed(feeds.url("feeds/release-notes.atom")).feed
+    notes = Feed.objects.import_feed(
+        feeds.url("feeds/release-notes.atom"), fence=1
+    ).feed
     assert notes.title == "Release Notes \u2013 \u201cStable\u201d channel"
 
 
 def test_entries_without_guid_get_distinct_stable_ids(feeds):
     url = feeds.url("feeds/no-guids.rss")
-    first = Feed.objects.import_feed(url)
+    first = Feed.objects.import_feed(url, fence=1)
     guids = set(first.feed.entries.values_list("guid", flat=True))
     assert len(guids) == 3
     assert f"http://127.0.0.1:{feeds.port}/feeds/posts/only-link.html" in guids
@@ -100,14 +103,14 @@ def test_entries_without_guid_get_distinct_stable_ids(feeds):
     assert "Tip: use functools.cache" in first.feed.entries.values_list(
         "title", flat=True
     )
-    again = Feed.objects.import_feed(url)
+    again = Feed.objects.import_feed(url, fence=1)
     assert set(again.feed.entries.values_list("guid", flat=True)) == guids
 
 
 def test_reimport_is_idempotent(feeds):
     url = feeds.url("feeds/podcast.rss")
-    first = Feed.objects.import_feed(url)
-    second = Feed.objects.import_feed(url)
+    first = Feed.objects.import_feed(url, fence=1)
+    second = Feed.objects.import_feed(url, fence=1)
     assert (second.created, second.updated) == (0, 0)
     assert Entry.objects.filter(feed__url=url).count() == first.created
     feed = Feed.objects.get(url=url)
@@ -315,7 +318,7 @@ def test_paused_holders_late_write_is_refused(feeds, settings):
     before = (feed.imports, feed.last_imported_at, Entry.objects.count())
     with pytest.raises(StaleFence, match="Refused a stale write") as refused:
         store(url, parsed, paused.fence)
-    assert (refused.value.fence, refused.value.newer) == (paused.fence, feed.fence)
+    assert (refused.value.fence, refused.value.stored) == (paused.fence, feed.fence)
     feed.refresh_from_db()
     assert (feed.imports, feed.last_imported_at, Entry.objects.count()) == before
     assert feed.fence > paused.fence
@@ -331,8 +334,13 @@ def test_fenced_writes_in_order_are_accepted(feeds):
     assert store(url, parsed, 11).feed.fence == 11
     with pytest.raises(StaleFence):
         store(url, parsed, 9)
-    # Unfenced writes (other code paths) are not checked.
-    assert store(url, parsed).feed.fence == 11
+    # A write with no fence in reach is refused, never sent unfenced; inside
+    # a lock's block, the lock's fence is found.
+    with pytest.raises(NoFence):
+        store(url, parsed)
+    with Lock("feed-by-hand") as lock:
+        assert store(url, parsed).feed.fence == lock.fence
+    assert lock.fence is not None and lock.fence > 11
 
 
 def fetch_at_once(urls: list[str]) -> list[int]:

@@ -21,7 +21,9 @@ from django_tasklock.exceptions import (
     LockLost,
     LockNotAcquired,
     LockUsageError,
+    NoFence,
     RateLimited,
+    StaleFence,
     TaskLockError,
 )
 
@@ -60,6 +62,11 @@ EXAMPLES = [
     (InvalidLockExpire("expire must be ..."), {}),
     (LockUsageError("release() called on ..."), {}),
     (RateLimited("partner-api", 2.5), {"limit_id": "partner-api", "retry_after": 2.5}),
+    (
+        StaleFence("feeds.Feed pk=4", "fence", 12, 9),
+        {"row": "feeds.Feed pk=4", "field": "fence", "stored": 12, "fence": 9},
+    ),
+    (NoFence("A fenced write to feeds.Feed found no lock held ..."), {}),
 ]
 
 

@@ -85,6 +85,55 @@ class AsyncBackend(abc.ABC):
         """``release``, carried to its end through a cancel of its caller."""
         return await carried_through(self.release(key, hold, token))
 
+    # The waiting line (``KeepsLines``, where ``sync.lines`` is not None): the
+    # sync backend's on an executor thread, unless a store's class has its own.
+
+    async def take_in_line(
+        self,
+        key: str,
+        token: str,
+        expire: float,
+        waiter: str,
+        mark: float,
+        cancel: Cancel | None,
+    ) -> tuple[Hold | None, float]:
+        """``KeepsLines.take_in_line``, carried through a cancel as ``take``."""
+
+        def work(backend: LockBackend) -> tuple[Hold | None, float]:
+            assert backend.lines is not None, f"{backend.kind} keeps no lines"
+            return backend.lines.take_in_line(key, token, expire, waiter, mark)
+
+        taking = self.in_thread(work)
+        if cancel is None:
+            return await carried_through(taking)
+        landed = cancel.taken
+
+        async def let_go(got: tuple[Hold | None, float]) -> None:
+            # Its caller was cancelled: what it took released, and the
+            # waiter out of the line once the take has ended (not beside it).
+            await landed(got[0])
+            await self.leave_line(key, waiter)
+
+        return await carried_through(taking, let_go, cancel.failed)
+
+    async def wait_turn(self, key: str, waiter: str, timeout: float) -> bool:
+        """``KeepsLines.wait_turn``, awaited."""
+
+        def work(backend: LockBackend) -> bool:
+            assert backend.lines is not None, f"{backend.kind} keeps no lines"
+            return backend.lines.wait_turn(key, waiter, timeout)
+
+        return await self.in_thread(work)
+
+    async def leave_line(self, key: str, waiter: str) -> None:
+        """``KeepsLines.leave_line``, carried to its end through a cancel."""
+
+        def work(backend: LockBackend) -> None:
+            assert backend.lines is not None, f"{backend.kind} keeps no lines"
+            backend.lines.leave_line(key, waiter)
+
+        await carried_through(self.in_thread(work))
+
     # What rate limits use (limits.store): native where a store's class says
     # so, else the sync backend's on an executor thread.
 

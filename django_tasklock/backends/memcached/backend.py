@@ -49,6 +49,7 @@ from ...keys import memcached_key
 from ...values import unique_value
 from . import checks, meta
 from .fencing import draw
+from .line import MemcachedLines
 from .reads import MemcachedReads
 from .restarts import NodeRestarted, Restarts, _refused
 from .rewrite import delete_if, rewrite
@@ -107,6 +108,7 @@ class MemcachedBackend(MemcachedReads):
     ) -> None:
         super().__init__(cache, alias, protocol)
         self.records = self.restarts = self.uptime = self.items = self
+        self.lines = MemcachedLines(self)
         self.wire = Wire(protocol)
         # A client of our own, built as Django builds its one (same servers
         # and hashing: the same server for a key; own_options), which

@@ -19,8 +19,9 @@ import redis.asyncio
 
 from ..aio.base import Cancel, PipelinedBackend
 from ..aio.finishing import carried_through, finish_later
+from .backend import in_line_reply
 from .resp import Pipe, pack
-from .scripts import ACQUIRE, RELEASE, Script, script_of
+from .scripts import ACQUIRE, ACQUIRE_IN_LINE, RELEASE, Script, script_of, wake_key
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -95,6 +96,9 @@ class AsyncRedis(PipelinedBackend):
         self._connection_class = self._connect_options.pop("connection_class")
         self._pipe: Pipe | None = None
         self._opening: asyncio.Future[Pipe] | None = None
+        #: Connections of waiters in line, idle: a blocking pop holds one
+        #: to itself, never the pipelined one.
+        self._waiting: list[Any] = []
 
     async def _connected(self) -> Pipe:
         """The loop's pipelined connection, made when first needed and again
@@ -162,6 +166,42 @@ class AsyncRedis(PipelinedBackend):
             taken = await self._run(ACQUIRE, args, landed)
         return value if taken else None
 
+    async def take_in_line(
+        self,
+        key: str,
+        token: str,
+        expire: float,
+        waiter: str,
+        mark: float,
+        cancel: Cancel | None,
+    ) -> tuple[Hold | None, float]:
+        value = self._encode(token)
+        args = (1, key, value, math.ceil(expire * 1000), waiter, math.ceil(mark * 1000))
+        landed = _Taken(value, cancel, self._lost)
+        try:
+            reply = await self._run(ACQUIRE_IN_LINE, args, landed)
+        except self._dropped:  # (as take: the same token finds it ours)
+            reply = await self._run(ACQUIRE_IN_LINE, args, landed)
+        return in_line_reply(value, reply)
+
+    async def wait_turn(self, key: str, waiter: str, timeout: float) -> bool:
+        # On a connection of its own: a blocking pop on the pipelined one
+        # would hold up every other command of the loop behind it.
+        conn = self._waiting.pop() if self._waiting else None
+        if conn is None:
+            conn = self._connection_class(**self._connect_options)
+        done = False
+        try:
+            await conn.send_command("BLPOP", wake_key(key, waiter), timeout)
+            woken = await conn.read_response() is not None
+            done = True
+        finally:
+            if done and len(self._waiting) < 8:
+                self._waiting.append(conn)
+            else:  # cancelled or failed mid-command: its reply is unknown
+                await conn.disconnect()
+        return woken
+
     async def drop(self, key: str, hold: Hold, token: object) -> bool:
         pipe = self._pipe
         if pipe is None or pipe.broken:
@@ -201,6 +241,9 @@ class AsyncRedis(PipelinedBackend):
         pipe, self._pipe = self._pipe, None
         if pipe is not None:
             await pipe.close()
+        waiting, self._waiting = self._waiting, []
+        for conn in waiting:
+            await conn.disconnect()
 
 
 class _Taken:
@@ -221,7 +264,7 @@ class _Taken:
             return
         if reply is None:
             cancel.failed(self.lost("Redis connection lost"))
-        elif reply and not isinstance(reply, BaseException):
+        elif reply == 1:  # (ACQUIRE_IN_LINE answers a refusal below 0)
             finish_later(cancel.taken(self.value))
 
 

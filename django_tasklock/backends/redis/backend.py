@@ -23,13 +23,16 @@ from ..base import FenceCounter, Hold, LockBackend, Peek
 from ..capabilities import ONE_PLACE
 from .scripts import (
     ACQUIRE,
+    ACQUIRE_IN_LINE,
     EXTEND,
     FENCE,
+    LEAVE_LINE,
     RELEASE,
     REPLACE,
     TAKE_OVER,
     Script,
     script_of,
+    wake_key,
 )
 from .sockets import close_own, own_client
 
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
 
     from django.core.cache.backends.redis import RedisCache
 
-__all__ = ["DjangoRedisBackend", "RedisBackend", "first_location"]
+__all__ = ["DjangoRedisBackend", "RedisBackend", "first_location", "in_line_reply"]
 
 
 def first_location(alias: str) -> str:
@@ -50,6 +53,11 @@ def first_location(alias: str) -> str:
     if isinstance(location, str):
         return re.split("[;,]", location)[0]
     return str(next(iter(location), ""))
+
+
+def in_line_reply(value: bytes, reply: int) -> tuple[Hold | None, float]:
+    """``take_in_line``'s answer from ``ACQUIRE_IN_LINE``'s ``reply``."""
+    return (value, 0.0) if reply == 1 else (None, -reply / 1000)
 
 
 class RedisBackend(LockBackend):
@@ -66,7 +74,7 @@ class RedisBackend(LockBackend):
 
     def __init__(self, cache: RedisCache, alias: str, protocol: str = "auto") -> None:
         super().__init__(cache, alias, protocol)
-        self.records = self.uptime = self.scripts = self.items = self
+        self.records = self.uptime = self.scripts = self.items = self.lines = self
         exceptions = importlib.import_module(self.client_exceptions)
         self.errors = (getattr(exceptions, self.client_error), OSError)
         self._no_script = exceptions.NoScriptError
@@ -217,6 +225,30 @@ class RedisBackend(LockBackend):
             # outage (and the token is removed once the store answers).
             taken = self._script(ACQUIRE, (key,), value, milliseconds)
         return value if taken else None
+
+    # -- the waiting line (KeepsLines; the scripts keep it) --
+
+    def take_in_line(
+        self, key: str, token: str, expire: float, waiter: str, mark: float
+    ) -> tuple[Hold | None, float]:
+        value = self._encode(token)
+        args = (value, math.ceil(expire * 1000), waiter, math.ceil(mark * 1000))
+        try:
+            reply = self._script(ACQUIRE_IN_LINE, (key,), *args)
+        except self._dropped:  # (as acquire: the same token finds it ours)
+            reply = self._script(ACQUIRE_IN_LINE, (key,), *args)
+        return in_line_reply(value, reply)
+
+    def wait_turn(self, key: str, waiter: str, timeout: float) -> bool:
+        return self._redis(key).blpop([wake_key(key, waiter)], timeout) is not None
+
+    def leave_line(self, key: str, waiter: str) -> None:
+        self._script(LEAVE_LINE, (key,), waiter)
+
+    #: (KeepsLines) ACQUIRE refuses a free lock while a waiter has the turn.
+    guards_takes = True
+    #: (KeepsLines) A blocking pop per waiter: not for an event loop's many.
+    wakes_async = False
 
     def draw_fence(
         self, key: str, hold: Hold, token: str, fence: FenceCounter

@@ -35,8 +35,9 @@ from ...keys import (
 )
 from ...tokens import TOKENS, this_process
 from ..base import Hold, LockBackend
+from .backend import in_line_reply
 from .failover import LEARNT, Promotions, relearn
-from .scripts import ACQUIRE, REPLACE, TAKE_OVER, Script
+from .scripts import ACQUIRE, ACQUIRE_IN_LINE, PUT_BACK, REPLACE, TAKE_OVER, Script
 from .valkey import ValkeyBackend
 
 if TYPE_CHECKING:
@@ -72,7 +73,8 @@ def cluster_key(cache: Any, lock_id: str) -> str:
 # it from the same step on.
 _RECORD_FIRST = 'redis.call("set", KEYS[2], ARGV[#ARGV - 1], "EX", ARGV[#ARGV])\n'
 _WITH_RECORD = {
-    script: script.after(_RECORD_FIRST) for script in (ACQUIRE, REPLACE, TAKE_OVER)
+    script: script.after(_RECORD_FIRST)
+    for script in (ACQUIRE, ACQUIRE_IN_LINE, PUT_BACK, REPLACE, TAKE_OVER)
 }
 
 
@@ -259,9 +261,23 @@ class ValkeyClusterBackend(ClusterKeys):
             self._keep_unless_promoted(key, token)
         return hold
 
+    def take_in_line(
+        self, key: str, token: str, expire: float, waiter: str, mark: float
+    ) -> tuple[Hold | None, float]:
+        value = self._encode(token)
+        args = (value, math.ceil(expire * 1000), waiter, math.ceil(mark * 1000))
+        try:
+            reply = self._run(ACQUIRE_IN_LINE, key, token, args)
+        except self._dropped:
+            reply = self._run(ACQUIRE_IN_LINE, key, token, args)
+        taken = in_line_reply(value, reply)
+        if taken[0] is not None:
+            self._keep_unless_promoted(key, token)
+        return taken
+
     def reassert(self, key: str, token: str, expire: float) -> Hold | None:
         # A lock the failover lost, put back by its live holder: never refused.
-        return self._take(ACQUIRE, key, None, token, expire)
+        return self._take(PUT_BACK, key, None, token, expire)
 
     def take_over(
         self, key: str, expected: str, token: str, expire: float
