@@ -309,7 +309,7 @@ class Deployment:
         import redis
 
         before = self.sentinel.primary_port()
-        self.sentinel.ask("SENTINEL", "failover", "mymaster")
+        self.sentinel.ask("SENTINEL", "failover", self.sentinel.name)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and not stop.wait(0.1):
             with contextlib.suppress(redis.RedisError):

@@ -340,13 +340,20 @@ class Redis(Server):
 @dataclass
 class Sentinel(Server):
     """A Redis Sentinel (``redis-server --sentinel``) watching one primary as
-    ``mymaster``; quick to judge it down, so a failover takes seconds."""
+    ``name``; quick to judge it down, so a failover takes seconds."""
 
     binary: str = "redis-server"
     args: list[str] = field(default_factory=list)
     primary: Redis | None = None
     #: How long the primary may not answer before a failover (ms).
     down_after: int = 1000
+
+    @property
+    def name(self) -> str:
+        """The primary's name here, this Sentinel's own: django-redis keeps a
+        process-wide pool per LOCATION, so a second Sentinel's cache under the
+        same name would be served the first one's (gone) Sentinel."""
+        return f"primary-{self.port}"
 
     def command(self) -> list[str]:
         import tempfile
@@ -355,9 +362,9 @@ class Sentinel(Server):
         config = Path(tempfile.mkdtemp(prefix="sentinel-")) / "sentinel.conf"
         config.write_text(
             f"port {self.port}\nbind 127.0.0.1\n"
-            f"sentinel monitor mymaster 127.0.0.1 {self.primary.port} 1\n"
-            f"sentinel down-after-milliseconds mymaster {self.down_after}\n"
-            "sentinel failover-timeout mymaster 5000\n"
+            f"sentinel monitor {self.name} 127.0.0.1 {self.primary.port} 1\n"
+            f"sentinel down-after-milliseconds {self.name} {self.down_after}\n"
+            f"sentinel failover-timeout {self.name} 5000\n"
         )
         return [str(config), "--sentinel", *self.args]
 
@@ -365,7 +372,7 @@ class Sentinel(Server):
         """A django-redis CACHES entry whose SentinelClient asks this Sentinel."""
         return {
             "BACKEND": "django_redis.cache.RedisCache",
-            "LOCATION": "redis://mymaster/0",
+            "LOCATION": f"redis://{self.name}/0",
             "OPTIONS": {
                 "CLIENT_CLASS": "django_redis.client.SentinelClient",
                 "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
@@ -385,7 +392,7 @@ class Sentinel(Server):
         import redis
 
         with redis.Redis(port=self.port) as client:
-            replicas = client.sentinel_slaves("mymaster")
+            replicas = client.sentinel_slaves(self.name)
         return any(
             int(replica["port"]) == port
             and not replica["is_sdown"]
@@ -398,16 +405,16 @@ class Sentinel(Server):
 
     def describe(self) -> str:
         """What a failure message should show of this Sentinel: whether its
-        process runs, and what it says of ``mymaster`` (or why it said nothing)."""
+        process runs, and what it says of its primary (or why it said nothing)."""
         running = self.process is not None and self.process.poll() is None
         try:
-            flags = self.ask("SENTINEL", "master", "mymaster")
+            flags = self.ask("SENTINEL", "master", self.name)
         except Exception as exc:  # what a client met: the message says it
             flags = f"no answer ({exc!r}: {exc})"
-        return f"process {'running' if running else 'gone'}, mymaster: {flags}"
+        return f"process {'running' if running else 'gone'}, {self.name}: {flags}"
 
     def primary_port(self) -> int:
-        host_port = self.ask("SENTINEL", "get-master-addr-by-name", "mymaster")
+        host_port = self.ask("SENTINEL", "get-master-addr-by-name", self.name)
         return int(host_port[1])  # type: ignore[index]
 
 

@@ -176,10 +176,31 @@ def test_a_lost_line_costs_order_never_a_hang():
     assert took[0] - released_at <= LONGEST + 0.5
 
 
-def test_the_line_is_kept_on_a_cluster_in_the_locks_slot(settings):
+def test_the_line_is_kept_on_a_cluster_in_the_locks_slot(settings, monkeypatch):
+    from django_tasklock.backends.redis.backend import RedisBackend
+    from django_tasklock.locks import line
+
     settings.TASKLOCK = {"CACHE": "cluster", "LIVENESS": None}
     holder = Lock(LOCK_ID, expire=30)
     assert holder.acquire()
+    # What each of the waiter's blocking pops returned: True when a release
+    # woke it, False when its time ran out. Judged by that, not by a handoff's
+    # time: a loaded full run once took 0.53 s from the release to the take,
+    # longer than a timed try's 0.5 s, so time could not tell a wake from it.
+    # Each pop lasts as long as the store's reply timeout allows (1 s), so a
+    # release sent the moment the waiter pops is always inside one.
+    monkeypatch.setattr(line, "LONGEST", 30.0)
+    popping = threading.Event()
+    woken: list[bool] = []
+    wait_turn = RedisBackend.wait_turn
+
+    def told(self, key: str, waiter: str, timeout: float) -> bool:
+        popping.set()
+        got = wait_turn(self, key, waiter, timeout)
+        woken.append(got)
+        return got
+
+    monkeypatch.setattr(RedisBackend, "wait_turn", told)
     took: list[float] = []
 
     def wait() -> None:
@@ -189,11 +210,10 @@ def test_the_line_is_kept_on_a_cluster_in_the_locks_slot(settings):
         lock.release()
 
     with _running(wait):
-        time.sleep(1.0)
-        released_at = time.monotonic()
+        assert popping.wait(30)
         holder.release()
         _wait_for(lambda: bool(took), timeout=10)
-    assert took[0] - released_at < 0.2  # woken, not its next try's 0.5 s
+    assert woken and woken[-1] is True, woken  # the release's wake
 
 
 def test_an_async_waiter_polls_by_default_and_stays_out_of_the_line():

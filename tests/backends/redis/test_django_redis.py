@@ -142,7 +142,7 @@ def test_sentinel_locks_on_the_primary_and_follow_a_failover(settings, sentinel)
     with redis.Redis(port=replica.port) as client:
         wait_until(lambda: client.exists(":1:before-failover") == 1)  # replicated
     wait_until(lambda: watcher.knows_replica(replica.port))
-    watcher.ask("SENTINEL", "failover", "mymaster")
+    watcher.ask("SENTINEL", "failover", watcher.name)
     wait_until(lambda: watcher.primary_port() == replica.port)
     with redis.Redis(port=replica.port) as client:
         wait_until(lambda: client.info("replication")["role"] == "master")
