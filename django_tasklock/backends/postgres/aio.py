@@ -150,18 +150,24 @@ class _LoopWire:
             if write
             else (loop.add_reader, loop.remove_reader)
         )
-        watch(fd, _wake, ready)
+        # The future awaited itself, its deadline a timer: before Python 3.12,
+        # asyncio.wait_for returned a result that landed in the same turn of
+        # the loop as its caller's cancel, and the cancel was lost (a cancelled
+        # blocking acquire waited on until it took the lock).
+        watch(fd, _wake, ready, True)
+        timer = loop.call_later(left, _wake, ready, False)
         try:
-            await asyncio.wait_for(ready, left)
-        except asyncio.TimeoutError:
-            raise late(self) from None
+            in_time = await ready
         finally:
+            timer.cancel()
             unwatch(fd)
+        if not in_time:
+            raise late(self)
 
 
-def _wake(ready: asyncio.Future[None]) -> None:
+def _wake(ready: asyncio.Future[bool], in_time: bool) -> None:
     if not ready.done():
-        ready.set_result(None)
+        ready.set_result(in_time)
 
 
 def _unasked(conn: pq.abc.PGconn) -> bool:
