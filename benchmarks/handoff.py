@@ -13,9 +13,9 @@ Each process loops ``acquire(blocking=True, timeout=10)``, the body, and
 ``release()``, and writes down each hold's start and end (the machine's
 monotonic clock, one for all its processes) and each wait that timed out.
 The ways of waiting: this package's line (``WAITING="line"``) and its
-polling (``WAITING="poll"``), each on a private Redis and a private
-memcached, and python-redis-lock beside, on the same Redis, in the same
-run; and the control, no lock: the same loop with the bodies side by side,
+polling (``WAITING="poll"``), each on a private Redis, a private memcached
+and a private PostgreSQL, and python-redis-lock beside, on the same Redis, in
+the same run; and the control, no lock: the same loop with the bodies side by side,
 the most holds a second the load allows. The report gives the handoff
 (release to the next holder's start: median and p99), holds per process and
 a second, waits timed out, holds that overlapped (always 0, or the lock is
@@ -51,6 +51,8 @@ WAYS = (
     "python-redis-lock",
     "line-memcached",
     "poll-memcached",
+    "line-postgres",
+    "poll-postgres",
 )
 LOCK_ID = "handoff-bench"
 
@@ -64,7 +66,9 @@ def child(way: str, seconds: float, body: float) -> None:
     django.setup()
     from django.conf import settings
 
-    alias = "default" if way.endswith("-memcached") else "redis"
+    alias = {"memcached": "default", "postgres": "postgres"}.get(
+        way.rpartition("-")[2], "redis"
+    )
     waiting = "line" if way.startswith("line-") else "poll"
     settings.TASKLOCK = {"CACHE": alias, "WAITING": waiting, "LIVENESS": None}
     take, let_go = _lock_of(way)
@@ -211,11 +215,16 @@ def main(argv: list[str] | None = None) -> None:
         way, seconds, body = options.child
         child(way, float(seconds), float(body))
         return
+    from django_tasklock.backends.postgres.statements import CREATE
     from tests.services import Memcached, Redis
+    from tests.services_pg import Postgres
 
     redis_server, memcached = Redis().start(), Memcached().start()
+    postgres = Postgres().start()
+    postgres.execute(CREATE)
     os.environ["TASKLOCK_TEST_REDIS"] = redis_server.url
     os.environ["TASKLOCK_TEST_MEMCACHED"] = memcached.address
+    os.environ["TASKLOCK_TEST_POSTGRES"] = str(postgres.port)
     rows = []
     try:
         for processes, body in LOADS:
@@ -227,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         redis_server.stop()
         memcached.stop()
+        postgres.remove()
     table = _table(rows)
     print(table)
     if options.write_docs:

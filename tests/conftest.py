@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -150,6 +151,11 @@ def _forget_liveness_records() -> Iterator[None]:
     from django_tasklock.backends.redis import failover
 
     failover.forget()
+    # PostgreSQL's listeners (lock waiters' wake-ups), whose servers and
+    # settings go with the test too.
+    listening = sys.modules.get("django_tasklock.backends.postgres.line")
+    if listening is not None:
+        listening.Listener.stop_all()
 
 
 @pytest.fixture(autouse=True)

@@ -43,6 +43,7 @@ __all__ = [
     "TellsRestarts",
     "TellsUptimes",
     "wait_here",
+    "waiting_keys",
     "wake_here",
 ]
 
@@ -152,6 +153,13 @@ def wake_here(alias: str, key: str) -> None:
     with _here:
         for event in WAITING_HERE.get((alias, key), {}).values():
             event.set()
+
+
+def waiting_keys(alias: str) -> list[str]:
+    """The keys of the locks of ``alias`` that waiters of this process wait
+    for (``wait_here``)."""
+    with _here:
+        return [key for (of, key) in WAITING_HERE if of == alias]
 
 
 class KeepsRecordsBeside(Protocol):

@@ -15,6 +15,7 @@ from ..capabilities import ONE_PLACE
 from . import checks
 from . import statements as sql
 from .errors import MissingTable, StatementFailed, Unreachable, run_changed
+from .line import PostgresLines
 from .runs import taken_on_run
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class PostgresBackend(LockBackend):
     ) -> None:
         super().__init__(cache, alias, protocol)
         self.records = self.items = self.restarts = self
+        self.lines = PostgresLines(self)
         self._swept = time.monotonic()
 
     def _run(

@@ -3,7 +3,11 @@ database, over a connection of its own.
 
 ``LOCATION`` names the DATABASES alias (default ``"default"``) whose
 database holds the table (``python manage.py migrate`` makes it).
-``OPTIONS["FAILOVER"]``: ``"synchronous"`` declares that a standby is
+``OPTIONS["LISTEN"]``: the DATABASES alias on which this process ``LISTEN``s
+for the releases its lock waiters wait for (``line``; by default
+``LOCATION``'s), or None to poll: behind a transaction pooler, an alias that
+connects to the primary directly. ``OPTIONS["FAILOVER"]``: ``"synchronous"``
+declares that a standby is
 promoted only if it had every commit the primary acknowledged, so that a
 promoted standby of a synchronous primary is no restart (``runs``); by
 default ``"asynchronous"``. Unlike
@@ -65,7 +69,10 @@ class PostgresCache(BaseCache):
     def __init__(self, location: str, params: dict[str, Any]) -> None:
         super().__init__(params)
         self.database = location or "default"
-        self.failover = params.get("OPTIONS", {}).get("FAILOVER", "asynchronous")
+        options = params.get("OPTIONS", {})
+        self.failover = options.get("FAILOVER", "asynchronous")
+        #: The DATABASES alias to LISTEN on (None: waiters poll).
+        self.listen: str | None = options.get("LISTEN", self.database)
         # Connections per thread, not per cache object: Django hands one
         # cache object to an event loop's task and to the executor threads
         # it starts (asgiref's Local follows the context), and a libpq
@@ -89,15 +96,30 @@ class PostgresCache(BaseCache):
         """This thread's connection."""
         wire: Wire | None = getattr(self._threads, "wire", None)
         if wire is None:
-            problem = database_problem("A PostgresCache", self.database, self.failover)
+            problem = database_problem(
+                "A PostgresCache", self.database, self.failover, self.listen
+            )
             if problem is not None:
                 raise LockConfigurationError(problem)
-            timeout = tasklock_settings.SOCKET_TIMEOUT
-            conninfo = conninfo_for(connections[self.database], timeout)
             wire = self._threads.wire = Wire(
-                conninfo, timeout, self.where, self.synchronous
+                self.conninfo(),
+                tasklock_settings.SOCKET_TIMEOUT,
+                self.where,
+                self.synchronous,
             )
         return wire
+
+    def conninfo(self) -> str:
+        """The libpq connection string of the locks' connections."""
+        timeout = tasklock_settings.SOCKET_TIMEOUT
+        return conninfo_for(connections[self.database], timeout)
+
+    def listen_conninfo(self) -> str | None:
+        """The libpq connection string to LISTEN on (None: do not)."""
+        if self.listen is None:
+            return None
+        timeout = tasklock_settings.SOCKET_TIMEOUT
+        return conninfo_for(connections[self.listen], timeout)
 
     def close(self, **kwargs: Any) -> None:
         """Django's ``close_caches()``, at the end of every request and (by

@@ -118,11 +118,25 @@ def _on_run(take: bytes, mark: str) -> bytes:
 TAKE_ON_RUN: Final = _on_run(TAKE, "$4")
 TAKE_OVER_ON_RUN: Final = _on_run(TAKE_OVER, "$5")
 
+#: The channel a release's wake-up is sent on (``NOTIFY``), its payload
+#: the md5 of the lock's key (``line``).
+CHANNEL: Final = "django_tasklock"
+#: What a lock's key takes to name its waiting line's row (``line``).
+LINE: Final = ":tasklock-line"
+#: The waiters of the line of the lock at $1 woken: one ``NOTIFY`` when its
+#: row lists any (a subquery of a release's reply; none, no notify at all).
+_WAKE = f"""(SELECT pg_notify('{CHANNEL}', md5($1)) FROM {TABLE} AS l
+    WHERE l.key = $1 || '{LINE}' AND l.expires > {_NOW} AND l.value <> '')"""
+
 #: $1 key, $2 token: freed while the token holds it (the row kept, its expiry
-#: past: the next take of the key updates it in place, a HOT update).
+#: past: the next take of the key updates it in place, a HOT update), and
+#: its line's waiters woken.
 RELEASE: Final = f"""
-UPDATE {TABLE} AS t SET expires = '-infinity'
-WHERE key = $1 AND value = $2 AND NOT pickled AND {_LIVE} RETURNING 1""".encode()
+WITH freed AS (
+    UPDATE {TABLE} AS t SET expires = '-infinity'
+    WHERE key = $1 AND value = $2 AND NOT pickled AND {_LIVE} RETURNING 1
+)
+SELECT 1, {_WAKE} FROM freed""".encode()
 
 #: $1 key, $2 token, $3 seconds: the expiry reset while the token holds it.
 EXTEND: Final = f"""
@@ -192,9 +206,12 @@ WHERE t.expires <= {_NOW} RETURNING 1""".encode()
 
 #: $1 key, $2 token: freed while it stores the token, live or not.
 DISCARD: Final = f"""
-UPDATE {TABLE} SET expires = '-infinity'
-WHERE key = $1 AND value = $2 AND NOT pickled AND expires > '-infinity'
-RETURNING 1""".encode()
+WITH freed AS (
+    UPDATE {TABLE} SET expires = '-infinity'
+    WHERE key = $1 AND value = $2 AND NOT pickled AND expires > '-infinity'
+    RETURNING 1
+)
+SELECT 1, {_WAKE} FROM freed""".encode()
 
 #: $1 key: removed; whether a live row was.
 DELETE: Final = f"DELETE FROM {TABLE} AS t WHERE key = $1 RETURNING {_LIVE}".encode()
@@ -217,6 +234,82 @@ DELETE FROM {TABLE} WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {TABLE}
     WHERE expires < {_NOW} - interval '1 minute' LIMIT 1000
 ))""".encode()
+
+
+# A lock's waiting line (``line``): one row beside the lock, its key the
+# lock's and ``LINE``, its value the waiters in the order they came, each
+# ``<waiter>/<until>`` (until: its mark's end, in the server's epoch
+# seconds), separated by spaces. A waiter whose mark ended is passed over
+# and dropped by the next write; the row lasts twice a mark past the last.
+_ENTRIES = "unnest(string_to_array({0}, ' ')) WITH ORDINALITY AS u(e, n)"
+_WAITER = "split_part(u.e, '/', 1)"
+_UNTIL_OF = "split_part(u.e, '/', 2)::float8"
+#: Whether the try took the lock; whether the waiter was in line before it.
+_TOOK = "EXISTS (SELECT 1 FROM took)"
+_MINE = "EXISTS (SELECT 1 FROM line WHERE waiter = $4::text)"
+#: The line's stored value, empty if its row expired.
+_STORED = f"CASE WHEN {_LIVE} AND NOT t.pickled THEN t.value ELSE '' END"
+#: A place after any waiter's.
+_LAST = "9223372036854775807"
+
+#: $1 key, $2 token, $3 seconds, $4 waiter, $5 its mark's seconds, $6 the
+#: run mark: the lock taken if free and no live waiter is before $4 in its
+#: line (then $4 leaves the line), else $4 joins the line or renews its mark
+#: there. One row: whether it took, how many waiters are before $4, and the
+#: server's run mark (nothing done on another run).
+TAKE_IN_LINE: Final = f"""
+WITH here AS (
+    SELECT {RUN_MARK} AS run, extract(epoch FROM {_NOW})::float8 AS at
+), line AS (
+    SELECT {_WAITER} AS waiter, u.n
+    FROM {TABLE} AS t, {_ENTRIES.format("t.value")}, here
+    WHERE t.key = $1 || '{LINE}' AND {_LIVE} AND NOT t.pickled
+        AND {_UNTIL_OF} > here.at
+), ahead AS (
+    SELECT count(*) AS n FROM line
+    WHERE line.n < COALESCE((SELECT n FROM line WHERE waiter = $4::text), {_LAST})
+), took AS (
+    INSERT INTO {TABLE} AS t (key, value, expires)
+    SELECT $1, $2, {_UNTIL} FROM here, ahead WHERE here.run = $6 AND ahead.n = 0
+    ON CONFLICT (key) DO UPDATE
+    SET value = excluded.value, pickled = false, expires = excluded.expires
+    WHERE t.expires <= {_NOW} OR (t.value = excluded.value AND NOT t.pickled)
+    RETURNING 1
+), joined AS (
+    INSERT INTO {TABLE} AS t (key, value, expires)
+    SELECT $1 || '{LINE}', $4::text || '/' || (here.at + $5::float8)::text,
+        {_NOW} + 2 * $5::float8 * interval '1 second'
+    FROM here
+    WHERE here.run = $6 AND (NOT {_TOOK} OR {_MINE})
+    ON CONFLICT (key) DO UPDATE
+    SET value = (
+        SELECT COALESCE(string_agg(k.e, ' ' ORDER BY k.n), '') FROM (
+            SELECT CASE WHEN {_WAITER} = $4::text THEN excluded.value ELSE u.e END,
+                u.n
+            FROM {_ENTRIES.format(_STORED)}
+            WHERE {_UNTIL_OF} > (SELECT at FROM here)
+                AND NOT ({_WAITER} = $4::text AND {_TOOK})
+            UNION ALL
+            SELECT excluded.value, {_LAST} WHERE NOT {_TOOK} AND NOT {_MINE}
+        ) AS k (e, n)
+    ), pickled = false, expires = GREATEST(t.expires, excluded.expires)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM took), ahead.n, here.run FROM here, ahead""".encode()
+
+#: $1 key, $2 waiter: out of the line; the waiters left woken (the turn may
+#: have been the one that left).
+LEAVE_LINE: Final = f"""
+WITH left_line AS (
+    UPDATE {TABLE} AS t SET value = (
+        SELECT COALESCE(string_agg(u.e, ' ' ORDER BY u.n), '')
+        FROM {_ENTRIES.format("t.value")} WHERE {_WAITER} <> $2
+    )
+    WHERE key = $1 || '{LINE}' AND {_LIVE} AND NOT pickled
+        AND position(' ' || $2 || '/' IN ' ' || t.value) > 0
+    RETURNING t.value
+)
+SELECT pg_notify('{CHANNEL}', md5($1)) FROM left_line WHERE value <> ''""".encode()
 
 
 def seconds(timeout: float) -> str:

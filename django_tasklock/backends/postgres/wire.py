@@ -101,11 +101,7 @@ class Wire:
         if conn is None or self._pid != os.getpid():
             conn = self._connect()
         elif self._readable.poll(0):
-            # Bytes unasked between statements: the server ended the session
-            # (a restart, a pooler's, an idle timeout). Nothing of this
-            # statement was sent yet, so a new connection sends it.
-            self.close()
-            conn = self._connect()
+            conn = self._unasked(conn)
         if guard is not None and self.run_started is not None:
             guard(self)
         if on_run:
@@ -140,6 +136,46 @@ class Wire:
             self.close()
             raise
         return rows_of(self, result)
+
+    def _unasked(self, conn: pq.abc.PGconn) -> pq.abc.PGconn:
+        """The connection to send on after bytes came unasked between
+        statements: the same if they were only notifications (a ``LISTEN`` a
+        transaction pooler left on its server connection), dropped; else a
+        new one, since the server ended the session (a restart, a pooler's,
+        an idle timeout). Nothing of the statement was sent yet."""
+        try:
+            conn.consume_input()
+        except OperationalError:
+            notified = False
+        else:
+            notified = conn.status == pq.ConnStatus.OK and conn.notifies() is not None
+            while conn.notifies() is not None:
+                pass
+        if notified and not self._readable.poll(0):
+            return conn
+        self.close()
+        return self._connect()
+
+    def notified(self, timeout: float) -> list[str]:
+        """The payloads of the notifications that came within ``timeout``
+        seconds, on a connection that sent ``LISTEN`` (and no statement
+        since); raises ``Unreachable`` once it broke."""
+        conn = self._conn
+        if conn is None:
+            raise Unreachable(f"{self.where}: not connected")
+        payloads: list[str] = []
+        if self._readable.poll(timeout * 1000):
+            try:
+                conn.consume_input()
+            except OperationalError as exc:
+                self.close()
+                raise Unreachable(f"{self.where}: {exc}") from None
+            while (notify := conn.notifies()) is not None:
+                payloads.append(notify.extra.decode())
+        if conn.status != pq.ConnStatus.OK:
+            self.close()
+            raise Unreachable(f"{self.where}: the connection broke")
+        return payloads
 
     def _connect(self) -> pq.abc.PGconn:
         conn = self._connected()

@@ -562,3 +562,29 @@ def test_a_table_emptied_behind_the_store_is_a_run_not_known(
     ):
         Lock("emptied").acquire()
     assert "holds no record of the database's run" in caplog.text
+
+
+def test_notifications_between_statements_keep_the_connection(on_postgres):
+    """A ``LISTEN`` a transaction pooler left on its server connection sends
+    notifications to whichever client gets it next: they are dropped, not
+    taken for the server ending the session (a reconnect each time). Bytes
+    that are no notification still mean a new connection."""
+    from django_tasklock.backends.postgres.cache import conninfo_for
+    from django_tasklock.backends.postgres.wire import Wire
+
+    conninfo = conninfo_for(connections["pg"], 2)
+    wire, other = Wire(conninfo, 2, "pg"), Wire(conninfo, 2, "pg")
+    try:
+        wire.query(b"LISTEN tasklock_test", ())
+        first = wire.query(b"SELECT pg_backend_pid()", ())
+        other.query(b"SELECT pg_notify('tasklock_test', 'x')", ())
+        wait_until(lambda: "x" in wire.notified(0.1))  # as a listener hears it
+        other.query(b"SELECT pg_notify('tasklock_test', 'y')", ())
+        wait_until(lambda: wire._readable.poll(0))  # (unread when the query comes)
+        assert wire.query(b"SELECT pg_backend_pid()", ()) == first
+        other.query(b"SELECT pg_terminate_backend($1::int)", (first[0][0],))
+        wait_until(lambda: wire._readable.poll(0))
+        assert wire.query(b"SELECT pg_backend_pid()", ()) != first  # reconnected
+    finally:
+        wire.close()
+        other.close()

@@ -1,0 +1,206 @@
+"""Blocking acquires on PostgreSQL wait in the lock's line
+(``backends.postgres.line``): in the order they came, woken across
+processes by the release's ``NOTIFY`` where the process can ``LISTEN``
+(directly), polling in turn through PgBouncer, never left hanging by a
+waiter that died, gave up or whose line was lost."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import pytest
+
+from django_tasklock import Lock, LockBackendError
+from django_tasklock.backends import backend_for
+from django_tasklock.backends.postgres import statements as sql
+from django_tasklock.backends.postgres.line import TURN_POLL, Listener
+from django_tasklock.locks.line import LONGEST, MARK
+from tests.helpers import background, wait_until
+from tests.locks.lines import (
+    after_a_killed_waiter,
+    handoff_across_processes,
+    shared_in_turn,
+    taken_in_order,
+)
+
+LOCK_ID = "postgres-line-test"
+
+
+@pytest.fixture(autouse=True)
+def _on_postgres(settings):  # (tests/conftest.py stops the listeners after)
+    settings.TASKLOCK = {"CACHE": "postgres", "LIVENESS": None}
+    backend = backend_for("postgres")
+    key = backend.keys_for(LOCK_ID)[0]
+    backend._run(sql.DELETE_MANY, sql.array([key, key + sql.LINE]))
+
+
+def _line(alias: str = "postgres", lock_id: str = LOCK_ID) -> str | None:
+    """The line row of ``lock_id`` as stored (None: no live row)."""
+    backend = backend_for(alias)
+    key = backend.keys_for(lock_id)[0]
+    peek = backend.peek(key + sql.LINE)
+    return None if peek is None else str(peek.value)
+
+
+def _in_line(alias: str = "postgres", lock_id: str = LOCK_ID) -> int:
+    """How many waiters the line of ``lock_id`` lists whose marks are live."""
+    now = time.time()
+    entries = (_line(alias, lock_id) or "").split()
+    return sum(1 for entry in entries if float(entry.split("/")[1]) > now)
+
+
+def _waiter(took: list[float], timeout: float = 30):
+    def wait() -> None:
+        lock = Lock(LOCK_ID, expire=30)
+        assert lock.acquire(blocking=True, timeout=timeout)
+        took.append(time.monotonic())
+        lock.release()
+
+    return wait
+
+
+def _joined(thread_and_outcome) -> None:
+    thread, outcome = thread_and_outcome
+    thread.join(60)
+    assert not thread.is_alive(), "the thread did not end"
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+def test_a_release_in_another_process_wakes_the_waiter_by_notify():
+    # The listener proven first: a wait begun before it hears polls in turn.
+    wait_until(lambda: Listener.of(backend_for("postgres")).hears)
+    gaps = [handoff_across_processes(LOCK_ID, "postgres", "line") for _ in range(3)]
+    print(f"line: handoffs {[round(g * 1000, 1) for g in gaps]} ms")
+    # Woken, not polled: with no NOTIFY the waiter would poll every 0.5 s.
+    assert statistics.median(gaps) < 0.1
+    polled = [handoff_across_processes(LOCK_ID, "postgres", "poll") for _ in range(3)]
+    print(f"poll: handoffs {[round(g * 1000, 1) for g in polled]} ms")
+    assert statistics.median(polled) > 0.1  # the control: a poll's pause shows
+
+
+def test_through_pgbouncer_the_waiter_polls_in_turn_and_says_why(settings, caplog):
+    settings.TASKLOCK = {"CACHE": "pgbouncer", "LIVENESS": None}
+    with caplog.at_level(logging.WARNING, logger="django_tasklock"):
+        listener = Listener.of(backend_for("pgbouncer"))
+        assert listener is not None
+        wait_until(lambda: "did not reach" in caplog.text)
+    assert not listener.hears
+    assert "OPTIONS['LISTEN']" in caplog.text
+    gaps = [handoff_across_processes(LOCK_ID, "pgbouncer", "line") for _ in range(3)]
+    print(f"line through PgBouncer: handoffs {[round(g * 1000, 1) for g in gaps]} ms")
+    assert statistics.median(gaps) < TURN_POLL + 0.09  # polled, not the 0.5 s
+
+
+def test_listen_set_to_a_direct_alias_wakes_waiters_behind_pgbouncer(settings):
+    settings.CACHES = {
+        **settings.CACHES,
+        "pgbouncer": {**settings.CACHES["pgbouncer"], "OPTIONS": {"LISTEN": "pg"}},
+    }
+    settings.TASKLOCK = {"CACHE": "pgbouncer", "LIVENESS": None}
+    listener = Listener.of(backend_for("pgbouncer"))
+    assert listener is not None
+    wait_until(lambda: listener.hears)
+
+
+def test_listen_none_polls_and_a_bad_listen_is_refused(settings):
+    from django_tasklock.checks import check_settings
+
+    settings.CACHES = {
+        **settings.CACHES,
+        "postgres": {**settings.CACHES["postgres"], "OPTIONS": {"LISTEN": None}},
+    }
+    assert Listener.of(backend_for("postgres")) is None
+    settings.CACHES = {
+        **settings.CACHES,
+        "postgres": {**settings.CACHES["postgres"], "OPTIONS": {"LISTEN": "nowhere"}},
+    }
+    errors = [e for e in check_settings(None) if "OPTIONS['LISTEN']" in e.msg]
+    assert errors and "directly" in errors[0].msg, errors
+
+
+def test_an_uncontended_blocking_acquire_leaves_no_line():
+    lock = Lock(LOCK_ID, expire=30)
+    assert lock.acquire(blocking=True, timeout=5)
+    assert lock.release()
+    assert _line() is None
+
+
+def test_waiters_take_the_lock_in_the_order_they_came():
+    assert taken_in_order(LOCK_ID, _in_line) == [0, 1, 2, 3, 4]
+    assert _in_line() == 0
+
+
+def test_a_holder_taking_it_again_at_once_joins_the_end():
+    holder = Lock(LOCK_ID, expire=30)
+    assert holder.acquire()
+    took: list[float] = []
+    running = background(_waiter(took))
+    wait_until(lambda: _in_line() == 1)
+    holder.release()
+    again = Lock(LOCK_ID, expire=30)
+    assert again.acquire(blocking=True, timeout=30)  # after the waiter's turn
+    taken_again = time.monotonic()
+    again.release()
+    _joined(running)
+    assert took[0] < taken_again
+
+
+def test_a_waiter_that_gives_up_leaves_the_line():
+    holder = Lock(LOCK_ID, expire=30)
+    assert holder.acquire()
+    assert not Lock(LOCK_ID).acquire(blocking=True, timeout=0.3)
+    assert _in_line() == 0
+    holder.release()
+    started = time.monotonic()
+    # Had it stayed, the next waiter would wait for its mark to expire.
+    assert Lock(LOCK_ID).acquire(blocking=True, timeout=30)
+    assert time.monotonic() - started < MARK
+
+
+@pytest.mark.slow
+def test_a_waiter_killed_in_line_holds_it_up_no_longer_than_its_mark():
+    waited = after_a_killed_waiter(LOCK_ID, "postgres", _in_line)
+    assert waited <= MARK + LONGEST + 1.0
+
+
+def test_a_lost_line_costs_order_never_a_hang():
+    holder = Lock(LOCK_ID, expire=30)
+    assert holder.acquire()
+    took: list[float] = []
+    running = background(_waiter(took))
+    wait_until(lambda: _in_line() == 1)
+    backend = backend_for("postgres")
+    backend._run(sql.DELETE, backend.keys_for(LOCK_ID)[0] + sql.LINE)  # as lost
+    released_at = time.monotonic()
+    holder.release()  # nobody in line to wake: the waiter's own try finds it
+    _joined(running)
+    assert took[0] - released_at <= LONGEST + 0.5
+
+
+@pytest.mark.slow
+def test_processes_taking_the_lock_again_and_again_share_it_in_turn():
+    shared_in_turn("postgres", 0.8)
+
+
+def test_a_store_down_while_waiting_raises_the_lock_error(settings):
+    from django_tasklock.backends.postgres.statements import CREATE
+    from tests.locks.lines import stopped_while_waiting
+    from tests.services_pg import Postgres
+
+    server = Postgres().start()
+    try:
+        server.execute(CREATE)
+        settings.DATABASES["pg_own"]["PORT"] = str(server.port)
+        errors = stopped_while_waiting(
+            settings,
+            "django_tasklock.backends.postgres.cache.PostgresCache",
+            "pg_own",
+            server,
+            lambda: _in_line("own", "stopped-line") == 1,
+        )
+    finally:
+        server.remove()
+    assert errors and isinstance(errors[0], LockBackendError), errors
