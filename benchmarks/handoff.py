@@ -20,7 +20,8 @@ the most holds a second the load allows. The report gives the handoff
 (release to the next holder's start: median and p99), holds per process and
 a second, waits timed out, holds that overlapped (always 0, or the lock is
 broken) and requests sent to the store per hold (every write to a socket,
-counted in each process).
+counted in each process; on PostgreSQL, whose libpq writes its socket
+itself, every statement).
 """
 
 from __future__ import annotations
@@ -108,6 +109,16 @@ def _count_requests() -> list[int]:
             return _plain(self, *args)
 
         setattr(socket.socket, name, counted)
+    # libpq writes to its socket itself: on PostgreSQL each statement is one.
+    from django_tasklock.backends.postgres.wire import Wire
+
+    query = Wire.query
+
+    def counted_query(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sent[0] += 1
+        return query(self, *args, **kwargs)
+
+    Wire.query = counted_query  # type: ignore[method-assign]
     return sent
 
 

@@ -123,6 +123,7 @@ PARTS: dict[str, tuple[int, ...]] = {
     "cluster": tuple(range(44, 49)),
     "postgres": tuple(range(49, 54)),
     "fenced": (54,),
+    "waiting": (55, 56),
 }
 
 
@@ -143,6 +144,7 @@ def run(quick: bool, parts: tuple[str, ...] = tuple(PARTS)) -> list[Row]:
         "pools": (main,),
         "calls": (redis_server,),
         "cluster": (redis_server,),
+        "waiting": (main, redis_server),
     }
     rows = []
     try:

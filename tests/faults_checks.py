@@ -21,7 +21,7 @@ from tests.services import module_run
 GROUPS: tuple[tuple[str, ...], ...] = (
     ("basics", "semaphores", "pools", "recovery"),
     ("calls", "limits", "unknown", "cluster"),
-    ("deployments", "lifecycle", "postgres", "fenced"),
+    ("deployments", "lifecycle", "postgres", "fenced", "waiting"),
 )
 #: The cases that make a holder outlive its lock on purpose.
 BY_DESIGN = {"2.", "3.", "9.", "31.", "54."}
@@ -282,6 +282,18 @@ def _fenced(out: str, rows: dict[str, Table]) -> None:
     assert kept and kept.group(1) == kept.group(2)
 
 
+def _waiting(out: str, rows: dict[str, Table]) -> None:
+    from django_tasklock.locks.line import LONGEST, MARK
+    from reliability.waiting import SLACK
+
+    for number, bound in (("55.", MARK + 2 + LONGEST), ("56.", LONGEST)):
+        took = re.findall(r"(\d+\.\d)-(\d+\.\d)s \((\w+)\)", rows[number][5])
+        assert sorted(store for _, _, store in took) == [
+            "PostgreSQL", "Redis", "memcached"
+        ], rows[number][5]  # fmt: skip
+        assert all(float(most) <= bound + SLACK for _, most, _ in took), took
+
+
 #: Each part's own figures, checked on the output of a run that included it.
 FIGURES: dict[str, Callable[[str, dict[str, Table]], None]] = {
     "basics": _basics,
@@ -296,4 +308,5 @@ FIGURES: dict[str, Callable[[str, dict[str, Table]], None]] = {
     "cluster": _cluster,
     "postgres": _postgres,
     "fenced": _fenced,
+    "waiting": _waiting,
 }

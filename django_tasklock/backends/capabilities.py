@@ -42,6 +42,8 @@ __all__ = [
     "RunsScripts",
     "TellsRestarts",
     "TellsUptimes",
+    "done_here",
+    "expect_here",
     "wait_here",
     "waiting_keys",
     "wake_here",
@@ -130,21 +132,45 @@ WAITING_HERE: dict[tuple[str, str], dict[str, threading.Event]] = {}
 _here = threading.Lock()
 
 
-def wait_here(alias: str, key: str, waiter: str, timeout: float) -> bool:
+def wait_here(
+    alias: str, key: str, waiter: str, timeout: float, keep: bool = False
+) -> bool:
     """Block ``waiter`` of this process until a release of the lock at ``key``
-    here (``wake_here``) or ``timeout`` seconds: True if woken."""
-    event, place = threading.Event(), (alias, key)
+    here (``wake_here``) or ``timeout`` seconds: True if woken. With
+    ``keep``, the waiter stays listed after it (until ``done_here``), so that
+    a wake-up between two of its tries is kept for its next wait, not lost."""
+    place = (alias, key)
     with _here:
-        WAITING_HERE.setdefault(place, {})[waiter] = event
+        events = WAITING_HERE.setdefault(place, {})
+        event = events.get(waiter)
+        if event is None:
+            event = events[waiter] = threading.Event()
     try:
         return event.wait(timeout)
     finally:
-        with _here:
-            events = WAITING_HERE.get(place)
-            if events is not None:
-                events.pop(waiter, None)
-                if not events:
-                    del WAITING_HERE[place]
+        event.clear()
+        if not keep:
+            done_here(alias, key, waiter)
+
+
+def expect_here(alias: str, key: str, waiter: str) -> None:
+    """List ``waiter`` of this process as waiting for the lock at ``key``
+    before its first wait (it joined the line): a wake-up from now on is kept
+    for that wait."""
+    with _here:
+        WAITING_HERE.setdefault((alias, key), {}).setdefault(waiter, threading.Event())
+
+
+def done_here(alias: str, key: str, waiter: str) -> None:
+    """``waiter`` no longer waits for the lock at ``key`` (it took it, or
+    left)."""
+    place = (alias, key)
+    with _here:
+        events = WAITING_HERE.get(place)
+        if events is not None:
+            events.pop(waiter, None)
+            if not events:
+                del WAITING_HERE[place]
 
 
 def wake_here(alias: str, key: str) -> None:

@@ -35,7 +35,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Final
 
-from ..capabilities import wait_here, wake_here
+from ..capabilities import done_here, expect_here, wait_here, wake_here
 
 if TYPE_CHECKING:
     from ..base import Hold
@@ -144,6 +144,7 @@ class MemcachedLines:
             me = _Waiter(self._join(client, names), now)
             client.set(names.mark(me.ticket), b"1", mark_ttl, noreply=False)
             _waiters[self.alias, key, waiter] = me
+            expect_here(self.alias, key, waiter)  # (a release here from now on)
         elif now - me.renewed > mark / 3:
             if not client.touch(names.mark(me.ticket), mark_ttl, noreply=False):
                 client.set(names.mark(me.ticket), b"1", mark_ttl, noreply=False)
@@ -157,14 +158,16 @@ class MemcachedLines:
         if hold is None:
             return None, TURN_POLL
         _waiters.pop((self.alias, key, waiter), None)
+        done_here(self.alias, key, waiter)
         client.delete(names.mark(me.ticket), noreply=False)
         self._move_head(client, names, me.ticket)
         return hold, 0.0
 
     def wait_turn(self, key: str, waiter: str, timeout: float) -> bool:
-        return wait_here(self.alias, key, waiter, timeout)
+        return wait_here(self.alias, key, waiter, timeout, keep=True)
 
     def leave_line(self, key: str, waiter: str) -> None:
+        done_here(self.alias, key, waiter)
         me = _waiters.pop((self.alias, key, waiter), None)
         if me is None:
             return

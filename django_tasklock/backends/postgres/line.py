@@ -35,16 +35,36 @@ import os
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from ..capabilities import wait_here, waiting_keys, wake_here
+from ..capabilities import done_here, expect_here, wait_here, waiting_keys, wake_here
 from . import statements as sql
 from .errors import StatementFailed, Unreachable, run_changed
 from .wire import Wire
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..base import Hold
-    from .backend import PostgresBackend
+    from .cache import PostgresCache
+
+
+class _Store(Protocol):
+    """What the line needs of its ``PostgresBackend``."""
+
+    alias: str
+    cache: PostgresCache
+
+    def _run(
+        self,
+        statement: bytes,
+        *params: str | None,
+        guard: Callable[[Wire], object] | None = None,
+        on_run: Wire | None = None,
+    ) -> list[Any]: ...
+
+    def young(self, wire: Wire) -> None: ...
+
 
 __all__ = ["TURN_POLL", "Listener", "PostgresLines"]
 
@@ -72,7 +92,7 @@ class PostgresLines:
     #: Each step would hold an executor thread: an event loop's waiters poll.
     wakes_async = False
 
-    def __init__(self, backend: PostgresBackend) -> None:
+    def __init__(self, backend: _Store) -> None:
         self.backend, self.alias = backend, backend.alias
 
     def take_in_line(
@@ -88,7 +108,9 @@ class PostgresLines:
             took, ahead, run = rows[0]
             if run == wire.mark:
                 if took == "1":
+                    done_here(self.alias, key, waiter)
                     return token, 0.0
+                expect_here(self.alias, key, waiter)  # (a NOTIFY from now on)
                 return None, self._pause(int(ahead or 0))
             wire.relearn()  # (another server behind the pooler: judged first)
         raise run_changed(wire)
@@ -101,9 +123,10 @@ class PostgresLines:
         return TURN_POLL * (ahead + 1)
 
     def wait_turn(self, key: str, waiter: str, timeout: float) -> bool:
-        return wait_here(self.alias, key, waiter, timeout)
+        return wait_here(self.alias, key, waiter, timeout, keep=True)
 
     def leave_line(self, key: str, waiter: str) -> None:
+        done_here(self.alias, key, waiter)
         self.backend._run(sql.LEAVE_LINE, key, waiter)
         wake_here(self.alias, key)  # the next waiter here, if its turn came
 
@@ -133,7 +156,7 @@ class Listener:
         self._thread.start()
 
     @classmethod
-    def of(cls, backend: PostgresBackend) -> Listener | None:
+    def of(cls, backend: _Store) -> Listener | None:
         """The alias's listener in this process, started if need be; None
         where its OPTIONS["LISTEN"] is None."""
         listening = backend.cache.listen_conninfo()
