@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from ..capabilities import done_here, expect_here, wait_here, waiting_keys, wake_here
 from . import statements as sql
 from .errors import StatementFailed, Unreachable, run_changed
-from .wire import Wire
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ..base import Hold
     from .cache import PostgresCache
+    from .wire import Wire
 
 
 class _Store(Protocol):
@@ -187,6 +187,7 @@ class Listener:
 
     def _run(self) -> None:
         from ...conf import settings
+        from .wire import Wire  # (psycopg: imported once a waiter listens)
 
         while not self._stop.is_set():
             wire = Wire(self.listen_conninfo, settings.SOCKET_TIMEOUT, self.where)
@@ -209,6 +210,8 @@ class Listener:
     def _proven(self, wire: Wire, timeout: float) -> bool:
         """Whether a ``NOTIFY`` sent the way locks are sent reaches ``wire``
         (a transaction pooler drops it); the others it heard meanwhile woken."""
+        from .wire import Wire
+
         probe = f"probe:{secrets.token_hex(8)}"
         sender = Wire(self.send_conninfo, timeout, self.where)
         try:
