@@ -264,16 +264,19 @@ def _postgres_floor(where: str) -> Callable[[], bool]:
         autocommit=True,
         prepare_threshold=None,
     )
+    # psycopg's placeholders for the statements' $n (a parameter used twice,
+    # as the release's key is, named once).
     take, release = (
-        re.sub(r"\$\d", "%s", statement.decode())
+        re.sub(r"\$(\d)", r"%(p\1)s", statement.decode())
         for statement in (statements.TAKE, statements.RELEASE)
     )
-    arguments = ("bench-contended-floor", f"{os.getpid()}", 60.0)
+    arguments = {"p1": "bench-contended-floor", "p2": f"{os.getpid()}", "p3": 60.0}
+    released = {"p1": arguments["p1"], "p2": arguments["p2"]}
 
     def floor() -> bool:
         if not raw.execute(take, arguments).fetchall():
             return False
-        if not raw.execute(release, arguments[:2]).fetchall():
+        if not raw.execute(release, released).fetchall():
             raise RuntimeError("the floor's release found its take gone")
         return True
 

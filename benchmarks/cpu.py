@@ -259,14 +259,18 @@ def _postgres_operations() -> tuple[
                 f"the floor's statements failed: {libpq.error_message!r}"
             )
 
-    take = statements.TAKE.decode().replace("$1", "%s").replace("$2", "%s")
-    take = take.replace("$3", "%s")
-    release = statements.RELEASE.decode().replace("$1", "%s").replace("$2", "%s")
-    take_params = ("cpu-pg-psycopg", "token", 60.0)
+    # psycopg's placeholders for the statements' $n (a parameter used twice,
+    # as the release's key is, named once).
+    take, release = (
+        re.sub(r"\$(\d)", r"%(p\1)s", statement.decode())
+        for statement in (statements.TAKE, statements.RELEASE)
+    )
+    take_params = {"p1": "cpu-pg-psycopg", "p2": "token", "p3": 60.0}
+    release_params = {"p1": "cpu-pg-psycopg", "p2": "token"}
 
     def with_psycopg() -> None:
         raw.execute(take, take_params).fetchall()
-        raw.execute(release, take_params[:2]).fetchall()
+        raw.execute(release, release_params).fetchall()
 
     from django_tasklock.backends.postgres.wire import Wire
 

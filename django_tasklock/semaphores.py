@@ -36,6 +36,7 @@ from .exceptions import (
 from .keys import SLOT_MARK, check_lock_id
 from .locks import POLL_MIN, Holding, Lock, OnLost, backoff
 from .locks.waiting import next_wait
+from .turns import in_turn, turn_id
 
 if TYPE_CHECKING:
     from .backends import LockBackend
@@ -162,6 +163,12 @@ class Semaphore(Holding):
         when the store cannot be reached.
         """
         deadline = self._deadline(blocking, timeout)
+        if blocking and settings.WAITING == "line":
+            ids, backend, keys = self._slots()
+            if backend.lines is not None:  # in line (``turns``)
+                turn = backend.keys_for(turn_id(self.lock_id))[0]
+                held = self._read(backend, [*keys, turn])
+                return in_turn(self, ids, backend, keys, held, deadline)
         pause = POLL_MIN
         while True:
             if self._take_a_free_slot():
@@ -203,10 +210,19 @@ class Semaphore(Holding):
 
     def _take_a_free_slot(self) -> bool:
         ids, backend, keys = self._slots()
+        return self._take_from(self._read(backend, keys), ids, keys, backend)
+
+    def _read(self, backend: LockBackend, keys: list[str]) -> list[bool]:
+        """Whether each of ``keys`` is held (one round trip)."""
         try:
-            held = backend.held_many(keys)
+            return backend.held_many(keys)
         except backend.errors as exc:
             raise self._unread(backend, keys, exc) from exc
+
+    def _take_from(
+        self, held: list[bool], ids: list[str], keys: list[str], backend: LockBackend
+    ) -> bool:
+        """A slot taken, of those ``held`` says may be free; False if none."""
         for slot in self._to_try(held, keys, backend.looks):
             lock = self._slot_lock(ids[slot])
             if lock.acquire():

@@ -144,7 +144,6 @@ def run(quick: bool, parts: tuple[str, ...] = tuple(PARTS)) -> list[Row]:
         "pools": (main,),
         "calls": (redis_server,),
         "cluster": (redis_server,),
-        "waiting": (main, redis_server),
     }
     rows = []
     try:

@@ -234,9 +234,23 @@ def _tried(
 
 
 @contextlib.contextmanager
-def _stores(main: Memcached, redis_server: Redis) -> Iterator[list[Store]]:
-    """The three stores, here (CACHES ``redis``, ``default``, ``postgres``)
-    and in the waiters (the environment)."""
+def _stores() -> Iterator[list[Store]]:
+    """The three stores, this part's own (the others' restart and stop
+    theirs), here (CACHES ``redis``, ``default``, ``postgres``) and in the
+    waiters (the environment)."""
+    from tests.services import Memcached, Redis
+
+    main, redis_server = Memcached().start(), Redis().start()
+    try:
+        with _on(main, redis_server) as stores:
+            yield stores
+    finally:
+        main.stop()
+        redis_server.stop()
+
+
+@contextlib.contextmanager
+def _on(main: Memcached, redis_server: Redis) -> Iterator[list[Store]]:
     from django.conf import settings
     from django.test import override_settings
 
@@ -248,25 +262,36 @@ def _stores(main: Memcached, redis_server: Redis) -> Iterator[list[Store]]:
         "redis": {**settings.CACHES["redis"], "LOCATION": redis_server.url},
         "default": {**settings.CACHES["default"], "LOCATION": main.address},
     }
-    os.environ["TASKLOCK_TEST_REDIS"] = redis_server.url
-    os.environ["TASKLOCK_TEST_MEMCACHED"] = main.address
-    with lock_servers() as (database, _bouncer), override_settings(CACHES=caches):
-        settings.DATABASES["pg"]["PORT"] = str(database.port)
-        close_thread_connections()
-        try:
-            yield [
-                _redis_store(redis_server.url),
-                _memcached_store(),
-                _postgres_store(database),
-            ]
-        finally:
+    named = {
+        "TASKLOCK_TEST_REDIS": redis_server.url,
+        "TASKLOCK_TEST_MEMCACHED": main.address,
+    }
+    before = {name: os.environ.get(name) for name in named}
+    os.environ.update(named)
+    try:
+        with lock_servers() as (database, _bouncer), override_settings(CACHES=caches):
+            settings.DATABASES["pg"]["PORT"] = str(database.port)
             close_thread_connections()
+            try:
+                yield [
+                    _redis_store(redis_server.url),
+                    _memcached_store(),
+                    _postgres_store(database),
+                ]
+            finally:
+                close_thread_connections()
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
-def run(main: Memcached, redis_server: Redis, quick: bool) -> list[Row]:
+def run(quick: bool) -> list[Row]:
     tries = 1 if quick else 3
     rows = []
-    with _stores(main, redis_server) as stores:
+    with _stores() as stores:
         attempts, overlapping, wrong, waited = _tried(stores, tries, lose=False)
         row = Row(
             "55. waiters in line: the first SIGKILLed", attempts, overlapping, wrong

@@ -45,6 +45,7 @@ __all__ = [
     "done_here",
     "expect_here",
     "wait_here",
+    "wait_here_any",
     "waiting_keys",
     "wake_here",
 ]
@@ -150,6 +151,20 @@ def wait_here(
     finally:
         event.clear()
         if not keep:
+            done_here(alias, key, waiter)
+
+
+def wait_here_any(alias: str, keys: list[str], waiter: str, timeout: float) -> bool:
+    """``wait_here`` for a release of any of the locks at ``keys`` (a
+    semaphore's slots)."""
+    event = threading.Event()
+    with _here:
+        for key in keys:
+            WAITING_HERE.setdefault((alias, key), {})[waiter] = event
+    try:
+        return event.wait(timeout)
+    finally:
+        for key in keys:
             done_here(alias, key, waiter)
 
 
