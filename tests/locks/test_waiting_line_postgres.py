@@ -201,7 +201,7 @@ def test_a_lost_line_costs_order_never_a_hang():
 
 @pytest.mark.slow
 def test_processes_taking_the_lock_again_and_again_share_it_in_turn():
-    shared_in_turn("postgres", 0.8)
+    shared_in_turn("postgres", 0.6)
 
 
 def test_a_store_down_while_waiting_raises_the_lock_error(settings):
