@@ -13,8 +13,12 @@ the turn on.
 A blocking acquire reads the turn with the slots, in the same round trip:
 while the turn is held (somebody waits) it joins the line even if a slot is
 free, so a holder that takes a slot again at once after its release goes
-behind the waiters instead of starving them. A non-blocking acquire never
-waits: it takes a free slot out of turn (one hold, not again and again).
+behind the waiters instead of starving them. While the turn passes from
+one waiter to the next (the release, the next one's wake-up and take), it
+reads as free: a holder coming back then may take a free slot out of turn,
+once per handoff; the new holder of the turn still takes the next slot that
+frees. A non-blocking acquire never waits: it takes a free slot out of turn
+(one hold, not again and again).
 
 What it costs: nothing more while nobody waits (the turn's key is read with
 the slots); a waiter blocks in the turn's line as a lock's waiter does; the
