@@ -10,9 +10,10 @@ each acquisition has its slot's fencing token (drawn when first read).
 Acquiring reads every slot in one round trip and takes a free one in a second
 (a full semaphore costs the one read); releasing is the slot lock's one round
 trip. A blocking acquire waits its turn in line where the store keeps lines
-(``turns``), first come first served. Lowering ``limit`` between deploys leaves the slots above the new limit to
-their holders until they finish, and nobody takes those slots again, so once they
-have finished no more than the new limit run.
+(``turns``), first come first served. Lowering ``limit`` between deploys leaves
+the slots above the new limit to their holders until they finish, and nobody
+takes those slots again, so once they have finished no more than the new limit
+run.
 
 The async twins (``aacquire``, ``async with``...) read the slots with the event
 loop's own connections (``aio``) and take one with ``Lock.aacquire``.

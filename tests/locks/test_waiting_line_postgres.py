@@ -75,13 +75,17 @@ def test_a_release_in_another_process_wakes_the_waiter_by_notify(monkeypatch):
 
     # The listener proven first: a wait begun before it hears polls in turn.
     wait_until(lambda: Listener.of(backend_for("postgres")).hears)
+
     # What each of the waiter's waits returned: True when woken (the release
     # is another process's: only its NOTIFY can), False when its time ran
-    # out. Each wait lasts as long as the store's reply timeout allows (1 s),
-    # so the release, a second into the wait, lands inside one: judged by
-    # that, not by time against a poll's pause (a control that a loaded run's
-    # lucky polls once beat).
-    monkeypatch.setattr(line, "LONGEST", 30.0)
+    # out. Judged by that, not by time against a poll's pause (a control that
+    # a loaded run's lucky polls once beat). Each wait lasts up to 20 s here,
+    # not its 0.5 s, so the release, a second in, lands inside one (with the
+    # 0.5 s, a loaded run's second wait ended as the release came).
+    def waits_long(hint: float, deadline: float | None, now: float) -> float | None:
+        return None if deadline is not None and now >= deadline else 20.0
+
+    monkeypatch.setattr(line, "turn_wait", waits_long)
     woken: list[bool] = []
     wait_turn = PostgresLines.wait_turn
 
