@@ -99,19 +99,28 @@ def test_renewal_keeps_lock_past_several_expiries(store):
     # past the lock's last renewal (a machine running the matrix beside this
     # suite did so) is tried again, up to three times.
     expire = 2 * EXPIRE
+
+    def tried_in_each(checked: list[float]) -> bool:
+        # Tried within each expiry it outlived (each try opens a connection
+        # of its own, slow on a busy machine: counted by time, not number).
+        return all(
+            any(n * expire <= t < (n + 1) * expire for t in checked) for n in range(3)
+        )
+
     for _ in range(3):
         outcome = _renewed_through_three_expiries(expire)
-        if outcome is not None:
+        if outcome is not None and tried_in_each(outcome[1]):
             break
-    assert outcome is not None, "the heartbeat was starved past expiry three times"
+        if outcome is not None:
+            # A window with no try in it (a loaded fresh clone's cluster tries
+            # once took over 6 s): not a robbery, but not the proof either.
+            outcome[0].release_quietly()
+            print(f"a window went untried: {outcome[1]}")
+            outcome = None
+    assert outcome is not None, "the heartbeat starved, or a window untried, 3 times"
     lock, checked = outcome
     heartbeat = lock._heartbeat
     assert heartbeat is not None
-    # Tried within each expiry it outlived, and after the last (each try opens
-    # a connection of its own, slow on a busy machine: counted by time, not
-    # by number).
-    for n in range(3):
-        assert any(n * expire <= t < (n + 1) * expire for t in checked), checked
     assert checked[-1] >= 3 * expire, checked
     assert lock.owned() and not lock.lost
     assert lock.release() is True
