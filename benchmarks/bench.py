@@ -36,7 +36,6 @@ import multiprocessing
 import os
 import platform
 import random
-import re
 import signal
 import statistics
 import sys
@@ -47,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tables import write_section  # noqa: E402
+from benchmarks.tables import psycopg_form, write_section  # noqa: E402
 from tests.services import (  # noqa: E402
     Memcached,
     Redis,
@@ -264,14 +263,12 @@ def _postgres_floor(where: str) -> Callable[[], bool]:
         autocommit=True,
         prepare_threshold=None,
     )
-    # psycopg's placeholders for the statements' $n (a parameter used twice,
-    # as the release's key is, named once).
-    take, release = (
-        re.sub(r"\$(\d)", r"%(p\1)s", statement.decode())
-        for statement in (statements.TAKE, statements.RELEASE)
+    (take, taking), (release, releasing) = (
+        psycopg_form(statement) for statement in (statements.TAKE, statements.RELEASE)
     )
-    arguments = {"p1": "bench-contended-floor", "p2": f"{os.getpid()}", "p3": 60.0}
-    released = {"p1": arguments["p1"], "p2": arguments["p2"]}
+    params = ("bench-contended-floor", f"{os.getpid()}", 60.0)
+    arguments = tuple(params[i] for i in taking)
+    released = tuple(params[i] for i in releasing)
 
     def floor() -> bool:
         if not raw.execute(take, arguments).fetchall():

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tables import write_section  # noqa: E402
+from benchmarks.tables import psycopg_form, write_section  # noqa: E402
 from benchmarks.valgrind import start_instrumentation  # noqa: E402
 
 if TYPE_CHECKING:
@@ -259,14 +259,12 @@ def _postgres_operations() -> tuple[
                 f"the floor's statements failed: {libpq.error_message!r}"
             )
 
-    # psycopg's placeholders for the statements' $n (a parameter used twice,
-    # as the release's key is, named once).
-    take, release = (
-        re.sub(r"\$(\d)", r"%(p\1)s", statement.decode())
-        for statement in (statements.TAKE, statements.RELEASE)
+    (take, taking), (release, releasing) = (
+        psycopg_form(statement) for statement in (statements.TAKE, statements.RELEASE)
     )
-    take_params = {"p1": "cpu-pg-psycopg", "p2": "token", "p3": 60.0}
-    release_params = {"p1": "cpu-pg-psycopg", "p2": "token"}
+    params = ("cpu-pg-psycopg", "token", 60.0)
+    take_params = tuple(params[i] for i in taking)
+    release_params = tuple(params[i] for i in releasing)
 
     def with_psycopg() -> None:
         raw.execute(take, take_params).fetchall()

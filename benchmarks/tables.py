@@ -23,3 +23,17 @@ def write_section(start: str, end: str, text: str) -> Path:
             page.write_text(pattern.sub(lambda _: f"{start}\n\n{text}\n{end}", content))
             return page
     raise SystemExit(f"no page under docs/ has the {start} / {end} markers")
+
+
+def psycopg_form(statement: bytes) -> tuple[str, list[int]]:
+    """``statement`` (libpq's ``$n`` placeholders) in psycopg's positional
+    ``%s`` form, and for each placeholder the index of its parameter: a
+    parameter used twice is passed twice, positional binding being psycopg's
+    cheapest (a floor must not pay for names)."""
+    order: list[int] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        order.append(int(match.group(1)) - 1)
+        return "%s"
+
+    return re.sub(r"\$(\d+)", placeholder, statement.decode()), order
