@@ -159,16 +159,17 @@ class Listener:
     def of(cls, backend: _Store) -> Listener | None:
         """The alias's listener in this process, started if need be; None
         where its OPTIONS["LISTEN"] is None."""
-        listening = backend.cache.listen_conninfo()
-        if listening is None:
+        if backend.cache.listen is None:
             return None
         alias = backend.alias
         listener = cls._of.get(alias)
         if listener is not None and listener.pid == os.getpid():
-            return listener
+            return listener  # (every try in line asks: no connection string made)
         with cls._guard:
             listener = cls._of.get(alias)
             if listener is None or listener.pid != os.getpid():
+                listening = backend.cache.listen_conninfo()
+                assert listening is not None
                 send = backend.cache.conninfo()
                 listener = cls(alias, listening, send, backend.cache.where)
                 cls._of[alias] = listener

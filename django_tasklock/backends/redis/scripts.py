@@ -74,6 +74,16 @@ local function head_of(line)
     end
     return nil
 end
+-- Wake the waiter whose turn it is (its own list, on which it blocks).
+local function wake_head(line)
+    local head = head_of(line)
+    if head then
+        local wake = line .. ":wake:" .. head
+        redis.call("del", wake)
+        redis.call("rpush", wake, "1")
+        redis.call("pexpire", wake, 10000)
+    end
+end
 """
 # Take the lock, unless a waiter in its line has the turn. One that already
 # holds this very token was taken by an earlier run of this script whose
@@ -156,13 +166,7 @@ local line = line_of(KEYS[1])
 redis.call("zrem", line, ARGV[1])
 redis.call("del", line .. ":alive:" .. ARGV[1], line .. ":wake:" .. ARGV[1])
 if redis.call("exists", KEYS[1]) == 0 then
-    local head = head_of(line)
-    if head then
-        local wake = line .. ":wake:" .. head
-        redis.call("del", wake)
-        redis.call("rpush", wake, "1")
-        redis.call("pexpire", wake, 10000)
-    end
+    wake_head(line)
 end
 return 1
 """
@@ -202,13 +206,7 @@ if redis.call("get", KEYS[1]) ~= ARGV[1] then
 end
 redis.call("del", KEYS[1])
 local line = line_of(KEYS[1])
-local head = head_of(line)
-if head then
-    local wake = line .. ":wake:" .. head
-    redis.call("del", wake)
-    redis.call("rpush", wake, "1")
-    redis.call("pexpire", wake, 10000)
-end
+wake_head(line)
 return 1
 """
 )
