@@ -78,10 +78,11 @@ def main(argv: list[str]) -> None:
             if record is None:
                 print("record none", flush=True)
             else:
+                sure_until, lapsed_at = record.kept_for(acq.key)
                 print(
                     f"record beats={record.beats} "
-                    f"valid_for={record.valid_until - time.monotonic():.2f} "
-                    f"held={len(record.held)} lapsed_at={record.lapsed_at:.2f}"
+                    f"valid_for={sure_until - time.monotonic():.2f} "
+                    f"held={len(record.held)} lapsed_at={lapsed_at:.2f}"
                     f"{beside_now(acq)}",
                     flush=True,
                 )

@@ -27,14 +27,19 @@ __all__ = ["Acquisition", "Holder", "Kept"]
 class Kept(Protocol):
     """What a hold reads of its holder's liveness record (``liveness.Record``)."""
 
-    #: monotonic: until when contenders find the record (renewed in time).
-    valid_until: float
-    #: monotonic: when a renewal last came too late (the record may have lapsed).
-    lapsed_at: float
     #: ``TASKLOCK['LIVENESS']``.
     bound: float
     #: The holds taken with it, by the id of their Lock.
     held: dict[int, Acquisition]
+
+    def took(self, key: str, sent_at: float, backend: LockBackend) -> None:
+        """A take sent at ``sent_at`` wrote the record beside the lock at
+        ``key`` (where records live beside each lock)."""
+
+    def kept_for(self, key: str) -> tuple[float, float]:
+        """For the lock at ``key``: until when contenders find the record
+        (monotonic, renewed in time), and when a renewal last came too late
+        (the record may have lapsed)."""
 
 
 class Holder(Protocol):
@@ -125,17 +130,21 @@ class Acquisition:
         self.life = life
         # From when the command was sent: the store's clock started no later.
         self.valid_until = valid_until = sent_at + life
-        # (A lock kept for no sure time at all, 2 s or less on memcached, is
-        # its caller's choice: check() says so.)
-        self.late = sent_at < valid_until <= now or (
-            record is not None and now >= record.valid_until
-        )
         max_hold = lock.max_hold
         self.deadline = None if max_hold is None else now + max_hold
         self.fence: int | None = None
         self.lost = self.reported = False
-        if record is not None:  # put back after a restart, listed in the roster
-            record.held[id(lock)] = self
+        # Late: taken after its sure life ran out. (A lock kept for no sure
+        # time at all, 2 s or less on memcached, is its caller's choice:
+        # check() says so.)
+        if record is None:
+            self.late = sent_at < valid_until <= now
+            return
+        # Put back after a restart, listed in the roster; renewed beside the
+        # lock (a cluster's) from its next beat on, and sure from the take.
+        record.held[id(lock)] = self
+        record.took(key, sent_at, backend)
+        self.late = sent_at < valid_until <= now or now >= record.kept_for(key)[0]
 
     def held_for(self) -> float:
         """Seconds since it was taken."""

@@ -70,8 +70,13 @@ class Records:
     """This process's liveness records in the store of one cache alias: one
     ``Record`` per server a lock of it went to, and its roster."""
 
-    def __init__(self, alias: str, bound: float, places: list[object]) -> None:
+    def __init__(
+        self, alias: str, bound: float, places: list[object], keyed: bool = False
+    ) -> None:
         self.alias, self.bound = alias, bound
+        #: Whether the store keeps a record beside each lock (a cluster): its
+        #: records then tell, per lock, until when the one beside it is sure.
+        self.keyed = keyed
         self.id = record_id(socket.gethostname(), this_process())
         #: What this process holds, listed for the lock console (``roster``).
         self.roster = Roster(self.id, alias)
@@ -197,6 +202,14 @@ class Record:
         self.beats = 0
         #: monotonic: when a write last found the record possibly lapsed.
         self.lapsed_at = 0.0
+        #: Where records live beside each lock (a cluster), per lock key: until
+        #: when the record beside it is sure, and when a write last found it
+        #: possibly lapsed. A write that carries no lock's key (before the
+        #: first take, or when none is held) vouches for none, so these, not
+        #: ``valid_until`` and ``lapsed_at``, tell of such a store's locks.
+        self.by_key: dict[str, tuple[float, float]] | None = (
+            {} if records.keyed else None
+        )
         self._guard = threading.Lock()
         self._stop = records._stop
         self._thread: threading.Thread | None = None
@@ -217,10 +230,12 @@ class Record:
         sent = time.monotonic()
         before = self.valid_until
         value = f"{time.time():.3f}"
+        until = sent + backend.shortest_life(self.timeout)
         beside = backend.records_beside
         if beside is not None:  # a cluster: beside each lock held
             keys = [acq.key for acq in list(self.held.values())]
             beside.write_records_beside(self.id, value, self.timeout, keys)
+            self._renewed_beside(keys, until)
         else:
             kept_by(backend).write_record(self.place, self.id, value, self.timeout)
         done = time.monotonic()
@@ -231,9 +246,50 @@ class Record:
             # taken before now may have been taken from this process, and
             # stay reported lost though the record is back.
             self.lapsed_at = done
-        self.valid_until = sent + backend.shortest_life(self.timeout)
+        self.valid_until = until
         self.due = sent + 3 * self.every
         self.beats += 1
+
+    def _renewed_beside(self, keys: list[str], until: float) -> None:
+        """The record written beside the locks at ``keys``, sure until
+        ``until``: each one's that had run out before the write reached it
+        may have lapsed (its lock is then reported lost); the keys of locks
+        no longer held are forgotten."""
+        by_key = self.by_key
+        if by_key is None:
+            return
+        done = time.monotonic()
+        with self._guard:
+            for key in keys:
+                before, lapsed = by_key.get(key, _NEVER_KEPT)
+                if 0.0 < before <= done:
+                    lapsed = done
+                by_key[key] = (max(before, until), lapsed)
+            # (A hold is listed before its take is noted here: ``took``.)
+            held = {acq.key for acq in list(self.held.values())}
+            for key in [key for key in by_key if key not in held]:
+                del by_key[key]
+
+    def took(self, key: str, sent_at: float, backend: LockBackend) -> None:
+        """A take of the lock at ``key``, sent at ``sent_at``, wrote this
+        record beside it in the same step (where records live beside each
+        lock): sure from then for the record's life."""
+        by_key = self.by_key
+        if by_key is None:
+            return
+        until = sent_at + backend.shortest_life(self.timeout)
+        with self._guard:
+            before, lapsed = by_key.get(key, _NEVER_KEPT)
+            by_key[key] = (max(before, until), lapsed)
+
+    def kept_for(self, key: str) -> tuple[float, float]:
+        """For the lock at ``key``: until when contenders find the record
+        beside it (monotonic), and when a write last found it there possibly
+        lapsed (0.0: never); the record's own where it is one per server."""
+        by_key = self.by_key
+        if by_key is None:
+            return self.valid_until, self.lapsed_at
+        return by_key.get(key, _NEVER_KEPT)
 
     def ensure(self, backend: LockBackend) -> bool:
         """Before a lock is taken: the record written and its thread running.
@@ -336,6 +392,9 @@ class Record:
         """Stop renewing (``Records.stop``)."""
         self._stop.set()
         self.valid_until = self.due = 0.0
+        if self.by_key is not None:
+            with self._guard:
+                self.by_key.clear()
         with self._guard:  # not between an ensure's making and starting it
             thread = self._thread
         if (
@@ -344,6 +403,10 @@ class Record:
             and thread is not threading.current_thread()
         ):
             thread.join(timeout=5)
+
+
+#: What a record beside no lock at a key vouches for there.
+_NEVER_KEPT: Final = (0.0, 0.0)
 
 
 def kept_by(backend: LockBackend) -> KeepsRecords:
@@ -378,7 +441,8 @@ def record_for(alias: str, bound: float, backend: LockBackend | None = None) -> 
                 backend = backend_for(alias)
             kept = backend.records
             places = [] if kept is None else kept.record_places()
-            records = _records[alias] = Records(alias, bound, places)
+            keyed = backend.records_beside is not None
+            records = _records[alias] = Records(alias, bound, places, keyed)
     return records
 
 

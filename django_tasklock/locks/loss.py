@@ -75,11 +75,8 @@ def lapsed(acq: Acquisition) -> bool:
     record = acq.record
     if record is None:
         return now >= acq.valid_until
-    return (
-        now >= acq.valid_until
-        or now >= record.valid_until
-        or record.lapsed_at >= acq.acquired_at
-    )
+    sure_until, lapsed_at = record.kept_for(acq.key)
+    return now >= acq.valid_until or now >= sure_until or lapsed_at >= acq.acquired_at
 
 
 def taken_too_late(acq: Acquisition) -> bool:
@@ -108,16 +105,17 @@ def lapsed_why(acq: Acquisition) -> str:
     """Why a lock whose sure life, or whose holder's liveness record, ran out
     is lost."""
     record = acq.record
-    if record is not None and (
-        time.monotonic() >= record.valid_until or record.lapsed_at >= acq.acquired_at
-    ):
-        return (
-            f"this process's liveness record may have lapsed (not renewed for "
-            f"{record.bound:.0f}s, TASKLOCK['LIVENESS']: the process was paused or "
-            "starved, or the store unreachable), so a contender on another host "
-            "may have taken the lock"
-        )
-    return unextended(acq)
+    if record is None:
+        return unextended(acq)
+    sure_until, lapsed_at = record.kept_for(acq.key)
+    if time.monotonic() < sure_until and lapsed_at < acq.acquired_at:
+        return unextended(acq)
+    return (
+        f"this process's liveness record may have lapsed (not renewed for "
+        f"{record.bound:.0f}s, TASKLOCK['LIVENESS']: the process was paused or "
+        "starved, or the store unreachable), so a contender on another host "
+        "may have taken the lock"
+    )
 
 
 def report_lost(

@@ -337,6 +337,50 @@ def test_a_record_renewal_answered_after_the_record_lapsed_is_a_loss(
         server.stop()
 
 
+@pytest.mark.slow
+def test_a_take_answered_after_its_record_may_have_lapsed_is_not_held(
+    store, settings, monkeypatch, caplog
+):
+    """A take whose reply comes (or whose taker resumes) only after the
+    liveness record that vouches for the lock may have lapsed: a contender on
+    another host may judge the holder dead in between, so the take is not
+    held; the acquire takes the lock again at once, its record beside it.
+
+    On a cluster the record lives beside each lock and is written by the
+    take itself, then renewed beside the locks a beat finds held: a beat
+    between a slow take and its hold being listed wrote nothing there. (Such
+    beats once counted as renewals: a CI run's take, slowed by a loaded
+    machine past LIVENESS, stood without its record, and a contender took
+    it from the live holder 0.09 s into its first try.)"""
+    settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
+    backend = backend_for(store.alias)
+    take = backend.acquire
+    stalled = []
+
+    def slow_reply(key, token, expire):
+        hold = take(key, token, expire)
+        if not stalled:  # the first take only: its taker stands still
+            stalled.append(token)
+            threading.Event().wait(LIVENESS + 0.5)
+        return hold
+
+    monkeypatch.setattr(backend, "acquire", slow_reply)
+    lock = Lock("answered-after-its-record", expire=60)
+    with caplog.at_level(logging.WARNING, logger="django_tasklock.locks"):
+        assert lock.acquire()
+    assert stalled
+    parsed = token_process(lock.token)
+    assert parsed is not None
+    record = record_id(socket.gethostname(), parsed[1].removesuffix("-s"))
+    # A contender on another host finds the holder alive: its record beside
+    # the lock, as it stands now.
+    assert record_beside(store.alias, "answered-after-its-record", record) is not None
+    if backend.records_beside is not None:  # the slow take was let go
+        assert lock.token != stalled[0]
+        assert "was taken only" in caplog.text
+    assert lock.check() and lock.release()
+
+
 def test_a_liveness_record_is_written_before_the_first_lock(store, settings):
     settings.TASKLOCK = {**store.tasklock, "LIVENESS": LIVENESS}
     lock = Lock("recorded", expire=30)
