@@ -539,6 +539,19 @@ def render(counts: dict[str, float], iterations: int, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def chosen(only: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """The operations ``--only`` names, each with its floor, in table order."""
+    floors = {name: floor for name, floor, _ in OPERATIONS}
+    unknown = [name for name in only if name not in floors]
+    if unknown:
+        parser.error(
+            f"no operation {unknown[0]!r}; the operations: "
+            + ", ".join(repr(name) for name in floors)
+        )
+    wanted = set(only) | {floors[name] for name in only if floors[name]}
+    return [name for name in floors if name in wanted]
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["probe"]:
@@ -547,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="OPERATION",
+        help="measure this operation (and its floor) alone; may be repeated",
+    )
     options = parser.parse_args(arguments)
     # Iterations cost little beside a start-up under valgrind (2,000 cycles
     # are about a twentieth of one). Only they are counted (between the
@@ -556,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     # once) no longer reaches the figures.
     iterations = 2_000
     names = ["floor: raw add + delete", "Lock cycle"] if options.quick else None
+    if options.only:
+        if options.write_docs:
+            parser.error("--write-docs publishes the whole table: drop --only")
+        names = chosen(options.only, parser)
     counts = measure(iterations, names, together=options.quick)
     table = render(
         counts,

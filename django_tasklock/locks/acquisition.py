@@ -27,6 +27,12 @@ __all__ = ["Acquisition", "Holder", "Kept"]
 class Kept(Protocol):
     """What a hold reads of its holder's liveness record (``liveness.Record``)."""
 
+    #: monotonic: until when contenders find the record (renewed in time),
+    #: where it is one per server.
+    valid_until: float
+    #: None where the record is one per server; else (a record beside each
+    #: lock, a cluster's) what ``kept_for`` reads.
+    by_key: dict[str, tuple[float, float]] | None
     #: ``TASKLOCK['LIVENESS']``.
     bound: float
     #: The holds taken with it, by the id of their Lock.
@@ -143,8 +149,12 @@ class Acquisition:
         # Put back after a restart, listed in the roster; renewed beside the
         # lock (a cluster's) from its next beat on, and sure from the take.
         record.held[id(lock)] = self
-        record.took(key, sent_at, backend)
-        self.late = sent_at < valid_until <= now or now >= record.kept_for(key)[0]
+        if record.by_key is None:  # (the hot path: no call)
+            sure_until = record.valid_until
+        else:
+            record.took(key, sent_at, backend)
+            sure_until = record.kept_for(key)[0]
+        self.late = sent_at < valid_until <= now or now >= sure_until
 
     def held_for(self) -> float:
         """Seconds since it was taken."""

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FenceHolder",
+    "Pushed",
     "draw_fence",
     "fence_to_write",
     "held",
@@ -55,31 +56,41 @@ class HeldRun(Protocol):
 # that fenced writes find a run's lock without a push of their own).
 held: ContextVar[tuple[Any, ...]] = ContextVar("tasklock_held", default=())
 
-#: The other holders a fenced write in this context finds, innermost last: a
-#: ``with`` block's Lock or Semaphore, a Leadership, ``fenced_by``'s holder;
-#: each with the names besides its lock id a ``FenceField(lock=...)`` may
-#: claim it by, and how many runs were in progress when it was pushed (it is
-#: inside those, and outside any run pushed after it).
-holders: ContextVar[tuple[tuple[FenceHolder, tuple[str, ...], int], ...]] = ContextVar(
-    "tasklock_fence_holders", default=()
-)
+#: One holder a fenced write in this context finds (a ``with`` block's Lock or
+#: Semaphore, a Leadership, ``fenced_by``'s holder): it, the names besides
+#: its lock id a ``FenceField(lock=...)`` may claim it by, the runs in
+#: progress when it was pushed (it is inside those, and outside any run
+#: pushed after it), and the one pushed before it.
+Pushed = tuple[FenceHolder, tuple[str, ...], tuple[Any, ...], "Pushed | None"]
+
+#: The innermost holder pushed in this context, its chain the others. A
+#: context variable goes with the context: into the tasks an ``async with``
+#: block starts and the threads ``sync_to_async`` hands work to. (One
+#: ``set`` a block, and no tuple copied: a ``with memcache_lock`` block is a
+#: hot path, and a set copies the context's map, thousands of instructions.)
+holders: ContextVar[Pushed | None] = ContextVar("tasklock_fence_holders", default=None)
 
 
 def push_holder(holder: FenceHolder, *names: str) -> Token[Any]:
     """Make ``holder`` the innermost one fenced writes here find; pass the
     token to ``holders.reset`` when its block ends."""
-    return holders.set((*holders.get(), (holder, names, len(held.get()))))
+    return holders.set((holder, names, held.get(), holders.get()))
 
 
 def in_reach() -> list[tuple[FenceHolder, tuple[str, ...]]]:
     """Every holder in reach here, innermost first, with its other names: the
     runs in progress and the other holders, in the order they were entered."""
     runs = held.get()
+    others: list[Pushed] = []
+    pushed = holders.get()
+    while pushed is not None:
+        others.append(pushed)
+        pushed = pushed[3]
+    others.reverse()  # outermost first: popped innermost first below
     found: list[tuple[FenceHolder, tuple[str, ...]]] = []
-    others = list(holders.get())
     for depth in range(len(runs), -1, -1):
-        while others and others[-1][2] >= depth:
-            holder, names, _depth = others.pop()
+        while others and len(others[-1][2]) >= depth:
+            holder, names, _runs, _outer = others.pop()
             found.append((holder, names))
         if depth:
             run = runs[depth - 1]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .fencing import held, holders
+from .fencing import held, holders, push_holder
 from .lock import Lock
 
 if TYPE_CHECKING:
+    from contextvars import Token
     from types import TracebackType
 
 __all__ = ["memcache_lock"]
@@ -34,6 +35,9 @@ class memcache_lock:
     loop, without blocking it (``Lock.aacquire``).
     """
 
+    #: Ends the lock's turn as the one fenced writes in the block find.
+    _fencing: Token[Any] | None = None
+
     def __init__(
         self,
         lock_id: str,
@@ -55,24 +59,18 @@ class memcache_lock:
         )
 
     def __enter__(self) -> bool:
-        # Written out, not a call of _fencing: the hot path of the recipe.
+        # Written out, not a call of push_holder: the hot path of the recipe.
         lock = self.lock
         if not lock.acquire():
             return False
-        lock._fence_reset = holders.set((*holders.get(), (lock, (), len(held.get()))))
+        self._fencing = holders.set((lock, (), held.get(), holders.get()))
         return True
 
     async def __aenter__(self) -> bool:
-        return self._fencing(await self.lock.aacquire())
-
-    def _fencing(self, acquired: bool) -> bool:
-        """A taken lock is the one fenced writes in the block find."""
-        if acquired:
-            lock = self.lock
-            lock._fence_reset = holders.set(
-                (*holders.get(), (lock, (), len(held.get())))
-            )
-        return acquired
+        if not await self.lock.aacquire():
+            return False
+        self._fencing = push_holder(self.lock)
+        return True
 
     async def __aexit__(
         self,
@@ -80,7 +78,7 @@ class memcache_lock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.lock._end_fencing()
+        self._end_fencing()
         await self.lock.arelease_quietly()
 
     def __exit__(
@@ -89,9 +87,13 @@ class memcache_lock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        lock = self.lock
-        reset = lock._fence_reset
+        reset = self._fencing
         if reset is not None:
-            lock._fence_reset = None
+            self._fencing = None
             holders.reset(reset)
-        lock.release_quietly()
+        self.lock.release_quietly()
+
+    def _end_fencing(self) -> None:
+        reset, self._fencing = self._fencing, None
+        if reset is not None:
+            holders.reset(reset)
