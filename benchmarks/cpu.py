@@ -50,12 +50,17 @@ if TYPE_CHECKING:
 TABLE_START = ".. cpu-table-start"
 TABLE_END = ".. cpu-table-end"
 WARM_UP = 50
+#: Settings of a project with no fence fields: its blocks push no holder.
+PROBE_SETTINGS = "benchmarks.probe_settings"
+#: Rows measured as in a project whose models have fence fields.
+FENCES_ON = ", fence fields on"
 _PG_FLOOR = "floor: psycopg INSERT ON CONFLICT + DELETE"
 #: Operation, its floor, and the target ratio to that floor (None: no target).
 OPERATIONS: list[tuple[str, str, float | None]] = [
     ("floor: raw add + delete", "", None),
     ("cookbook recipe: cache.add + delete", "floor: raw add + delete", None),
     ("memcache_lock cycle", "floor: raw add + delete", 1.3),
+    ("memcache_lock cycle, fence fields on", "floor: raw add + delete", None),
     ("Lock cycle", "floor: raw add + delete", 1.3),
     ("@single_instance call (one argument)", "floor: raw add + delete", 1.6),
     ("floor: raw add, refused", "", None),
@@ -185,6 +190,7 @@ def _operations() -> dict[str, Callable[[], object]]:
         floor,
         recipe,
         with_memcache_lock,
+        with_memcache_lock,  # (fence fields on: the probe says so first)
         lock_cycle,
         lambda: decorated("https://feeds.example/a.xml"),
         refused_raw,
@@ -327,10 +333,12 @@ ASYNC = {
 def probe(operations: list[str], iterations: int) -> None:
     """Start-up, then each of ``operations`` in turn: a warm-up, then
     ``iterations`` of it between two marks."""
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", PROBE_SETTINGS)
     import django
 
     django.setup()
+    from django_tasklock.locks.fencing import FENCES_WANTED
+
     functions = _operations()
     # Counted from here (the valgrind run starts with --instr-atstart=no):
     # start-up under full instrumentation was most of a run's CPU, and none of
@@ -342,6 +350,8 @@ def probe(operations: list[str], iterations: int) -> None:
 
             asyncio.run(_probe_async(ASYNC[operation], iterations))
         else:
+            # As in a project with a model with a FenceField, or none.
+            FENCES_WANTED[0] = operation.endswith(FENCES_ON)
             function = functions[operation]
             for _ in range(WARM_UP):
                 function()
@@ -471,7 +481,7 @@ def measure(
         },
         "PYTHONPYCACHEPREFIX": bytecode.name,
         "PYTHONHASHSEED": "0",
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DJANGO_SETTINGS_MODULE": PROBE_SETTINGS,
         "TASKLOCK_TEST_MEMCACHED": memcached.address,
         "TASKLOCK_TEST_REDIS": redis_server.url,
         "TASKLOCK_TEST_POSTGRES": str(postgres.port),

@@ -38,7 +38,7 @@ from .exceptions import (
     NoFence,
     StaleFence,
 )
-from .locks.fencing import FenceHolder, holders, in_reach, push_holder
+from .locks.fencing import FenceHolder, holders, in_reach, push_holder, want_fences
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -77,6 +77,7 @@ class FenceField(models.BigIntegerField):  # type: ignore[type-arg]
         kwargs.setdefault("blank", True)
         kwargs.setdefault("editable", False)
         super().__init__(*args, **kwargs)
+        want_fences()
 
     def deconstruct(self) -> Any:
         name, path, args, kwargs = super().deconstruct()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .acquisition import Acquisition
 
 __all__ = [
+    "FENCES_WANTED",
     "FenceHolder",
     "Pushed",
     "draw_fence",
@@ -26,6 +27,7 @@ __all__ = [
     "holders",
     "in_reach",
     "push_holder",
+    "want_fences",
 ]
 
 
@@ -69,6 +71,21 @@ Pushed = tuple[FenceHolder, tuple[str, ...], tuple[Any, ...], "Pushed | None"]
 #: ``set`` a block, and no tuple copied: a ``with memcache_lock`` block is a
 #: hot path, and a set copies the context's map, thousands of instructions.)
 holders: ContextVar[Pushed | None] = ContextVar("tasklock_fence_holders", default=None)
+
+
+#: Whether a model with a ``FenceField`` was defined in this process (``[0]``):
+#: until one is, no fenced write can be made, and the ``with`` blocks of
+#: Lock, Semaphore and ``memcache_lock`` push no holder (a set of a context
+#: variable and its reset cost a block some 3,000 instructions, 4 % of a
+#: ``memcache_lock`` cycle). Models are defined at ``django.setup()``; a
+#: block entered before a model defined later is out of a fenced write's
+#: reach (refused, ``NoFence``: never unfenced).
+FENCES_WANTED: list[bool] = [False]
+
+
+def want_fences() -> None:
+    """A model with a fence field exists: blocks push their holders."""
+    FENCES_WANTED[0] = True
 
 
 def push_holder(holder: FenceHolder, *names: str) -> Token[Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..exceptions import LockNotAcquired
-from .fencing import holders, push_holder
+from .fencing import FENCES_WANTED, holders, push_holder
 
 if TYPE_CHECKING:
     from contextvars import Token
@@ -46,7 +46,8 @@ class Holding:
     def __enter__(self: _Holder) -> _Holder:
         if not self.acquire():
             raise LockNotAcquired(self.lock_id)
-        self._fence_reset = push_holder(self)
+        if FENCES_WANTED[0]:
+            self._fence_reset = push_holder(self)
         return self
 
     def _end_fencing(self) -> None:
@@ -66,7 +67,8 @@ class Holding:
     async def __aenter__(self: _Holder) -> _Holder:
         if not await self.aacquire():
             raise LockNotAcquired(self.lock_id)
-        self._fence_reset = push_holder(self)
+        if FENCES_WANTED[0]:
+            self._fence_reset = push_holder(self)
         return self
 
     async def __aexit__(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .fencing import held, holders, push_holder
+from .fencing import FENCES_WANTED, held, holders, push_holder
 from .lock import Lock
 
 if TYPE_CHECKING:
@@ -63,13 +63,15 @@ class memcache_lock:
         lock = self.lock
         if not lock.acquire():
             return False
-        self._fencing = holders.set((lock, (), held.get(), holders.get()))
+        if FENCES_WANTED[0]:
+            self._fencing = holders.set((lock, (), held.get(), holders.get()))
         return True
 
     async def __aenter__(self) -> bool:
         if not await self.lock.aacquire():
             return False
-        self._fencing = push_holder(self.lock)
+        if FENCES_WANTED[0]:
+            self._fencing = push_holder(self.lock)
         return True
 
     async def __aexit__(

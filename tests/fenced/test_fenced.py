@@ -25,6 +25,7 @@ from django_tasklock import (
 )
 from django_tasklock.check_ids import FENCE_FIELDS_AMBIGUOUS
 from django_tasklock.fenced import FencedQuerySet, FenceField, fenced_by
+from django_tasklock.locks.fencing import FENCES_WANTED, in_reach
 from tests.fenced.models import Register, Shared
 from tests.helpers import drop, run
 
@@ -151,6 +152,27 @@ def test_the_fence_of_the_lock_held_is_found(db_alias):
         assert acquired
         assert rows.filter(name="ctx").fenced_update(value=2) == 1
     assert rows.get(name="ctx").fence > fence  # another lock id's counter
+
+
+def test_blocks_push_their_holder_once_a_fence_field_exists():
+    """A process with no model with a FenceField can make no fenced write, so
+    its blocks push no holder (the cost of a context variable's set and
+    reset); defining a fence field turns pushing on for every block after."""
+    assert FENCES_WANTED[0] is True  # (this suite's models have fence fields)
+    FENCES_WANTED[0] = False
+    try:
+        with Lock("no-fields") as lock, memcache_lock("no-fields-recipe") as taken:
+            assert lock.held and taken
+            assert in_reach() == []
+        FenceField()
+        assert FENCES_WANTED[0] is True
+    finally:
+        FENCES_WANTED[0] = True
+    with Lock("fields") as lock, memcache_lock("fields-recipe") as taken:
+        assert taken
+        reached = [holder for holder, _names in in_reach()]
+        assert reached[1] is lock and reached[0].lock_id == "fields-recipe"
+    assert in_reach() == []
 
 
 def test_a_decorated_call_and_nested_locks_give_the_innermost_fence(db_alias):
