@@ -114,14 +114,28 @@ class AsyncLocking:
         store = warm_backend(alias, protocol) or await loop_backend(alias, protocol)
         key = (backend := store.sync).keys_for(self.lock_id)[0]
         beat = beat_for(backend, expire) if renew else None
-        record, started = await _recorded(alias, bound, backend, key)
-        tried_at = started
+        # (Written out, not calls: an uncontended aacquire is a hot path.)
+        record = record_beside(alias, bound, backend, key)
+        tried_at = started = time.monotonic()
+        if record is not None and started >= record.due:  # written first
+            record = await _kept(alias, backend, record)
+            tried_at = started = time.monotonic()
         make_token = new_token if record is None else new_live_token
         deadline = None if timeout is None else started + timeout
         pause = POLL_MIN if blocking else None
         # In the lock's line once refused, or at once (see Lock.acquire).
-        place = async_place_for(store, key, blocking and not self._take_over, True)
-        take = place.atake if place else self._first_take(store)
+        place = (
+            async_place_for(store, key, True, True)
+            if blocking and not self._take_over
+            else None
+        )
+        take: Callable[[str, str, float, Cancel | None], Awaitable[Hold | None]]
+        if place is not None:
+            take = place.atake
+        elif self._take_over is None:
+            take = store.take
+        else:
+            take = self._taking_over(store)
         while True:
             token = make_token(self.owner)
             cancel = _LetGo((self, store, key, token))
@@ -157,12 +171,6 @@ class AsyncLocking:
             else:
                 await asyncio.sleep(wait[0])
             pause, tried_at = wait[1], time.monotonic()
-
-    def _first_take(
-        self, store: AsyncBackend
-    ) -> Callable[[str, str, float, Cancel | None], Awaitable[Hold | None]]:
-        """A try's take out of line: the store's, or a take-over."""
-        return store.take if self._take_over is None else self._taking_over(store)
 
     def _taking_over(
         self, store: AsyncBackend
@@ -295,20 +303,6 @@ class AsyncLocking:
             await self.arelease()
         except LockBackendError:
             logger.exception("Could not release lock %r", self.lock_id)
-
-
-async def _recorded(
-    alias: str, bound: float | None, backend: LockBackend, key: str
-) -> tuple[Record | None, float]:
-    """The liveness record beside the lock at ``key`` (``record_beside``),
-    written first when it is due; and when the acquire starts (after the
-    record's trip, if it made one)."""
-    record = record_beside(alias, bound, backend, key)
-    started = time.monotonic()
-    if record is not None and started >= record.due:
-        record = await _kept(alias, backend, record)
-        started = time.monotonic()
-    return record, started
 
 
 async def _kept(alias: str, backend: LockBackend, record: Record) -> Record | None:
