@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from django_tasklock import Lock
+from tests.helpers import background, wait_until
 
 
 def stopped_while_waiting(
@@ -207,3 +209,74 @@ def after_a_killed_waiter(
     waited = took[0] - released_at
     print(f"next waiter took it {waited:.2f} s after the release")
     return waited
+
+
+def _waiting_thread(lock_id: str, took: list[float]) -> tuple[Any, dict]:
+    """A thread that waits (blocking) for ``lock_id``, notes when it took it
+    in ``took`` and releases it at once."""
+
+    def wait() -> None:
+        lock = Lock(lock_id, expire=30)
+        assert lock.acquire(blocking=True, timeout=30)
+        took.append(time.monotonic())
+        lock.release()
+
+    return background(wait)
+
+
+def _joined(running: tuple[Any, dict]) -> None:
+    thread, outcome = running
+    thread.join(60)
+    assert not thread.is_alive(), "the thread did not end"
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+def joins_the_end(lock_id: str, waiting: Callable[[], int]) -> None:
+    """A holder that takes the lock again at once after its release, while
+    one waits in line (``waiting``: how many are in it), takes it only after
+    the waiter's turn."""
+    holder = Lock(lock_id, expire=30)
+    assert holder.acquire()
+    took: list[float] = []
+    running = _waiting_thread(lock_id, took)
+    wait_until(lambda: waiting() == 1)
+    holder.release()
+    again = Lock(lock_id, expire=30)
+    assert again.acquire(blocking=True, timeout=30)  # after the waiter's turn
+    taken_again = time.monotonic()
+    again.release()
+    _joined(running)
+    assert took[0] < taken_again
+
+
+def gives_up_and_leaves(lock_id: str, waiting: Callable[[], int]) -> float:
+    """A waiter whose timeout ran out leaves the line; returns how long the
+    next blocking acquire took once the lock was free (a waiter left behind
+    would hold it up until its mark expired)."""
+    holder = Lock(lock_id, expire=30)
+    assert holder.acquire()
+    assert not Lock(lock_id).acquire(blocking=True, timeout=0.3)
+    assert waiting() == 0
+    holder.release()
+    started = time.monotonic()
+    assert Lock(lock_id).acquire(blocking=True, timeout=30)
+    return time.monotonic() - started
+
+
+def after_a_lost_line(
+    lock_id: str, waiting: Callable[[], int], lose: Callable[[], object]
+) -> float:
+    """Seconds from a release to a waiter's take when its line was lost
+    (``lose``: as a flush would) while it waited: nobody is woken, and the
+    waiter's own next try finds the lock free."""
+    holder = Lock(lock_id, expire=30)
+    assert holder.acquire()
+    took: list[float] = []
+    running = _waiting_thread(lock_id, took)
+    wait_until(lambda: waiting() == 1)
+    lose()
+    released_at = time.monotonic()
+    holder.release()
+    _joined(running)
+    return took[0] - released_at

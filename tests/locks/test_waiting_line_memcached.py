@@ -19,7 +19,10 @@ from django_tasklock.locks.line import LONGEST, MARK
 from tests.helpers import background
 from tests.locks.lines import (
     after_a_killed_waiter,
+    after_a_lost_line,
+    gives_up_and_leaves,
     handoff_across_processes,
+    joins_the_end,
     shared_in_turn,
     stopped_while_waiting,
     taken_in_order,
@@ -121,30 +124,12 @@ def test_waiters_take_the_lock_in_the_order_they_came():
 
 
 def test_a_holder_taking_it_again_at_once_joins_the_end():
-    holder = Lock(LOCK_ID, expire=30)
-    assert holder.acquire()
-    took: list[float] = []
-    running = background(_waiter(took))
-    _wait_for(lambda: _in_line() == 1)
-    holder.release()
-    again = Lock(LOCK_ID, expire=30)
-    assert again.acquire(blocking=True, timeout=30)  # after the waiter's turn
-    taken_again = time.monotonic()
-    again.release()
-    _joined(running)
-    assert took[0] < taken_again
+    joins_the_end(LOCK_ID, _in_line)
 
 
 def test_a_waiter_that_gives_up_leaves_the_line():
-    holder = Lock(LOCK_ID, expire=30)
-    assert holder.acquire()
-    assert not Lock(LOCK_ID).acquire(blocking=True, timeout=0.3)
-    assert _in_line() == 0
-    holder.release()
-    started = time.monotonic()
     # Had it stayed, the next waiter would wait for its mark to expire.
-    assert Lock(LOCK_ID).acquire(blocking=True, timeout=30)
-    assert time.monotonic() - started < MARK
+    assert gives_up_and_leaves(LOCK_ID, _in_line) < MARK
 
 
 @pytest.mark.slow
@@ -156,19 +141,14 @@ def test_a_waiter_killed_in_line_holds_it_up_no_longer_than_its_mark():
 
 
 def test_a_lost_line_costs_order_never_a_hang(memcached):
-    holder = Lock(LOCK_ID, expire=30)
-    assert holder.acquire()
-    took: list[float] = []
-    running = background(_waiter(took))
-    _wait_for(lambda: _in_line() == 1)
     backend = backend_for("default")
     key = backend.keys_for(LOCK_ID)[0]
     names = _Names(key)
-    backend._client(key).delete_many([names.head, names.tail])  # as a flush
-    released_at = time.monotonic()
-    holder.release()
-    _joined(running)
-    assert took[0] - released_at <= LONGEST + 0.5
+
+    def lose() -> None:  # as a flush
+        backend._client(key).delete_many([names.head, names.tail])
+
+    assert after_a_lost_line(LOCK_ID, _in_line, lose) <= LONGEST + 0.5
 
 
 @pytest.mark.slow

@@ -17,10 +17,13 @@ from django_tasklock.backends import backend_for
 from django_tasklock.backends.postgres import statements as sql
 from django_tasklock.backends.postgres.line import TURN_POLL, Listener
 from django_tasklock.locks.line import LONGEST, MARK
-from tests.helpers import background, wait_until
+from tests.helpers import wait_until
 from tests.locks.lines import (
     after_a_killed_waiter,
+    after_a_lost_line,
+    gives_up_and_leaves,
     handoff_across_processes,
+    joins_the_end,
     shared_in_turn,
     taken_in_order,
 )
@@ -49,24 +52,6 @@ def _in_line(alias: str = "postgres", lock_id: str = LOCK_ID) -> int:
     now = time.time()
     entries = (_line(alias, lock_id) or "").split()
     return sum(1 for entry in entries if float(entry.split("/")[1]) > now)
-
-
-def _waiter(took: list[float], timeout: float = 30):
-    def wait() -> None:
-        lock = Lock(LOCK_ID, expire=30)
-        assert lock.acquire(blocking=True, timeout=timeout)
-        took.append(time.monotonic())
-        lock.release()
-
-    return wait
-
-
-def _joined(thread_and_outcome) -> None:
-    thread, outcome = thread_and_outcome
-    thread.join(60)
-    assert not thread.is_alive(), "the thread did not end"
-    if "error" in outcome:
-        raise outcome["error"]
 
 
 def test_a_release_in_another_process_wakes_the_waiter_by_notify(monkeypatch):
@@ -157,30 +142,12 @@ def test_waiters_take_the_lock_in_the_order_they_came():
 
 
 def test_a_holder_taking_it_again_at_once_joins_the_end():
-    holder = Lock(LOCK_ID, expire=30)
-    assert holder.acquire()
-    took: list[float] = []
-    running = background(_waiter(took))
-    wait_until(lambda: _in_line() == 1)
-    holder.release()
-    again = Lock(LOCK_ID, expire=30)
-    assert again.acquire(blocking=True, timeout=30)  # after the waiter's turn
-    taken_again = time.monotonic()
-    again.release()
-    _joined(running)
-    assert took[0] < taken_again
+    joins_the_end(LOCK_ID, _in_line)
 
 
 def test_a_waiter_that_gives_up_leaves_the_line():
-    holder = Lock(LOCK_ID, expire=30)
-    assert holder.acquire()
-    assert not Lock(LOCK_ID).acquire(blocking=True, timeout=0.3)
-    assert _in_line() == 0
-    holder.release()
-    started = time.monotonic()
     # Had it stayed, the next waiter would wait for its mark to expire.
-    assert Lock(LOCK_ID).acquire(blocking=True, timeout=30)
-    assert time.monotonic() - started < MARK
+    assert gives_up_and_leaves(LOCK_ID, _in_line) < MARK
 
 
 @pytest.mark.slow
@@ -190,17 +157,13 @@ def test_a_waiter_killed_in_line_holds_it_up_no_longer_than_its_mark():
 
 
 def test_a_lost_line_costs_order_never_a_hang():
-    holder = Lock(LOCK_ID, expire=30)
-    assert holder.acquire()
-    took: list[float] = []
-    running = background(_waiter(took))
-    wait_until(lambda: _in_line() == 1)
     backend = backend_for("postgres")
-    backend._run(sql.DELETE, backend.keys_for(LOCK_ID)[0] + sql.LINE)  # as lost
-    released_at = time.monotonic()
-    holder.release()  # nobody in line to wake: the waiter's own try finds it
-    _joined(running)
-    assert took[0] - released_at <= LONGEST + 0.5
+
+    def lose() -> None:
+        backend._run(sql.DELETE, backend.keys_for(LOCK_ID)[0] + sql.LINE)
+
+    # Nobody in line to wake: the waiter's own try finds the lock free.
+    assert after_a_lost_line(LOCK_ID, _in_line, lose) <= LONGEST + 0.5
 
 
 @pytest.mark.slow
