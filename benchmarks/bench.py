@@ -263,12 +263,9 @@ def _postgres_floor(where: str) -> Callable[[], bool]:
         autocommit=True,
         prepare_threshold=None,
     )
-    (take, taking), (release, releasing) = (
-        psycopg_form(statement) for statement in (statements.TAKE, statements.RELEASE)
-    )
     params = ("bench-contended-floor", f"{os.getpid()}", 60.0)
-    arguments = tuple(params[i] for i in taking)
-    released = tuple(params[i] for i in releasing)
+    take, arguments = psycopg_form(statements.TAKE, params)
+    release, released = psycopg_form(statements.RELEASE, params)
 
     def floor() -> bool:
         if not raw.execute(take, arguments).fetchall():

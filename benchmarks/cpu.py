@@ -265,12 +265,9 @@ def _postgres_operations() -> tuple[
                 f"the floor's statements failed: {libpq.error_message!r}"
             )
 
-    (take, taking), (release, releasing) = (
-        psycopg_form(statement) for statement in (statements.TAKE, statements.RELEASE)
-    )
     params = ("cpu-pg-psycopg", "token", 60.0)
-    take_params = tuple(params[i] for i in taking)
-    release_params = tuple(params[i] for i in releasing)
+    take, take_params = psycopg_form(statements.TAKE, params)
+    release, release_params = psycopg_form(statements.RELEASE, params)
 
     def with_psycopg() -> None:
         raw.execute(take, take_params).fetchall()

@@ -25,15 +25,18 @@ def write_section(start: str, end: str, text: str) -> Path:
     raise SystemExit(f"no page under docs/ has the {start} / {end} markers")
 
 
-def psycopg_form(statement: bytes) -> tuple[str, list[int]]:
+def psycopg_form(
+    statement: bytes, params: tuple[object, ...]
+) -> tuple[str, tuple[object, ...]]:
     """``statement`` (libpq's ``$n`` placeholders) in psycopg's positional
-    ``%s`` form, and for each placeholder the index of its parameter: a
-    parameter used twice is passed twice, positional binding being psycopg's
-    cheapest (a floor must not pay for names)."""
+    ``%s`` form, with ``params`` (``$1`` first) in its placeholders' order:
+    a parameter used twice is passed twice, positional binding being
+    psycopg's cheapest (a floor must not pay for names)."""
     order: list[int] = []
 
     def placeholder(match: re.Match[str]) -> str:
         order.append(int(match.group(1)) - 1)
         return "%s"
 
-    return re.sub(r"\$(\d+)", placeholder, statement.decode()), order
+    text = re.sub(r"\$(\d+)", placeholder, statement.decode())
+    return text, tuple(params[i] for i in order)

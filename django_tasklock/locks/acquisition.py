@@ -38,9 +38,10 @@ class Kept(Protocol):
     #: The holds taken with it, by the id of their Lock.
     held: dict[int, Acquisition]
 
-    def took(self, key: str, sent_at: float, backend: LockBackend) -> None:
+    def took(self, key: str, sent_at: float, backend: LockBackend) -> float:
         """A take sent at ``sent_at`` wrote the record beside the lock at
-        ``key`` (where records live beside each lock)."""
+        ``key`` (where records live beside each lock); until when it is sure
+        there now."""
 
     def kept_for(self, key: str) -> tuple[float, float]:
         """For the lock at ``key``: until when contenders find the record
@@ -152,8 +153,7 @@ class Acquisition:
         if record.by_key is None:  # (the hot path: no call)
             sure_until = record.valid_until
         else:
-            record.took(key, sent_at, backend)
-            sure_until = record.kept_for(key)[0]
+            sure_until = record.took(key, sent_at, backend)
         self.late = sent_at < valid_until <= now or now >= sure_until
 
     def held_for(self) -> float:

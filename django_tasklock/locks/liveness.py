@@ -270,17 +270,21 @@ class Record:
             for key in [key for key in by_key if key not in held]:
                 del by_key[key]
 
-    def took(self, key: str, sent_at: float, backend: LockBackend) -> None:
+    def took(self, key: str, sent_at: float, backend: LockBackend) -> float:
         """A take of the lock at ``key``, sent at ``sent_at``, wrote this
         record beside it in the same step (where records live beside each
-        lock): sure from then for the record's life."""
+        lock): sure from then for the record's life. Returns until when the
+        record beside it is sure now (``valid_until`` where the record is one
+        per server, and the take wrote none)."""
         by_key = self.by_key
         if by_key is None:
-            return
+            return self.valid_until
         until = sent_at + backend.shortest_life(self.timeout)
         with self._guard:
             before, lapsed = by_key.get(key, _NEVER_KEPT)
-            by_key[key] = (max(before, until), lapsed)
+            sure_until = max(before, until)
+            by_key[key] = (sure_until, lapsed)
+        return sure_until
 
     def kept_for(self, key: str) -> tuple[float, float]:
         """For the lock at ``key``: until when contenders find the record
@@ -392,10 +396,9 @@ class Record:
         """Stop renewing (``Records.stop``)."""
         self._stop.set()
         self.valid_until = self.due = 0.0
-        if self.by_key is not None:
-            with self._guard:
-                self.by_key.clear()
         with self._guard:  # not between an ensure's making and starting it
+            if self.by_key is not None:
+                self.by_key.clear()
             thread = self._thread
         if (
             thread is not None
