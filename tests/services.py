@@ -6,6 +6,7 @@ A missing binary is a failure, never a skip: ``make test`` installs both.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import shlex
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +95,7 @@ def wait_for_port(
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
+                pass
         except OSError:
             if process is not None and process.poll() is not None:
                 raise RuntimeError(
@@ -102,6 +104,12 @@ def wait_for_port(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"nothing listens on 127.0.0.1:{port}") from None
             time.sleep(0.02)
+            continue
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(  # (what answered is another's server)
+                f"the server for 127.0.0.1:{port} exited ({process.returncode})"
+            )
+        return
 
 
 def wait_for_closed(port: int, timeout: float = 10.0) -> None:
@@ -463,9 +471,12 @@ def _free_below_ephemeral(low: int, high: int, offsets: tuple[int, ...]) -> int:
     draw = secrets.SystemRandom()
     for _ in range(200):
         port = draw.randrange(low, high)
+        candidates = [port + offset for offset in offsets]
+        if not all(_claim(candidate) for candidate in candidates):
+            continue
         sockets = []
         try:
-            for candidate in (port + offset for offset in offsets):
+            for candidate in candidates:
                 sock = socket.socket()
                 sockets.append(sock)
                 sock.bind(("127.0.0.1", candidate))
@@ -476,6 +487,35 @@ def _free_below_ephemeral(low: int, high: int, offsets: tuple[int, ...]) -> int:
                 sock.close()
         return port
     raise RuntimeError(f"no free port in {low}-{high - 1}")
+
+
+def _claim(port: int) -> bool:
+    """Whether this process now holds ``port`` against every other process
+    that draws ports here, until it exits: a lock on byte ``port`` of one
+    shared file (POSIX record locks: one per byte, freed by the kernel when
+    their process dies, not inherited by its children). A bind check alone
+    is not a claim: two matrix sessions' workers drew the same free port at
+    once, the second's PgBouncer could not bind it and exited, and its
+    waiting for the port met the first's PgBouncer, which its tests then used
+    (a NOTIFY sent to the other session's database, never heard here)."""
+    global _CLAIMS
+    if port in _CLAIMED:
+        return False  # (a lock of this process's own would be granted again)
+    if _CLAIMS is None:
+        path = Path(tempfile.gettempdir()) / "tasklock-test-ports.lock"
+        _CLAIMS = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.lockf(_CLAIMS, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+    except OSError:
+        return False  # another process's
+    _CLAIMED.add(port)
+    return True
+
+
+#: The open file whose bytes are this process's claims on ports (never closed:
+#: closing any descriptor of it would free every claim).
+_CLAIMS: int | None = None
+_CLAIMED: set[int] = set()
 
 
 class RedisCluster:
