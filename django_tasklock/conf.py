@@ -40,6 +40,13 @@ LockDefaults = tuple[float, str, Protocol, bool, "float | None"]
 Contention = Literal["skip", "raise", "retry", "wait"]
 CONTENTION_POLICIES: Final = ("skip", "raise", "retry", "wait")
 TIMEOUT_POLICIES: Final = ("skip", "raise")
+#: What ``on_contention=`` takes on a decorator: the setting's, and ``park``
+#: (a Celery task's calls only, so never a project-wide default).
+DECORATOR_CONTENTION: Final = (*CONTENTION_POLICIES, "park")
+#: Who leaves a full park line: ``on_park_full=``.
+PARK_FULL_POLICIES: Final = ("refuse", "drop_oldest", "replace")
+#: How many calls a park line holds unless ``park=`` says.
+DEFAULT_PARK: Final = 100
 RATE_KINDS: Final = ("window", "smooth")
 LIMIT_POLICIES: Final = ("retry", "raise", "wait", "skip")
 MISSED_POLICIES: Final = ("send", "skip")

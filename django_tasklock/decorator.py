@@ -16,9 +16,10 @@ from .arguments import KeySpec, binder, call_digest, check_key
 from .declared import name_alias
 from .exceptions import InvalidArgumentType
 from .integrations import install, starter
+from .integrations.celery.park import install_park
 from .modes import mode_for
 from .modes.asynchronous import arun, refuse_async
-from .options import ModeName, OnContention, OnDuplicate, Options
+from .options import ModeName, OnContention, OnDuplicate, OnParkFull, Options
 from .runs import current_lock, retry_unbound
 from .targets import lock_id_for, refuse_task_object
 
@@ -57,6 +58,8 @@ def single_instance(
     mode: ModeName = "while_running",
     on_duplicate: OnDuplicate = "join",
     queue_expire: float | None = None,
+    park: int | None = None,
+    on_park_full: OnParkFull = "refuse",
 ) -> Callable[[F], F]: ...
 
 
@@ -78,6 +81,8 @@ def single_instance(
     mode: ModeName = "while_running",
     on_duplicate: OnDuplicate = "join",
     queue_expire: float | None = None,
+    park: int | None = None,
+    on_park_full: OnParkFull = "refuse",
 ) -> F | Callable[[F], F]:
     """Run the decorated task (or function) at most once at a time per arguments.
 
@@ -106,7 +111,11 @@ def single_instance(
     ``LockNotAcquired``; ``"retry"`` calls ``self.retry(countdown=countdown)`` of a
     bound Celery task (its own ``max_retries`` apply); ``"wait"`` waits up to
     ``timeout`` seconds (default ``TASKLOCK["WAIT_TIMEOUT"]``), then does
-    ``on_timeout`` (``"skip"`` or ``"raise"``). ``cache``: a CACHES alias.
+    ``on_timeout`` (``"skip"`` or ``"raise"``); ``"park"`` (a Celery task)
+    parks the call beside its lock, at most ``park`` (default 100) in arrival
+    order, each sent again with its task id when a run of its lock ends;
+    ``on_park_full`` (``"refuse"``, ``"drop_oldest"``, ``"replace"``) says who
+    leaves a full line (see the docs, Parking calls). ``cache``: a CACHES alias.
 
     ``renew`` (default ``TASKLOCK["RENEW"]``) keeps the lock alive with a
     heartbeat while the body runs, so ``expire`` can be short. ``max_hold``
@@ -143,6 +152,8 @@ def single_instance(
         mode=mode,
         on_duplicate=on_duplicate,
         queue_expire=queue_expire,
+        park=park,
+        on_park_full=on_park_full,
     )
     if func is None:
         return lambda function: _decorate(function, options)
@@ -173,6 +184,8 @@ def _decorate(func: F, options: Options) -> F:
     bind_plain, bind_unbound = binder(signature), binder(unbound_signature)
     if options.on_contention == "retry" and not takes_self:
         raise InvalidArgumentType(retry_unbound(func.__qualname__))
+    if options.on_contention == "park":
+        install_park(options.cache)
     plain_name = f"{func.__module__}.{func.__qualname__}"
     if options.cache is not None:
         name_alias(options.cache, plain_name)

@@ -22,6 +22,8 @@ __all__ = [
     "LockNotAcquired",
     "LockUsageError",
     "NoFence",
+    "ParkFull",
+    "ParkedCallDropped",
     "RateLimited",
     "StaleFence",
     "TaskLockError",
@@ -55,6 +57,37 @@ class LockNotAcquired(TaskLockError):
             f"Lock {self.lock_id!r} is held by another owner; the protected code did "
             "not run. Try again later, or wait for it with Lock.acquire(blocking=True, "
             "timeout=...)."
+        )
+
+
+class ParkFull(LockNotAcquired):
+    """Every slot of the call's lock is taken and its park line is full, so the
+    call was refused (``on_contention="park"`` with ``on_park_full="refuse"``):
+    the call's own result is this error. Raise ``park=`` or run fewer calls
+    of that key."""
+
+    def __init__(self, lock_id: str, parked: int) -> None:
+        self.parked = parked
+        super().__init__(lock_id, f"its park line is full ({parked} parked)")
+        # args are the constructor's: Celery rebuilds a task's exception from them.
+        self.args = (lock_id, parked)
+
+
+class ParkedCallDropped(TaskLockError):
+    """A parked call left its line without running: a newer call took its
+    place (``on_park_full="drop_oldest"`` or ``"replace"``). The parked
+    call's result is this error; ``by`` is the call that took its place."""
+
+    def __init__(self, task_id: str, lock_id: str, by: str) -> None:
+        self.task_id, self.lock_id, self.by = task_id, lock_id, by
+        # args are the constructor's: pickle and Celery rebuild it from them.
+        super().__init__(task_id, lock_id, by)
+
+    def __str__(self) -> str:
+        return (
+            f"Call {self.task_id!r} was parked under lock {self.lock_id!r} and left "
+            f"its full line without running: call {self.by!r} took its place "
+            "(on_park_full). Send it again, or raise park= so that more calls wait."
         )
 
 

@@ -6,7 +6,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from .conf import (
-    CONTENTION_POLICIES,
+    DECORATOR_CONTENTION,
+    DEFAULT_PARK,
+    PARK_FULL_POLICIES,
     TIMEOUT_POLICIES,
     validate_bool,
     validate_choice,
@@ -20,9 +22,10 @@ from .semaphores import validate_limit
 if TYPE_CHECKING:
     from .arguments import KeySpec
 
-__all__ = ["ModeName", "OnContention", "OnDuplicate", "Options"]
+__all__ = ["ModeName", "OnContention", "OnDuplicate", "OnParkFull", "Options"]
 
-OnContention = Literal["skip", "raise", "retry", "wait"]
+OnContention = Literal["skip", "raise", "retry", "wait", "park"]
+OnParkFull = Literal["refuse", "drop_oldest", "replace"]
 ModeName = Literal["while_running", "until_finished", "until_started", "coalesce"]
 OnDuplicate = Literal["join", "raise", "replace"]
 #: The names ``mode=`` and ``on_duplicate=`` take, from the types above (the
@@ -50,6 +53,9 @@ class Options:
     mode: str = "while_running"
     on_duplicate: str = "join"
     queue_expire: float | None = None
+    #: How many calls may wait parked (``on_contention="park"``).
+    park: int | None = None
+    on_park_full: str = "refuse"
     #: The options every lock of these runs is made with, those given only
     #: (set in __post_init__; a run's own are added to them).
     lock_options: dict[str, Any] = dataclasses.field(
@@ -61,7 +67,7 @@ class Options:
             validate_expire(self.expire)
         if self.on_contention is not None:
             validate_choice(
-                self.on_contention, name="on_contention", choices=CONTENTION_POLICIES
+                self.on_contention, name="on_contention", choices=DECORATOR_CONTENTION
             )
         if self.timeout is not None:
             validate_seconds(self.timeout, name="timeout")
@@ -84,6 +90,7 @@ class Options:
                 f"limit= works with mode='while_running' only, not mode={self.mode!r}: "
                 "a call is pending under one lock id. Drop limit=, or the mode."
             )
+        self._check_park()
         given = {
             "expire": self.expire,
             "cache": self.cache,
@@ -93,3 +100,26 @@ class Options:
             "on_lost": None if self.on_lost == "warn" else self.on_lost,
         }
         self.lock_options.update((k, v) for k, v in given.items() if v is not None)
+
+    def _check_park(self) -> None:
+        validate_choice(
+            self.on_park_full, name="on_park_full", choices=PARK_FULL_POLICIES
+        )
+        parks = self.on_contention == "park"
+        if not parks and (self.park is not None or self.on_park_full != "refuse"):
+            raise InvalidArgumentType(
+                "park= and on_park_full= size and govern the line of "
+                "on_contention='park'; add on_contention='park', or drop them."
+            )
+        if not parks:
+            return
+        if self.park is not None:
+            validate_limit(self.park, name="park")
+        else:
+            object.__setattr__(self, "park", DEFAULT_PARK)
+        if self.mode != "while_running":
+            raise InvalidArgumentType(
+                f"on_contention='park' parks calls that find every slot taken "
+                f"when they run (mode='while_running'), not with mode={self.mode!r}, "
+                "whose calls are held when they are sent. Drop one of the two."
+            )

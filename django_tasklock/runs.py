@@ -168,6 +168,22 @@ class Host:
         """Keep the call's lock across the retry the framework sends next;
         ``left``: the lock ids to free if that retry is not sent after all."""
 
+    def park(self, run: Run, lock: Lock | Semaphore) -> Any:
+        """Park this call beside its lock, to be sent again when a slot frees
+        (``on_contention="park"``); raises to end this delivery of it."""
+        raise LockNotAcquired(
+            lock.lock_id,
+            f"{run.name} was called outside a Celery worker (directly, or in "
+            "place), and only a worker's call has a message to park",
+        )
+
+    def park_started(self, run: Run, lock: Lock | Semaphore) -> None:
+        """The call holds its slot: go on, or raise to end this delivery (a
+        copy of a parked call, or a newcomer behind parked calls)."""
+
+    def park_ended(self, run: Run, lock: Lock | Semaphore) -> None:
+        """The call let its slot go: the next parked call is sent."""
+
 
 #: The host of a plain function call.
 PLAIN = Host()

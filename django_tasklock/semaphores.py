@@ -54,14 +54,13 @@ def slot_id(name: str, slot: int) -> str:
     return f"{name}{SLOT_MARK}{slot}"
 
 
-def validate_limit(limit: object) -> int:
+def validate_limit(limit: object, name: str = "limit") -> int:
     """``limit`` if it is an int from 1 to MAX_LIMIT, else a ValueError/TypeError."""
+    what = "how many may hold at once" if name == "limit" else "how many may wait"
     if isinstance(limit, bool) or not isinstance(limit, int):
-        raise InvalidArgumentType(
-            f"limit must be an int (how many may hold at once), not {limit!r}."
-        )
+        raise InvalidArgumentType(f"{name} must be an int ({what}), not {limit!r}.")
     if not 1 <= limit <= MAX_LIMIT:
-        raise InvalidArgument(f"limit must be from 1 to {MAX_LIMIT}, not {limit}.")
+        raise InvalidArgument(f"{name} must be from 1 to {MAX_LIMIT}, not {limit}.")
     return limit
 
 

@@ -37,6 +37,17 @@ by ``memcache_lock`` and ``@single_instance``) and these keyword arguments:
     result), ``"raised"`` (``AlreadyQueued``) or ``"replaced"`` (the pending
     call was revoked and this one published in its place).
 
+``call_parked``
+    Sent with ``sender`` None by ``on_contention="park"`` (see the docs,
+    Parking calls) for each step of a parked call: ``lock_id``, ``task_id``
+    and ``action``: ``"parked"`` (it joined the end of its lock's line;
+    ``ticket`` is its place in arrival order, 1, 2, ...), ``"promoted"``
+    (sent again to run), ``"returned"`` (promoted, it found no free slot
+    and went back to the head), ``"refused"`` (the line was full: its
+    result is ``ParkFull``) or ``"dropped"`` (a newer call took its place:
+    its result is ``ParkedCallDropped``; ``by`` names that call, else ``by``
+    is ""). ``ticket`` is 0 but for ``"parked"``.
+
 ``rate_limit_refused``
     Sent with ``sender=RateLimiter`` when an admission is refused: ``limiter``,
     ``limit_id``, ``retry_after`` (seconds until one could be admitted) and
@@ -58,6 +69,7 @@ from django.dispatch import Signal
 
 __all__ = [
     "call_deduplicated",
+    "call_parked",
     "lock_acquired",
     "lock_contended",
     "lock_lost",
@@ -73,5 +85,6 @@ lock_released = Signal()
 lock_lost = Signal()
 lock_store_failed = Signal()
 call_deduplicated = Signal()
+call_parked = Signal()
 rate_limit_refused = Signal()
 rate_limit_paused = Signal()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 from .backends import LockBackend, backend_for
@@ -15,16 +16,19 @@ from .conf import settings
 from .exceptions import LockBackendError
 from .keys import check_lock_id
 from .locks.recovery import judge
+from .parking import ParkLine
 from .tokens import local_verdict, token_host, token_owner, token_process
 
 __all__ = [
     "LockChanged",
     "LockStatus",
     "Owner",
+    "ParkStatus",
     "expiry_text",
     "force_release",
     "holder_text",
     "lock_status",
+    "park_status",
     "release_refusal",
     "remove",
     "semaphore_status",
@@ -292,4 +296,40 @@ def release_refusal(status: LockStatus, *, force: bool, how: str) -> str | None:
         f"Lock {lock_id!r} is held by {status.value} ({holder}), expiring "
         f"{expiry_text(status.ttl)}. Its holder may still be running: releasing "
         f"it lets a second run start beside it. {how} to release it anyway."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ParkStatus:
+    """The park line of a lock (``on_contention="park"``): its calls by task
+    id, with the seconds each has been parked or promoted."""
+
+    lock_id: str
+    parked: list[tuple[str, float]]
+    promoted: list[tuple[str, float]]
+    running: list[str]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.parked or self.promoted or self.running)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "lock_id": self.lock_id,
+            "parked": [{"task_id": c, "waited": round(w, 3)} for c, w in self.parked],
+            "promoted": [{"task_id": c, "for": round(w, 3)} for c, w in self.promoted],
+            "running": self.running,
+        }
+
+
+def park_status(lock_id: str, *, cache: str | None = None) -> ParkStatus:
+    """The park line of ``lock_id`` as its store holds it (one read; empty
+    where the lock has none). Raises ``LockBackendError``."""
+    line = ParkLine(check_lock_id(lock_id), cache, 1.0).read()
+    now = time.time()
+    return ParkStatus(
+        lock_id,
+        [(entry[0], now - entry[1]) for entry in line.parked],
+        [(call_id, now - at) for call_id, (at, _by) in line.promoted.items()],
+        sorted(line.running),
     )

@@ -14,6 +14,7 @@ import redis
 from celery.signals import task_postrun, task_prerun
 
 from django_tasklock import Lock, current_lock, rate_limited, single_instance
+from django_tasklock.signals import call_parked
 from tests.celery_app import app
 
 
@@ -473,3 +474,68 @@ def limited_until_finished(self, key, n):
     """A rate limit above an enqueue-time lock: a call sent again for its turn
     keeps its place (the lock is handed to the message that carries it)."""
     return _limited(self, key, n)
+
+
+# -- park and promote (tests/integrations/test_park_workers.py) ---------------------
+
+
+def _parked_run(self, key: str, n: int, seconds: float) -> str:
+    started = time.monotonic()
+    time.sleep(seconds)
+    return _ran(self, key, started, n=n)
+
+
+@app.task(bind=True)
+@single_instance(key="key", on_contention="park", park=50, expire=60)
+def parked_one(self, key, n, seconds=0.3):
+    """One run per key at once; the rest park in line."""
+    return _parked_run(self, key, n, seconds)
+
+
+@app.task(bind=True)
+@single_instance(key="key", on_contention="park", limit=2, park=50, expire=60)
+def parked_two(self, key, n, seconds=0.3):
+    """Two runs per key at once (limit=2); up to 50 parked."""
+    return _parked_run(self, key, n, seconds)
+
+
+@app.task(bind=True)
+@single_instance(key="key", on_contention="park", park=3, expire=60)
+def parked_refusing(self, key, n, seconds=0.3):
+    """A line of 3: a fourth parked call is refused (ParkFull)."""
+    return _parked_run(self, key, n, seconds)
+
+
+@app.task(bind=True)
+@single_instance(
+    key="key", on_contention="park", park=2, on_park_full="drop_oldest", expire=60
+)
+def parked_dropping(self, key, n, seconds=0.3):
+    """A line of 2 that drops its oldest call for a newer one."""
+    return _parked_run(self, key, n, seconds)
+
+
+@app.task(bind=True)
+@single_instance(key="key", on_contention="park", park=50, expire=3)
+def parked_killable(self, key, n, seconds=0.3):
+    """As parked_one with a 3 s lock; a test SIGKILLs a worker running it."""
+    started = time.monotonic()
+    record(key, started, task_id=self.request.id, n=n, phase="start")
+    time.sleep(seconds)
+    return _ran(self, key, started, n=n)
+
+
+def _record_park(sender=None, lock_id="", task_id="", action="", by="", ticket=0, **_):
+    if os.environ.get("TASKLOCK_TEST_REDIS"):
+        with _redis() as client:
+            client.rpush(f"park:{lock_id}", json.dumps([action, task_id, by, ticket]))
+
+
+def park_steps(lock_id: str) -> list[list[str]]:
+    """The steps of the parked calls of ``lock_id``, in the order the
+    workers said them (``call_parked``): ``[action, task id, by, ticket]``."""
+    with _redis() as client:
+        return [json.loads(item) for item in client.lrange(f"park:{lock_id}", 0, -1)]
+
+
+call_parked.connect(_record_park, weak=False, dispatch_uid="tests.park")

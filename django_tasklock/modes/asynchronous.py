@@ -129,9 +129,9 @@ async def _body(run: Run, lock: Lock | Semaphore) -> Any:
 
 def refuse_async(name: str, options: Options) -> None:
     """A TypeError, at decoration, for what an ``async def`` cannot have."""
-    if options.on_contention == "retry":
+    if options.on_contention in ("retry", "park"):
         raise InvalidArgumentType(
-            f"@single_instance(on_contention='retry') on {name}, an async def "
+            f"@single_instance(on_contention={options.on_contention!r}) on {name}, an async def "
             "function: nothing can send a call of it again (Celery runs sync "
             "tasks), so a duplicate would be lost. Use 'skip', 'raise' or 'wait'."
         )

@@ -124,6 +124,8 @@ class Mode:
         if not acquired:
             return self.contended(run, lock, policy)
         note_run(lock, run)
+        if policy.parks:
+            run.host.park_started(run, lock)
         if self.takes:
             self.taken(run, lock)
         if run.task is not None:
@@ -139,6 +141,8 @@ class Mode:
         finally:
             held.reset(reset)
             lock.release_quietly()
+            if policy.parks:
+                run.host.park_ended(run, lock)
 
     def nested(self, run: Run, lock: Lock | Semaphore, policy: ContentionPolicy) -> Any:
         """The lock is held by a run this thread is inside of (a call run in

@@ -2,7 +2,8 @@
 
 ``skip`` returns None (logged at INFO), ``raise`` raises ``LockNotAcquired``,
 ``retry`` retries the bound task after ``countdown``, ``wait`` waits up to
-``timeout`` and then does ``on_timeout`` (skip or raise).
+``timeout`` and then does ``on_timeout`` (skip or raise), ``park`` parks the call in its lock's line
+(``parking``) until a run of the lock ends.
 """
 
 from __future__ import annotations
@@ -32,10 +33,16 @@ class ContentionPolicy:
     #: True if only a bound task can be served (a run of anything else is
     #: refused before its lock is tried).
     bound_only = False
+    #: True if a run's start and end pass through its host's park line.
+    parks = False
 
     def __init__(self) -> None:
         # Read on every run: instance attributes are the interpreter's fastest.
-        self.waits, self.bound_only = self.waits, self.bound_only
+        self.waits, self.bound_only, self.parks = (
+            self.waits,
+            self.bound_only,
+            self.parks,
+        )
 
     def acquire(self, lock: Lock | Semaphore, run: Run) -> bool:
         return lock.acquire()
@@ -106,10 +113,21 @@ class Wait(ContentionPolicy):
         return CONTENTION[run.options.on_timeout].contended(run, lock)
 
 
+class Park(ContentionPolicy):
+    """Park the call beside its lock, in line, until a slot frees (the
+    host does it: ``integrations.celery.park``)."""
+
+    parks = True
+
+    def contended(self, run: Run, lock: Lock | Semaphore) -> Any:
+        return run.host.park(run, lock)
+
+
 #: The policies by name: ``on_contention`` and ``TASKLOCK["ON_CONTENTION"]``.
 CONTENTION: Final[dict[str, ContentionPolicy]] = {
     "skip": ContentionPolicy(),
     "raise": Raise(),
     "retry": Retry(),
     "wait": Wait(),
+    "park": Park(),
 }

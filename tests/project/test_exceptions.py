@@ -22,6 +22,8 @@ from django_tasklock.exceptions import (
     LockNotAcquired,
     LockUsageError,
     NoFence,
+    ParkedCallDropped,
+    ParkFull,
     RateLimited,
     StaleFence,
     TaskLockError,
@@ -67,6 +69,11 @@ EXAMPLES = [
         {"row": "feeds.Feed pk=4", "field": "fence", "stored": 12, "fence": 9},
     ),
     (NoFence("A fenced write to feeds.Feed found no lock held ..."), {}),
+    (ParkFull("feeds-lock-abc", 50), {"lock_id": "feeds-lock-abc", "parked": 50}),
+    (
+        ParkedCallDropped("5e0c-id", "feeds-lock-abc", "7f1d-id"),
+        {"task_id": "5e0c-id", "lock_id": "feeds-lock-abc", "by": "7f1d-id"},
+    ),
 ]
 
 

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from typing import get_args
 
-from django_tasklock.conf import CONTENTION_POLICIES, TIMEOUT_POLICIES
+from django_tasklock.conf import (
+    CONTENTION_POLICIES,
+    DECORATOR_CONTENTION,
+    TIMEOUT_POLICIES,
+)
 from django_tasklock.modes import MODES
 from django_tasklock.options import (
     DUPLICATE_NAMES,
@@ -27,7 +31,8 @@ def test_every_mode_name_has_a_mode_and_every_mode_a_name():
 
 
 def test_every_policy_name_has_a_policy():
-    assert tuple(CONTENTION) == CONTENTION_POLICIES
+    # The setting's choices, and park, which only a decorator may name.
+    assert tuple(CONTENTION) == DECORATOR_CONTENTION == (*CONTENTION_POLICIES, "park")
     assert set(TIMEOUT_POLICIES) <= set(CONTENTION)
     assert tuple(DUPLICATES) == DUPLICATE_NAMES == get_args(OnDuplicate)
     assert tuple(CONTENTION) == get_args(OnContention)

@@ -205,6 +205,21 @@ class CeleryHost(Host):
         except LockBackendError:
             logger.exception("Could not keep lock %r for the retry", lock.lock_id)
 
+    def park(self, run: Run, lock: Lock | Semaphore) -> Any:
+        from .park import park
+
+        return park(run, lock)
+
+    def park_started(self, run: Run, lock: Lock | Semaphore) -> None:
+        from .park import started
+
+        started(run, lock)
+
+    def park_ended(self, run: Run, lock: Lock | Semaphore) -> None:
+        from .park import ended
+
+        ended(run, lock)
+
 
 def _releasing_retry(task: Any) -> None:
     """Make ``task.retry`` drop the lock of the running body before it sends the

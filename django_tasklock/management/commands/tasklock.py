@@ -36,6 +36,7 @@ from ...status import (
     expiry_text,
     holder_text,
     lock_status,
+    park_status,
     release_refusal,
     remove,
     semaphore_status,
@@ -168,6 +169,7 @@ class Command(BaseCommand):
                     status = lock_status(the_id, cache=cache)
                     self._status(status, options["json"])
                     held = held or status.held
+                self._park(lock_id, cache, options["json"])
             else:
                 self._release(lock_id, cache, options["force"])
                 return
@@ -239,6 +241,23 @@ class Command(BaseCommand):
             self.stdout.write("")
             self._status(status, False)
         return bool(held)
+
+    def _park(self, lock_id: str, cache: str | None, as_json: bool) -> None:
+        """Print the lock's park line, where it has one."""
+        line = park_status(lock_id, cache=cache)
+        if line.empty:
+            return
+        if as_json:
+            self.stdout.write(json.dumps({"park": line.as_dict()}))
+            return
+        self.stdout.write("")
+        self.stdout.write(f"{'Parked:':<12}{len(line.parked)} calls, oldest first")
+        for call_id, waited in line.parked:
+            self.stdout.write(f"{'':<12}{call_id} (parked {waited:.1f}s ago)")
+        for call_id, since in line.promoted:
+            self.stdout.write(f"{'Promoted:':<12}{call_id} (sent {since:.1f}s ago)")
+        for call_id in line.running:
+            self.stdout.write(f"{'Running:':<12}{call_id} (came through the line)")
 
     def _status(self, status: LockStatus, as_json: bool) -> None:
         if as_json:
