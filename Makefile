@@ -153,6 +153,11 @@ bench-beat-peers: services $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[peers]"
 	$(BIN)/python -m benchmarks.beat --peers $(BENCH_ARGS)
 
+# Park and promote under load: 200 calls, 2 running, 50 parked, a pool
+# process SIGKILLed mid-run (docs/howto/parking.rst, Measured).
+bench-park: services $(STAMP)
+	$(BIN)/python -m benchmarks.park $(BENCH_ARGS)
+
 # The fault suite at full size (see README.rst, Reliability).
 faults: services $(STAMP)
 	$(BIN)/python -m reliability.faults $(FAULTS_ARGS)

@@ -32,6 +32,7 @@ from .console import (
     Listed,
     leaders,
     lock_aliases,
+    park_lines,
     rate_limits,
     take_inventory,
 )
@@ -202,6 +203,7 @@ class LockConsole(admin.ModelAdmin):  # type: ignore[type-arg]
             },
             "can_release": self.has_delete_permission(request),
             "limits": rate_limits() if page.number == 1 else [],
+            "parks": park_lines() if page.number == 1 else [],
             "leaders": [_leader(row) for row in leaders(inventory)]
             if page.number == 1
             else [],

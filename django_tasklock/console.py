@@ -22,7 +22,8 @@ from .conf import settings
 from .exceptions import LockBackendError, LockConfigurationError
 from .leader import LOCK_PREFIX
 from .locks.roster import Entry, read_roster
-from .status import LockStatus, lock_status
+from .parking import Registry
+from .status import LockStatus, ParkStatus, lock_status, park_status
 from .tokens import holder_record_id
 from .values import token_process
 
@@ -38,6 +39,8 @@ __all__ = [
     "Listed",
     "leaders",
     "lock_aliases",
+    "ParkRow",
+    "park_lines",
     "rate_limits",
     "take_inventory",
 ]
@@ -333,4 +336,40 @@ def rate_limits() -> list[LimitRow]:
             rows.append(LimitRow(name, source, make().state()))
         except (LockBackendError, LockConfigurationError, ValueError) as exc:
             rows.append(LimitRow(name, source, {}, str(exc)))
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ParkRow:
+    """One park line the console shows (``on_contention="park"``)."""
+
+    alias: str
+    lock_id: str
+    line: ParkStatus | None
+    error: str = ""
+
+    @property
+    def oldest(self) -> float:
+        """Seconds the head of the line has waited (0: none parked)."""
+        return self.line.parked[0][1] if self.line and self.line.parked else 0.0
+
+
+def park_lines(aliases: Iterable[str] | None = None) -> list[ParkRow]:
+    """The park lines each store lists (``parking.Registry``), each read:
+    one read per store and one per line."""
+    rows = []
+    for alias in lock_aliases() if aliases is None else aliases:
+        try:
+            listed = Registry(alias).read()
+        except (LockBackendError, LockConfigurationError) as exc:
+            rows.append(ParkRow(alias, "", None, str(exc)))
+            continue
+        for lock_id in sorted(listed):
+            try:
+                line = park_status(lock_id, cache=alias)
+            except LockBackendError as exc:
+                rows.append(ParkRow(alias, lock_id, None, str(exc)))
+                continue
+            if not line.empty:
+                rows.append(ParkRow(alias, lock_id, line))
     return rows

@@ -525,6 +525,16 @@ def parked_killable(self, key, n, seconds=0.3):
     return _ran(self, key, started, n=n)
 
 
+@app.task(bind=True)
+@single_instance(key="key", on_contention="park", limit=2, park=50, expire=60)
+def parked_bench(self, key, n, seconds=0.05):
+    """benchmarks/park.py's call: two at once per key, 50 parked, the rest
+    refused; its start written down first (a run killed midway has one)."""
+    started = time.monotonic()
+    record(key, started, task_id=self.request.id, n=n, phase="start")
+    return _parked_run(self, key, n, seconds)
+
+
 def _record_park(sender=None, lock_id="", task_id="", action="", by="", ticket=0, **_):
     if os.environ.get("TASKLOCK_TEST_REDIS"):
         with _redis() as client:

@@ -10,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from django_tasklock import InvalidArgument, InvalidArgumentType, single_instance
-from django_tasklock.parking import ParkLine, Verdict
+from django_tasklock.parking import ParkLine, Registry, Verdict
 from django_tasklock.status import park_status
 from tests.helpers import SHARED_STORES
 from tests.parking_process import park_then_start
@@ -106,3 +106,36 @@ def test_an_async_function_cannot_park():
 
         @single_instance(on_contention="park")
         async def fetch() -> None: ...
+
+
+def _a_line_of_three(lock_id: str) -> ParkLine:
+    """A line of three parked calls and one promoted, listed for the sweeps."""
+    line = ParkLine(lock_id, None, 60)
+    for call_id in ("call-a", "call-b", "call-c", "call-d"):
+        line.park(call_id, 10, "refuse", False)
+    assert line.promote(1) == ["call-a"]
+    Registry(None).add(lock_id, 1, 60)
+    return line
+
+
+@pytest.mark.django_db
+def test_the_console_and_status_show_the_line(memcached_locks, admin_client):
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    lock_id = "park-shown"
+    _a_line_of_three(lock_id)
+    page = admin_client.get("/admin/django_tasklock/heldlock/").content.decode()
+    assert 'id="tasklock-park-list"' in page
+    row = page.split(f'data-lock-id="{lock_id}"', 1)[1].split("</tr>", 1)[0]
+    assert '<td class="parked" title="call-b call-c call-d ">3</td>' in row
+    assert '<td class="promoted">1</td>' in row
+    out = StringIO()
+    # The lock itself is free: exit status 1, as for any free lock.
+    with pytest.raises(CommandError, match="is not held"):
+        call_command("tasklock", "status", lock_id, stdout=out)
+    shown = out.getvalue()
+    assert "Parked:     3 calls, oldest first" in shown
+    assert shown.index("call-b") < shown.index("call-c") < shown.index("call-d")
+    assert "Promoted:   call-a" in shown
