@@ -124,6 +124,7 @@ PARTS: dict[str, tuple[int, ...]] = {
     "postgres": tuple(range(49, 54)),
     "fenced": (54,),
     "waiting": (55, 56),
+    "parking": (57,),
 }
 
 
@@ -144,6 +145,7 @@ def run(quick: bool, parts: tuple[str, ...] = tuple(PARTS)) -> list[Row]:
         "pools": (main,),
         "calls": (redis_server,),
         "cluster": (redis_server,),
+        "parking": (redis_server,),
     }
     rows = []
     try:

@@ -492,6 +492,31 @@ def start_workers(
     return processes
 
 
+def kill_node(
+    pid: int,
+    workers: list[subprocess.Popen[bytes]],
+    broker_env: dict[str, str],
+    replacement: str,
+) -> float:
+    """SIGKILL the worker node whose pool process ``pid`` is, main process and
+    pool at once (nothing of it says goodbye), and start ``replacement`` in its
+    place in ``workers``; the monotonic time of the kill."""
+    from django_tasklock.tokens import process_alive
+    from tests.helpers import wait_until
+
+    with open(f"/proc/{pid}/stat") as stat:
+        node = int(stat.read().rsplit(")", 1)[1].split()[1])
+    victim = next(p for p in workers if p.pid == node)
+    for doomed in (node, pid):
+        os.kill(doomed, signal.SIGKILL)
+    killed = time.monotonic()
+    victim.wait(10)
+    wait_until(lambda: not process_alive(pid), 10)
+    workers.remove(victim)
+    workers.extend(start_workers(broker_env, [replacement], concurrency=3))
+    return killed
+
+
 def workers_said(chars: int = 3000) -> str:
     """The end of each running test worker's log, for a failure message."""
     said = []

@@ -7,7 +7,7 @@ import pytest
 
 from tests.faults_checks import GROUPS, run_group
 
-pytestmark = pytest.mark.long(seconds=120)
+pytestmark = pytest.mark.long(seconds=140)
 
 
 @pytest.mark.slow

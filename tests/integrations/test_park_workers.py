@@ -20,6 +20,7 @@ from django_tasklock.tokens import process_alive
 from tests import tasks
 from tests.helpers import wait_until
 from tests.workers import (
+    kill_node,
     most_at_once,
     overlaps,
     start_workers,
@@ -188,18 +189,5 @@ def test_parked_calls_outlive_the_whole_worker_that_ran_and_parked_them(
     the other node's sweep sends the next parked call."""
     key = "park-node"
     _first, later, pid = _three_parked_behind_a_long_run(key)
-    node = _parent(pid)
-    victim = next(p for p in workers if p.pid == node)
-    for doomed in (node, pid):
-        os.kill(doomed, signal.SIGKILL)
-    killed = time.monotonic()
-    victim.wait(10)
-    wait_until(lambda: not process_alive(pid), 10)
-    workers.remove(victim)
-    workers.extend(start_workers(broker, ["park-3"], concurrency=3))
+    killed = kill_node(pid, workers, broker, "park-3")
     assert _all_ran_after(key, later, killed) < 40
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
