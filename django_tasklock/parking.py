@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from .calls import store, store_error
 from .exceptions import LockBackendError
+from .locks import Lock
+from .semaphores import Semaphore
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -412,3 +414,59 @@ class ParkLine:
             return bool(dead), len(dead)
 
         return self.change("sweep a park line", sweep)
+
+    # -- the slots, and sending the next calls ----------------------------------------
+
+    def alive(self, limit: int) -> Callable[[str], bool]:
+        """``alive(token)`` for the ``limit`` slots of the lock: whether a
+        slot still holds that token (one read of the slots; a store error
+        raises ``LockBackendError``)."""
+        backend, _key = self._backend()
+        lock_id = self.lock_id
+        ids = [lock_id] if limit == 1 else Semaphore(lock_id, limit).slot_ids()
+        keys = [backend.keys_for(i)[0] for i in ids]
+
+        def alive(token: str) -> bool:
+            try:
+                values = backend.values_many(keys)
+            except backend.errors as exc:
+                raise store_error(backend, lock_id, "read its slots", exc) from exc
+            return token in values
+
+        return alive
+
+    def kick(self, limit: int, send: Callable[[str, str], None]) -> int:
+        """Send as many parked calls as slots are free beyond those promoted:
+        the free slots are taken (so a dead holder's is recovered as any
+        lock's is), counted and let go, then the heads are promoted and
+        ``send(call id, message)`` sends each. How many were sent."""
+        taken: list[Lock | Semaphore] = []
+        try:
+            for _ in range(limit):
+                slot: Lock | Semaphore = (
+                    Lock(self.lock_id, cache=self.cache, expire=30)
+                    if limit == 1
+                    else Semaphore(self.lock_id, limit, cache=self.cache, expire=30)
+                )
+                if not slot.acquire():
+                    break
+                taken.append(slot)
+            chosen = self.promote(len(taken))
+        finally:
+            for slot in taken:
+                slot.release_quietly()
+        sent = 0
+        for call_id in chosen:
+            message = self.message(call_id)
+            if message is None:
+                logger.error(
+                    "Parked call %s of %r has no message left (its item expired "
+                    "or was evicted): it is lost",
+                    call_id,
+                    self.lock_id,
+                )
+                self.ended(call_id)
+                continue
+            send(call_id, message)
+            sent += 1
+        return sent

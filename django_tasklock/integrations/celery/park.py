@@ -11,26 +11,26 @@ import json
 import threading
 from typing import TYPE_CHECKING, Any, Final
 
-from ...calls import queue_life, store
+from ...calls import queue_life
 from ...conf import settings
 from ...exceptions import (
-    LockBackendError,
     ParkedCallDropped,
     ParkFull,
     TaskLockError,
 )
-from ...locks import Lock
 from ...logs import module_logger
 from ...parking import ParkLine, Registry, Verdict
 from ...runs import Host
-from ...semaphores import Semaphore
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ...locks import Lock
     from ...runs import Run
+    from ...semaphores import Semaphore
 
 __all__ = [
     "SWEEP_EVERY",
-    "alive_in",
     "ended",
     "install_park",
     "kick",
@@ -107,64 +107,19 @@ def told(
         )
 
 
-def alive_in(lock_id: str, limit: int, cache: str | None) -> Any:
-    """``alive(token)`` for the slots of ``lock_id``: whether a slot still
-    holds that token (one read of the slots; a store error raises)."""
-    backend, _alias = store(cache)
-    ids = [lock_id] if limit == 1 else Semaphore(lock_id, limit, cache=cache).slot_ids()
-    keys = [backend.keys_for(i)[0] for i in ids]
+def _sender(app: Any, lock_id: str) -> Callable[[str, str], None]:
+    """How a promotion is sent: the kept message on the broker again."""
 
-    def alive(token: str) -> bool:
-        try:
-            values = backend.values_many(keys)
-        except backend.errors as exc:
-            raise LockBackendError(
-                f"Could not read the slots of {lock_id!r}: {exc}",
-                lock_id=lock_id,
-                store=backend.describe(keys[0]),
-            ) from exc
-        return token in values
-
-    return alive
-
-
-def kick(app: Any, line: ParkLine, limit: int, cache: str | None) -> int:
-    """Send as many parked calls as slots are free beyond those promoted:
-    the free slots are taken (so a dead holder's is recovered as any lock
-    is), counted and let go, then the heads are promoted and sent. How many
-    were sent."""
-    lock_id = line.lock_id
-    taken: list[Lock | Semaphore] = []
-    try:
-        for _ in range(limit):
-            slot: Lock | Semaphore = (
-                Lock(lock_id, cache=cache, expire=30)
-                if limit == 1
-                else Semaphore(lock_id, limit, cache=cache, expire=30)
-            )
-            if not slot.acquire():
-                break
-            taken.append(slot)
-        chosen = line.promote(len(taken))
-    finally:
-        for slot in taken:
-            slot.release_quietly()
-    sent = 0
-    for call_id in chosen:
-        message = line.message(call_id)
-        if message is None:
-            logger.error(
-                "Parked call %s of %r has no message left (its item expired or "
-                "was evicted): it is lost",
-                call_id,
-                lock_id,
-            )
-            line.ended(call_id)
-            continue
+    def promoted(call_id: str, message: str) -> None:
         send(app, message)
-        sent += 1
         told(lock_id, call_id, "promoted")
-    return sent
+
+    return promoted
+
+
+def kick(app: Any, line: ParkLine, limit: int) -> int:
+    """``ParkLine.kick``, the promoted calls sent to ``app``'s broker."""
+    return line.kick(limit, _sender(app, line.lock_id))
 
 
 def sweep(app: Any, alias: str) -> None:
@@ -172,8 +127,8 @@ def sweep(app: Any, alias: str) -> None:
     registry = Registry(alias)
     for lock_id, (limit, life) in registry.read().items():
         line = ParkLine(lock_id, alias, life)
-        line.forget_dead_runs(alive_in(lock_id, int(limit), alias))
-        kick(app, line, int(limit), alias)
+        line.forget_dead_runs(line.alive(int(limit)))
+        kick(app, line, int(limit))
         state = line.read()
         if not (state.waiting or state.running):
             registry.remove(lock_id)
@@ -240,7 +195,7 @@ def park(run: Run, lock: Lock | Semaphore) -> Any:
         told(run.lock_id, left, "dropped", by=call_id, app=task.app)
     # A slot freed between this call's try and its parking: its run ended
     # seeing no line. The head goes now, not at the next sweep.
-    kick(task.app, line, _limit(run), options.cache)
+    kick(task.app, line, _limit(run))
     return run.host.drop(run)
 
 
@@ -254,9 +209,7 @@ def started(run: Run, lock: Lock | Semaphore) -> None:
     line = line_of(run)
     token = lock.token
     assert token is not None
-    verdict = line.start(
-        call_id, token, alive_in(run.lock_id, _limit(run), run.options.cache)
-    )
+    verdict = line.start(call_id, token, line.alive(_limit(run)))
     if verdict == Verdict.RUN:
         return
     lock.release_quietly()
@@ -278,7 +231,7 @@ def ended(run: Run, lock: Lock | Semaphore) -> None:
     try:
         if run.call_id is not None and line.ended(run.call_id):
             line.forget_message(run.call_id)
-        kick(run.task.app, line, _limit(run), run.options.cache)
+        kick(run.task.app, line, _limit(run))
     except TaskLockError as exc:
         logger.warning(
             "Could not send the next parked call of %r: %s", run.lock_id, exc
