@@ -85,6 +85,8 @@ BY_DESIGN = {
     "postgres": {"flush"},
     "pgbouncer": {"flush"},
 }
+#: The flavours whose store is memcached (nothing kept across a restart).
+MEMCACHED_FLAVOURS = ("memcached", "pool", "twemproxy")
 POSTGRES_CACHE = "django_tasklock.backends.postgres.cache.PostgresCache"
 
 
@@ -132,6 +134,9 @@ class Result:
     #: write the database took with an older fence than one it took before.
     writes: Counter[str] = field(default_factory=Counter)
     regressions: list[str] = field(default_factory=list)
+    #: Parked calls (``reliability.checker_calls``): made, ran, parked,
+    #: promoted, refused, dropped, errors, still in line at the end.
+    calls: Counter[str] = field(default_factory=Counter)
     #: Where the witness and the clients' logs were kept (runs that found any).
     kept: str = ""
 
@@ -143,6 +148,11 @@ class Result:
             f"{len(self.regressions)} regressions; "
             f"{self.waited} holds taken by waiters"
         )
+
+    def calls_row(self) -> str:
+        """The parked calls' line: their outcomes."""
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(self.calls.items()))
+        return f"parked calls: {counts or 'none'}"
 
     def row(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items()))
@@ -382,13 +392,14 @@ class Clients:
         self.count = 0
         self.mutex = threading.Lock()
 
-    def spawn(self, until: float) -> str:
+    def spawn(self, until: float, **extra: Any) -> str:
         with self.mutex:
             self.count += 1
             name = f"checker-{self.count}"
         liveness = self.chance.choice([3, 5])
         config = {
             **self.config,
+            **extra,
             "client": name,
             "seed": self.chance.randrange(2**32),
             "seconds": max(until - time.monotonic(), 0.5),
@@ -631,7 +642,7 @@ def holds_of(path: Path) -> list[Hold]:
             holds[record["tok"]] = Hold(
                 record["id"], record["c"], record["t"], record["t"], record["tok"]
             )
-        else:
+        elif record["e"] == "end":
             hold = holds.get(record["tok"])
             if hold is not None:
                 hold.last, hold.fence = record["last"], record["f"]
@@ -743,6 +754,75 @@ def _explain(result: Result, older: Hold, newer: Hold, faults: list[Fault]) -> s
     )
 
 
+def calls_verdict(result: Result, path: Path, faults: list[Fault]) -> None:
+    """Each parked call ran at most once (unless a fault that loses the
+    store's items came between its runs), and each call that parked ran, was
+    told (refused, dropped, an error) or is still in its line at the end."""
+    if not path.exists():
+        return
+    records = [
+        json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+    ]
+    runs: dict[str, list[float]] = {}
+    parked: dict[str, float] = {}
+    told: set[str] = set()
+    left: set[str] = set()
+    drained = False
+    for record in records:
+        event = record["e"]
+        if event == "start" and record.get("call"):
+            runs.setdefault(record["call"], []).append(record["t"])
+        elif event == "parked":
+            parked.setdefault(record["call"], record["t"])
+        elif event in ("refused", "dropped", "error"):
+            told.add(record["call"])
+        elif event == "line":
+            drained = True
+            left.update(record["parked"], record["promoted"])
+        if event in ("call", "parked", "promoted", "refused", "dropped", "error"):
+            result.calls[event] += event != "parked" or record.get("head") is False
+    result.calls["ran"] = len(runs)
+    result.calls["still in line"] = len(left)
+    # memcached keeps nothing across a restart: the lines and messages of
+    # the calls parked there go with it (locks are put back by their live
+    # holders; a parked call has none).
+    design = BY_DESIGN[result.flavour] | (
+        {"kill-server"} if result.flavour in MEMCACHED_FLAVOURS else set()
+    )
+
+    def lossy(after: float, before: float = float("inf")) -> bool:
+        return any(
+            f.kind in design
+            for f in faults
+            if after - 2 <= f.at + f.seconds and f.at <= before
+        )
+
+    for call_id, starts in runs.items():
+        if len(starts) > 1:
+            if lossy(starts[0], starts[-1]):
+                result.by_design += 1
+                continue
+            at = ", ".join(f"{t - result.began:.2f}s" for t in starts)
+            result.violations.append(
+                f"parked call {call_id} ran {len(starts)} times: at {at}"
+            )
+    if not drained and parked:
+        result.violations.append(
+            "the parked calls' drain wrote nothing: losses unknown"
+        )
+        return
+    for call_id, at in parked.items():
+        if call_id in runs or call_id in told or call_id in left:
+            continue
+        if lossy(at):
+            result.by_design += 1
+            continue
+        result.violations.append(
+            f"parked call {call_id} (parked {at - result.began:.2f}s in) was lost: "
+            "it never ran, was never told, and its line no longer lists it"
+        )
+
+
 def check(
     flavour: str,
     seconds: float,
@@ -778,6 +858,7 @@ def check(
             "databases": {**deployment.databases, "register": register},
             "ids": [f"checked-{n}" for n in range(3)],
             "witness": str(path),
+            "calls": 0.3,
         }
         result.began = time.monotonic()
         until = result.began + seconds
@@ -793,11 +874,15 @@ def check(
         thread.join(10)
         group.wait(30)
         result.client_seconds = group.spent
+        # The parked calls' drain, the faults over: what is parked runs now.
+        group.spawn(time.monotonic() + 60, drain=True)
+        group.wait(90)
         result.faults = Counter(f.kind for f in nemesis.log)
         holds = holds_of(path)
         result.holds = len(holds)
         result.waited = waited_for(path)
         verdict(result, holds, nemesis.log)
+        calls_verdict(result, path, nemesis.log)
         result.writes = writes_of(path)
         result.regressions = regressions(workdir / "register.sqlite3")
     finally:
@@ -809,6 +894,7 @@ def check(
     if not quiet:
         print(result.row(), flush=True)
         print("  " + result.register_row(), flush=True)
+        print("  " + result.calls_row(), flush=True)
         for line in result.violations + result.fence_inversions + result.regressions:
             print("  " + line, flush=True)
         if result.kept:

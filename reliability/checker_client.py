@@ -71,6 +71,7 @@ def main() -> None:
     from django.conf import settings
 
     from django_tasklock import Lock, LockBackendError
+    from reliability.checker_calls import Calls
 
     settings.TASKLOCK = {"CACHE": config["alias"], **config["tasklock"]}
     _register_tables(config["witness"])
@@ -79,8 +80,17 @@ def main() -> None:
     path = config["witness"]
     _log_to(str(Path(path).with_name(f"{client}.log")))
     deadline = time.monotonic() + config["seconds"]
+    calls = Calls(config, chance, lambda lock, call: _hold(lock, config, chance, call))
+    if config.get("drain"):
+        calls.drain(deadline)
+        return
     while time.monotonic() < deadline:
         lock_id = chance.choice(config["ids"])
+        # Some steps are parked calls' (``on_contention="park"``'s line):
+        # called, delivered, parked, promoted and run, their runs holds as any.
+        if chance.random() < config.get("calls", 0.0):
+            calls.step(lock_id)
+            continue
         lock = Lock(
             lock_id,
             expire=chance.choice([3, 4, 6, 8]),
@@ -98,47 +108,54 @@ def main() -> None:
         if not taken:
             time.sleep(chance.uniform(0.01, 0.1))
             continue
-        start = time.monotonic()
-        token = lock.token
-        witness(
-            path,
-            {
-                "e": "start",
-                "c": client,
-                "id": lock_id,
-                "t": start,
-                "tok": token,
-                "vu": _valid_until(lock),
-                "wt": blocking,
-            },
-        )
-        fence = None
-        if chance.random() < 0.7:
-            try:
-                fence = lock.fence
-            except LockBackendError:
-                fence = None
-        writes = {"applied": 0, "refused": 0, "failed": 0}
-        last = start
-        hold_for = chance.uniform(0.1, 6)
-        while True:
-            now = time.monotonic()
-            if not lock.check():
-                break
-            last = now
-            if now - start >= hold_for:
-                break
-            if fence is not None and chance.random() < 0.3:
-                writes[_write(lock_id, fence, client)] += 1
-            time.sleep(chance.uniform(0.02, 0.3))
-        if fence is not None:  # believed or not: the database judges
-            writes[_write(lock_id, fence, client)] += 1
+        _hold(lock, config, chance, None, blocking)
+
+
+def _hold(
+    lock: Any,
+    config: dict[str, Any],
+    chance: random.Random,
+    call: str | None,
+    blocking: bool = False,
+) -> None:
+    """Hold ``lock`` (taken) for a while, checking it, writing the register
+    with its fence now and then, and release it; its ``start`` and ``end``
+    in the witness (``call``: the parked call this hold runs, if any)."""
+    from django_tasklock import LockBackendError
+
+    client, path, lock_id = config["client"], config["witness"], lock.lock_id
+    start = time.monotonic()
+    token = lock.token
+    record = {"e": "start", "c": client, "id": lock_id, "t": start, "tok": token}
+    record.update(vu=_valid_until(lock), wt=blocking)
+    witness(path, {**record, "call": call} if call else record)
+    fence = None
+    if chance.random() < 0.7:
         try:
-            released: bool | None = lock.release()
+            fence = lock.fence
         except LockBackendError:
-            released = None
-        ended = {"e": "end", "tok": token, "last": last, "released": released}
-        witness(path, {**ended, "f": fence, "end": time.monotonic(), "w": writes})
+            fence = None
+    writes = {"applied": 0, "refused": 0, "failed": 0}
+    last = start
+    hold_for = chance.uniform(0.1, 6)
+    while True:
+        now = time.monotonic()
+        if not lock.check():
+            break
+        last = now
+        if now - start >= hold_for:
+            break
+        if fence is not None and chance.random() < 0.3:
+            writes[_write(lock_id, fence, client)] += 1
+        time.sleep(chance.uniform(0.02, 0.3))
+    if fence is not None:  # believed or not: the database judges
+        writes[_write(lock_id, fence, client)] += 1
+    try:
+        released: bool | None = lock.release()
+    except LockBackendError:
+        released = None
+    ended = {"e": "end", "tok": token, "last": last, "released": released}
+    witness(path, {**ended, "f": fence, "end": time.monotonic(), "w": writes})
 
 
 def _register_tables(witness_path: str) -> None:

@@ -123,3 +123,38 @@ def test_the_short_run_finds_no_violation(request):
     print(result.register_row())
     assert result.writes["applied"] >= 10, result.register_row()
     assert result.regressions == [], "\n".join(result.regressions)
+
+
+def test_the_calls_verdict_names_a_call_run_twice_and_a_parked_call_lost(tmp_path):
+    import json
+
+    from reliability.checker import calls_verdict
+
+    path = tmp_path / "witness.jsonl"
+    records = [
+        {"e": "call", "call": "c1", "t": 1.0},
+        {"e": "parked", "call": "c1", "t": 1.1, "head": False},
+        {"e": "start", "call": "c1", "t": 2.0, "tok": "a"},
+        {"e": "start", "call": "c1", "t": 9.0, "tok": "b"},  # twice
+        {"e": "parked", "call": "c2", "t": 3.0, "head": False},  # lost
+        {"e": "parked", "call": "c3", "t": 3.0, "head": False},
+        {"e": "dropped", "call": "c3", "t": 4.0},  # told
+        {"e": "parked", "call": "c4", "t": 3.0, "head": False},
+        {"e": "line", "id": "x", "parked": ["c4"], "promoted": []},  # still there
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = Result("postgres", seed=1)
+    calls_verdict(result, path, [Fault(5.0, "kill-server", "server-0", 0.0)])
+    assert sorted(v.split(" (")[0].split(" ran")[0] for v in result.violations) == [
+        "parked call c1",
+        "parked call c2",
+    ], result.violations
+    # On memcached a restart empties the store: the same is by design there.
+    result = Result("memcached", seed=1)
+    calls_verdict(result, path, [Fault(5.0, "kill-server", "server-0", 0.0)])
+    assert result.violations == [] and result.by_design == 2
+    # Without the drain's record of the lines, losses cannot be judged: said.
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    result = Result("postgres", seed=1)
+    calls_verdict(result, path, [])
+    assert "drain wrote nothing" in result.violations[-1]
