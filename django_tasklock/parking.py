@@ -356,14 +356,15 @@ class ParkLine:
 
         return self.change("park the call", join)
 
-    def ended(self, call_id: str) -> bool:
-        """``call_id`` ended (its run, or its stay in the line); False if it
-        is not the line's (a call that never parked: nothing written)."""
+    def ended(self, call_id: str) -> tuple[bool, bool]:
+        """``call_id`` ended (its run, or its stay in the line): whether it
+        was the line's (a call that never parked: nothing written), and
+        whether calls wait in the line (parked or promoted) now."""
         now = time.time()
 
-        def end(line: Line) -> tuple[bool, bool]:
+        def end(line: Line) -> tuple[bool, tuple[bool, bool]]:
             if call_id in line.done:
-                return False, True
+                return False, (True, line.waiting)
             ours = (
                 call_id in line.running
                 or call_id in line.promoted
@@ -371,7 +372,7 @@ class ParkLine:
             )
             if ours:
                 line.end(call_id, now, self.life)
-            return ours, ours
+            return ours, (ours, line.waiting)
 
         return self.change("end a parked call", end)
 

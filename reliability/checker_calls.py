@@ -137,9 +137,10 @@ class Calls:
         if verdict == Verdict.RUN:
             self.hold(lock, call_id)
             try:
-                line.ended(call_id)
+                _ours, waiting = line.ended(call_id)
                 line.forget_message(call_id)
-                line.kick(1, lambda c, _m: self.send(lock_id, c))
+                if waiting:
+                    line.kick(1, lambda c, _m: self.send(lock_id, c))
             except LockBackendError:
                 pass  # the sweeps promote, and end it once its slot is not its
             return

@@ -57,7 +57,9 @@ def test_the_line_keeps_arrival_order_and_full_lines_say_who_left(memcached_lock
     assert line.start("d", "t", lambda token: True) == Verdict.RUN
     assert line.start("d", "t2", lambda token: True) == Verdict.DROP  # a copy
     assert line.start("x", "t3", lambda token: True) == Verdict.PARK  # behind b
-    assert line.ended("d") and not line.ended("never-parked")
+    # d was the line's; b still waits (parked), and x only asked.
+    assert line.ended("d") == (True, True)
+    assert line.ended("never-parked") == (False, True)
     assert line.start("d", "t4", lambda token: True) == Verdict.DROP  # it ended
     status = park_status("park-unit")
     assert [c for c, _ in status.parked] == ["b"] and status.running == []

@@ -229,9 +229,14 @@ def ended(run: Run, lock: Lock | Semaphore) -> None:
     send it later."""
     line = line_of(run)
     try:
-        if run.call_id is not None and line.ended(run.call_id):
-            line.forget_message(run.call_id)
-        kick(run.task.app, line, _limit(run))
+        if run.call_id is None:
+            waiting = line.read().waiting
+        else:
+            ours, waiting = line.ended(run.call_id)
+            if ours:
+                line.forget_message(run.call_id)
+        if waiting:  # (else nothing to send: no slot probed)
+            kick(run.task.app, line, _limit(run))
     except TaskLockError as exc:
         logger.warning(
             "Could not send the next parked call of %r: %s", run.lock_id, exc
