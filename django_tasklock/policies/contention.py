@@ -2,8 +2,8 @@
 
 ``skip`` returns None (logged at INFO), ``raise`` raises ``LockNotAcquired``,
 ``retry`` retries the bound task after ``countdown``, ``wait`` waits up to
-``timeout`` and then does ``on_timeout`` (skip or raise), ``park`` parks the call in its lock's line
-(``parking``) until a run of the lock ends.
+``timeout`` and then does ``on_timeout`` (skip or raise), ``park`` parks the
+call in its lock's line (``parking``) until a run of the lock ends.
 """
 
 from __future__ import annotations
