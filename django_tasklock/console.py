@@ -22,7 +22,7 @@ from .conf import settings
 from .exceptions import LockBackendError, LockConfigurationError
 from .leader import LOCK_PREFIX
 from .locks.roster import Entry, read_roster
-from .parking import Registry
+from .parking import DECLARED, Registry
 from .status import LockStatus, ParkStatus, lock_status, park_status
 from .tokens import holder_record_id
 from .values import token_process
@@ -298,17 +298,24 @@ class LimitRow:
 _tasks_imported = [False]
 
 
-def rate_limits() -> list[LimitRow]:
-    """The named limits (``TASKLOCK["RATE_LIMITS"]``) and every
-    ``@rate_limited`` of the installed apps' ``tasks`` modules (imported once,
-    as the checks do), each read from its store: one read per limit."""
+def _import_tasks() -> None:
+    """The installed apps' ``tasks`` modules, imported once (their
+    decorators declare what the console lists)."""
     from .declared import import_task_modules
-    from .limits.decorator import DECLARED
-    from .limits.limiter import RateLimiter
 
     if not _tasks_imported[0]:
         _tasks_imported[0] = True
         import_task_modules()
+
+
+def rate_limits() -> list[LimitRow]:
+    """The named limits (``TASKLOCK["RATE_LIMITS"]``) and every
+    ``@rate_limited`` of the installed apps' ``tasks`` modules (imported once,
+    as the checks do), each read from its store: one read per limit."""
+    from .limits.decorator import DECLARED
+    from .limits.limiter import RateLimiter
+
+    _import_tasks()
     found: dict[str, tuple[str, Callable[[], RateLimiter] | None]] = {}
     for name in settings.rate_limit_names():
         found[name] = ("TASKLOCK['RATE_LIMITS']", functools.partial(RateLimiter, name))
@@ -355,10 +362,14 @@ class ParkRow:
 
 
 def park_lines(aliases: Iterable[str] | None = None) -> list[ParkRow]:
-    """The park lines each store lists (``parking.Registry``), each read:
-    one read per store and one per line."""
+    """The park lines each store of a parking task lists (``parking.Registry``;
+    the installed apps' ``tasks`` modules imported once, as the checks do),
+    each read: one read per such store and one per line; none where no task
+    parks."""
+    _import_tasks()
+    declared = {alias or settings.CACHE for alias in DECLARED}
     rows = []
-    for alias in lock_aliases() if aliases is None else aliases:
+    for alias in sorted(declared) if aliases is None else aliases:
         try:
             listed = Registry(alias).read()
         except (LockBackendError, LockConfigurationError) as exc:

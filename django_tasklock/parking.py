@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from .backends import LockBackend
 
 __all__ = [
+    "DECLARED",
     "PARKED_SUFFIX",
     "PROMOTE_GRACE",
     "REGISTRY_ID",
@@ -68,6 +69,10 @@ PARKED_SUFFIX: Final = "-parked"
 #: The item that lists every lock id with a park line in a store (what the
 #: workers' sweeps look at).
 REGISTRY_ID: Final = "tasklock-park-lines"
+#: The CACHES aliases of the parking tasks declared in this process (None:
+#: ``TASKLOCK["CACHE"]``): the stores whose park lines its worker sweeps and
+#: its console lists.
+DECLARED: set[str | None] = set()
 #: How long a promoted call may take to start before a sweep puts it back
 #: at the head of its line (its message sent again; a copy that starts
 #: later finds the call started or ended, and is dropped).

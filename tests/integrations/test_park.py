@@ -126,6 +126,9 @@ def test_the_console_and_status_show_the_line(memcached_locks, admin_client):
 
     from django.core.management import CommandError, call_command
 
+    from tests import tasks  # declares parking tasks (TASKLOCK["CACHE"]'s store)
+
+    assert tasks.parked_one is not None
     lock_id = "park-shown"
     _a_line_of_three(lock_id)
     page = admin_client.get("/admin/django_tasklock/heldlock/").content.decode()

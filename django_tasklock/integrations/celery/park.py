@@ -19,7 +19,7 @@ from ...exceptions import (
     TaskLockError,
 )
 from ...logs import module_logger
-from ...parking import ParkLine, Registry, Verdict
+from ...parking import DECLARED, ParkLine, Registry, Verdict
 from ...runs import Host
 
 if TYPE_CHECKING:
@@ -243,9 +243,6 @@ def ended(run: Run, lock: Lock | Semaphore) -> None:
         )
 
 
-#: The stores whose park lines this process's worker sweeps (the aliases of
-#: the parking tasks declared here; None: TASKLOCK["CACHE"]).
-_ALIASES: set[str | None] = set()
 _SWEEP: list[threading.Event] = []
 
 
@@ -256,7 +253,7 @@ def install_park(cache: str | None) -> None:
         from celery import signals
     except ImportError:  # Celery is optional: a park line is a Celery task's
         return
-    _ALIASES.add(cache)
+    DECLARED.add(cache)
     signals.worker_ready.connect(_on_ready, weak=False, dispatch_uid="tasklock.park")
     signals.worker_shutdown.connect(
         _on_shutdown, weak=False, dispatch_uid="tasklock.park.exit"
@@ -266,7 +263,7 @@ def install_park(cache: str | None) -> None:
 def _on_ready(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is not None and not _SWEEP:
-        _SWEEP.append(start_sweep(app, _ALIASES))
+        _SWEEP.append(start_sweep(app, DECLARED))
 
 
 def _on_shutdown(**_: Any) -> None:
