@@ -104,7 +104,10 @@ def test_a_release_wakes_the_waiter_at_once():
     assert statistics.median(gaps) < 0.03
     polled = [handoff_across_processes(LOCK_ID, "redis", "poll") for _ in range(3)]
     print(f"poll: handoffs {[round(g * 1000, 1) for g in polled]} ms")
-    assert statistics.median(polled) > 0.03  # the control: a poll's pause shows
+    # The control: a poll's pause shows. Where a poll lands after the release
+    # is chance (4.5 and 28.6 ms beside 435 ms in one CI run, whose median
+    # fell under 30 ms), so one of the three is asked to show it, not two.
+    assert max(polled) > 0.03
 
 
 def test_poll_is_a_choice_and_keeps_no_line(settings):
