@@ -153,7 +153,8 @@ def test_a_paused_holder_keeps_its_lock_for_half_the_bound(
     A take within it is a robbery only while the holder, resumed, still
     believes it holds: one starved of CPU just before the pause (its last
     renewal long past) was told, which is the safe direction, and the pause
-    is tried again with a new holder, three times at most."""
+    is tried again with a new holder, three times at most; so is a pause
+    whose holder, starved before it, was told while nobody took its lock."""
     liveness = 2 * LIVENESS
     settings.TASKLOCK = {**store.tasklock, "LIVENESS": liveness}
     bound = backend_for(store.alias).shortest_life(liveness) - min(1, liveness / 10)
@@ -172,10 +173,15 @@ def test_a_paused_holder_keeps_its_lock_for_half_the_bound(
         finally:
             os.kill(holder.process.pid, signal.SIGCONT)
         believed = holder.ask("check")
-        if taken is None:
-            assert believed == "check True False"
+        if taken is None and believed == "check True False":
             assert holder.ask("release") == "released True"
             return
+        if taken is None:
+            # Starved before the pause (its last renewal 3.5 s old at the first
+            # look, in one CI run): told its lock may be lost, as it should be,
+            # and nobody took it. Tried again, as after a take.
+            assert believed.startswith("check False"), believed
+            continue
         assert believed.startswith("check False"), (
             f"a paused holder robbed {taken:.2f}s into a pause of {bound / 2:.2f}s "
             f"(it {holder.ask('record')}); the looks at it:\n{caplog.text}"
