@@ -153,7 +153,7 @@ def test_a_lost_line_costs_order_never_a_hang(memcached):
 
 @pytest.mark.slow
 def test_processes_taking_the_lock_again_and_again_share_it_in_turn():
-    shared_in_turn("memcached", 0.6)
+    shared_in_turn("memcached", 0.5)
 
 
 def test_an_async_waiter_polls_and_stays_out_of_the_line():
