@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 from .calls import store, store_error
 from .exceptions import LockBackendError
 from .locks import Lock
-from .semaphores import Semaphore
+from .semaphores import Semaphore, slot_id
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -115,7 +115,7 @@ class Line:
     def load(cls, value: object) -> Line:
         if value is None:
             return cls()
-        data = json.loads(value if isinstance(value, str) else str(value))
+        data = _loads(value)
         return cls(data["q"], data["p"], data["r"], data["d"], data["n"])
 
     def dump(self) -> str:
@@ -131,12 +131,16 @@ class Line:
     def ids(self) -> list[str]:
         return [entry[0] for entry in self.parked]
 
+    def leave(self, call_id: str) -> None:
+        """``call_id`` no longer parked nor promoted."""
+        self.promoted.pop(call_id, None)
+        self.parked = [e for e in self.parked if e[0] != call_id]
+
     def end(self, call_id: str, now: float, life: float) -> None:
         """``call_id`` ended (or left): kept among the ended, the oldest of
         those forgotten past the line's life or ``_DONE_KEPT``."""
         self.running.pop(call_id, None)
-        self.promoted.pop(call_id, None)
-        self.parked = [e for e in self.parked if e[0] != call_id]
+        self.leave(call_id)
         self.done[call_id] = now
         kept = sorted(self.done.items(), key=lambda item: item[1])
         kept = [(c, at) for c, at in kept if at > now - life][-_DONE_KEPT:]
@@ -313,8 +317,7 @@ class ParkLine:
                 line.running[call_id] = token
                 return True, Verdict.RUN
             if call_id in line.promoted or call_id in line.ids():
-                line.promoted.pop(call_id, None)
-                line.parked = [e for e in line.parked if e[0] != call_id]
+                line.leave(call_id)
                 line.running[call_id] = token
                 return True, Verdict.RUN
             return False, Verdict.PARK if line.waiting else Verdict.RUN
@@ -340,8 +343,7 @@ class ParkLine:
             if at_head:
                 if line.parked[:1] and line.parked[0][0] == call_id:
                     return False, ("", 0)
-                line.promoted.pop(call_id, None)
-                line.parked = [e for e in line.parked if e[0] != call_id]
+                line.leave(call_id)
                 line.parked.insert(0, [call_id, now, 0, ""])
                 return True, ("", 0)
             for entry in line.parked:
@@ -408,13 +410,17 @@ class ParkLine:
 
         return self.change("promote a parked call", pick)
 
-    def forget_dead_runs(self, alive: Callable[[str], bool]) -> int:
+    def forget_dead_runs(self, held: Callable[[], list[object | None]]) -> int:
         """End the started calls whose slot is no longer theirs (a run that
-        died, whose message was not delivered again): how many."""
+        died, whose message was not delivered again): how many. ``held()``
+        reads what the slots hold, once per try, and only where calls run."""
         now = time.time()
 
         def sweep(line: Line) -> tuple[bool, int]:
-            dead = [c for c, token in line.running.items() if not alive(token)]
+            if not line.running:
+                return False, 0
+            holding = set(held())
+            dead = [c for c, token in line.running.items() if token not in holding]
             for call_id in dead:
                 line.end(call_id, now, self.life)
             return bool(dead), len(dead)
@@ -423,23 +429,41 @@ class ParkLine:
 
     # -- the slots, and sending the next calls ----------------------------------------
 
-    def alive(self, limit: int) -> Callable[[str], bool]:
-        """``alive(token)`` for the ``limit`` slots of the lock: whether a
-        slot still holds that token (one read of the slots; a store error
-        raises ``LockBackendError``)."""
-        backend, _key = self._backend()
+    def held(self, limit: int) -> Callable[[], list[object | None]]:
+        """A reader of what the ``limit`` slots of the lock hold now (one
+        read each call, their keys made at the first; a store error raises
+        ``LockBackendError``)."""
         lock_id = self.lock_id
-        ids = [lock_id] if limit == 1 else Semaphore(lock_id, limit).slot_ids()
-        keys = [backend.keys_for(i)[0] for i in ids]
+        found: list[tuple[LockBackend, list[str]]] = []
 
-        def alive(token: str) -> bool:
+        def read() -> list[object | None]:
+            if not found:
+                backend, _key = self._backend()
+                ids = (
+                    [lock_id]
+                    if limit == 1
+                    else [slot_id(lock_id, s) for s in range(limit)]
+                )
+                found.append((backend, [backend.keys_for(i)[0] for i in ids]))
+            backend, keys = found[0]
             try:
-                values = backend.values_many(keys)
+                return backend.values_many(keys)
             except backend.errors as exc:
                 raise store_error(backend, lock_id, "read its slots", exc) from exc
-            return token in values
 
-        return alive
+        return read
+
+    def alive(self, limit: int) -> Callable[[str], bool]:
+        """``alive(token)``: whether a slot of the lock still holds ``token``
+        (one read of the slots, made only when asked)."""
+        held = self.held(limit)
+        return lambda token: token in held()
+
+    def sweep(self, limit: int, send: Callable[[str, str], None]) -> int:
+        """What a worker's sweep does for this line: the started calls whose
+        run died ended, then ``kick``. How many were sent."""
+        self.forget_dead_runs(self.held(limit))
+        return self.kick(limit, send)
 
     def kick(self, limit: int, send: Callable[[str, str], None]) -> int:
         """Send as many parked calls as slots are free beyond those promoted:

@@ -90,9 +90,7 @@ class Calls:
         self.deliver(call_id, lock_id)
 
     def sweep(self, lock_id: str) -> None:
-        line = self._line(lock_id)
-        line.forget_dead_runs(line.alive(1))
-        line.kick(1, lambda call_id, _message: self.send(lock_id, call_id))
+        self._line(lock_id).sweep(1, lambda call_id, _m: self.send(lock_id, call_id))
 
     def send(self, lock_id: str, call_id: str) -> None:
         """Put a promoted call on the broker: a file, written whole first."""

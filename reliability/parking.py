@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from reliability.faults import Row
-from tests.helpers import wait_until
 from tests.workers import (
     kill_node,
     overlaps,
     start_workers,
     started_runs,
     stop_workers,
+    three_parked_behind_a_long_run,
 )
 
 if TYPE_CHECKING:
@@ -37,16 +37,12 @@ def _attempt(key: str, workers: list, broker: dict[str, str]) -> tuple[int, floa
     from django_tasklock import lock_id_for
     from tests import tasks
 
-    tasks.parked_killable.delay(key, 0, seconds=120)
-    wait_until(lambda: len(started_runs(key)) == 1, 60)
-    later = [tasks.parked_killable.delay(key, n, seconds=0.1) for n in range(1, 4)]
+    _first, later, pid = three_parked_behind_a_long_run(key)
     lock_id = lock_id_for(tasks.parked_killable, key=key, n=0)
 
     def parked() -> list[list[str]]:
         return [s for s in tasks.park_steps(lock_id) if s[0] == "parked"]
 
-    wait_until(lambda: len(parked()) >= PARKED, 60)
-    pid = int(started_runs(key)[0]["pid"])  # type: ignore[call-overload]
     killed = kill_node(pid, workers, broker, f"{key}-again")
     wrong = 0
     for result in later:

@@ -275,7 +275,8 @@ def _deselect_unchosen(config: pytest.Config, items: list[pytest.Item]) -> None:
     ]
     if unchosen:
         config.hook.pytest_deselected(items=unchosen)
-        items[:] = [item for item in items if item not in unchosen]
+        gone = {id(item) for item in unchosen}
+        items[:] = [item for item in items if id(item) not in gone]
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

@@ -492,6 +492,28 @@ def start_workers(
     return processes
 
 
+def three_parked_behind_a_long_run(key: str) -> tuple[Any, list[Any], int]:
+    """A long call of ``tests.tasks.parked_killable`` running, three parked
+    behind it: the first's result, the three's, and the pid of the first's
+    process."""
+    from django_tasklock import lock_id_for
+    from tests import tasks
+    from tests.helpers import wait_until
+
+    first = tasks.parked_killable.delay(key, 0, seconds=120)
+    wait_until(lambda: len(started_runs(key)) == 1, 60, workers_said)
+    later = [tasks.parked_killable.delay(key, n, seconds=0.05) for n in range(1, 4)]
+    lock_id = lock_id_for(tasks.parked_killable, key=key, n=0)
+    wait_until(
+        lambda: sum(s[0] == "parked" for s in tasks.park_steps(lock_id)) >= 3,
+        60,
+        workers_said,
+    )
+    pid = started_runs(key)[0]["pid"]
+    assert isinstance(pid, int)
+    return first, later, pid
+
+
 def kill_node(
     pid: int,
     workers: list[subprocess.Popen[bytes]],

@@ -153,6 +153,10 @@ def test_the_calls_verdict_names_a_call_run_twice_and_a_parked_call_lost(tmp_pat
     result = Result("memcached", seed=1)
     calls_verdict(result, path, [Fault(5.0, "kill-server", "server-0", 0.0)])
     assert result.violations == [] and result.by_design == 2
+    # A promotion loses them where the primary replicated asynchronously.
+    result = Result("postgres", seed=1)
+    calls_verdict(result, path, [Fault(5.0, "promote", "server-0")], {"promote"})
+    assert result.violations == [] and result.by_design == 2
     # Without the drain's record of the lines, losses cannot be judged: said.
     path.write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
     result = Result("postgres", seed=1)

@@ -26,6 +26,7 @@ from tests.workers import (
     start_workers,
     started_runs,
     stop_workers,
+    three_parked_behind_a_long_run,
     workers_said,
 )
 
@@ -144,20 +145,6 @@ def test_drop_oldest_tells_the_dropped_call_who_took_its_place(workers):
     assert sorted(r["n"] for r in tasks.runs(key)) == [0, 3, 4]
 
 
-def _three_parked_behind_a_long_run(key: str) -> tuple:
-    """A long call of ``parked_killable`` running, three parked behind it:
-    the first's result, the three's, and the pid of the first's process."""
-    first = tasks.parked_killable.delay(key, 0, seconds=120)
-    wait_until(lambda: len(started_runs(key)) == 1, 30, workers_said)
-    later = [tasks.parked_killable.delay(key, n, seconds=0.05) for n in range(1, 4)]
-    wait_until(
-        lambda: len(_steps(tasks.parked_killable, key, "parked")) >= 3, 30, workers_said
-    )
-    pid = started_runs(key)[0]["pid"]
-    assert isinstance(pid, int)
-    return first, later, pid
-
-
 def _all_ran_after(key: str, later: list, killed: float) -> float:
     """Seconds from ``killed`` to the first parked call's start, once each
     of ``later`` ran once with its own result."""
@@ -171,7 +158,7 @@ def _all_ran_after(key: str, later: list, killed: float) -> float:
 
 def test_parked_calls_outlive_the_killed_process_of_the_running_call(workers):
     key = "park-kill"
-    first, later, pid = _three_parked_behind_a_long_run(key)
+    first, later, pid = three_parked_behind_a_long_run(key)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     wait_until(lambda: not process_alive(pid), 10)
@@ -189,6 +176,6 @@ def test_parked_calls_outlive_the_whole_worker_that_ran_and_parked_them(
     Its lock is freed by crash recovery (its holder's process is gone) and
     the other node's sweep sends the next parked call."""
     key = "park-node"
-    _first, later, pid = _three_parked_behind_a_long_run(key)
+    _first, later, pid = three_parked_behind_a_long_run(key)
     killed = kill_node(pid, workers, broker, "park-3")
     assert _all_ran_after(key, later, killed) < 40

@@ -127,8 +127,7 @@ def sweep(app: Any, alias: str) -> None:
     registry = Registry(alias)
     for lock_id, (limit, life) in registry.read().items():
         line = ParkLine(lock_id, alias, life)
-        line.forget_dead_runs(line.alive(int(limit)))
-        kick(app, line, int(limit))
+        line.sweep(int(limit), _sender(app, lock_id))
         state = line.read()
         if not (state.waiting or state.running):
             registry.remove(lock_id)
